@@ -1,0 +1,89 @@
+"""towerflow: TensorFlow's acceleration system for PyTorch users.
+
+Device placement you can see and control, synchronous multi-GPU training, and a
+parameter-server cluster (ps, workers, a chief) that is authenticated and
+fault tolerant.
+
+Public names are imported lazily (PEP 562), so ``import towerflow`` is cheap
+and the command line starts fast; ``towerflow.DeviceSpec`` imports the device
+model on first use.
+
+Example:
+    >>> import towerflow
+    >>> towerflow.DeviceSpec.from_string("/gpu:1").to_string()
+    '/device:GPU:1'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from towerflow import errors
+from towerflow.errors import (
+    AbortedError,
+    DataLossError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    PlacementError,
+    TowerflowError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY: dict[str, str] = {
+    # devices
+    "DeviceSpec": "towerflow.devices",
+    "DeviceInfo": "towerflow.devices",
+    "list_local_devices": "towerflow.devices",
+    "device": "towerflow.devices",
+    "configure": "towerflow.devices",
+    # checkpoint
+    "save": "towerflow.checkpoint",
+    "load": "towerflow.checkpoint",
+    "CheckpointManager": "towerflow.checkpoint",
+    "latest_checkpoint": "towerflow.checkpoint",
+    # cluster
+    "ClusterSpec": "towerflow.cluster",
+    "Server": "towerflow.cluster",
+    # parameter server
+    "replica_device_setter": "towerflow.ps",
+    # strategies
+    "SingleDevice": "towerflow.strategies",
+    "Mirrored": "towerflow.strategies",
+    "ParameterServer": "towerflow.strategies",
+    # training
+    "Trainer": "towerflow.training",
+    "Supervisor": "towerflow.training",
+}
+
+__all__ = [
+    "errors",
+    "TowerflowError",
+    "InvalidArgumentError",
+    "PlacementError",
+    "NotFoundError",
+    "UnavailableError",
+    "DeadlineExceededError",
+    "UnauthenticatedError",
+    "DataLossError",
+    "AbortedError",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'towerflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,1 @@
+"""towerflow.checkpoint (under construction)."""

@@ -1,0 +1,71 @@
+"""The ``towerflow`` command line: ``devices | train | eval | server | launch | bench``.
+
+Each sub-command lives in its own module of this package and exposes
+``add_parser(subparsers)`` (cheap: no torch import) and ``run(args) -> int``.
+The table below is the whole registry; modules are imported only when needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# command -> module (in towerflow.cli) implementing it
+_COMMANDS: dict[str, str] = {
+    "devices": "devices",
+    "train": "train",
+    "eval": "evaluate",
+    "server": "server",
+    "launch": "launch",
+    "bench": "bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with every available sub-command registered."""
+    parser = argparse.ArgumentParser(
+        prog="towerflow",
+        description="Device placement, multi-GPU training and parameter-server clusters "
+        "for PyTorch.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at DEBUG level"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module_name in _COMMANDS.values():
+        try:
+            module = importlib.import_module(f"towerflow.cli.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"towerflow.cli.{module_name}":
+                raise
+            continue
+        command_parser = module.add_parser(sub)
+        command_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``towerflow`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        stream=sys.stderr,
+    )
+    from towerflow.errors import TowerflowError
+
+    try:
+        return int(args._run(args) or 0)
+    except TowerflowError as exc:
+        print(f"towerflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""towerflow.cluster (under construction)."""

@@ -1,0 +1,1 @@
+"""towerflow.data (under construction)."""

@@ -1,0 +1,1 @@
+"""towerflow.devices (under construction)."""

@@ -1,0 +1,1 @@
+"""towerflow.models (under construction)."""

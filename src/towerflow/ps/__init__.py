@@ -1,0 +1,1 @@
+"""towerflow.ps (under construction)."""

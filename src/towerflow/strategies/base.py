@@ -1,0 +1,198 @@
+"""The strategy contract: one class per way to run a training step.
+
+A strategy owns *where* a step runs and *how* gradients become parameter
+updates; the training loop (``towerflow.training``) owns *when* (logging,
+summaries, checkpoints, schedules). Every strategy has the same small
+contract, so no code outside this package branches on the strategy's kind:
+
+==================  ===========================================================
+``SingleDevice``    one process, one device, a local optimizer
+``Mirrored``        one process per device, ``DistributedDataParallel``
+                    (NCCL on GPUs, Gloo on CPUs) averages the gradients
+``ParameterServer`` parameters and optimizer state live on ps tasks; workers
+                    pull parameters, compute gradients, push them
+==================  ===========================================================
+
+Usage from a training loop::
+
+    strategy = SingleDevice("/cpu:0")
+    model = strategy.prepare(model, OptimizerConfig(name="sgd", lr=0.1))
+    for batch in strategy.shard(loader):
+        result = strategy.run_step(loss_fn, batch, lr=schedule(step))
+    strategy.shutdown()
+
+The registry at the bottom maps a strategy name to its class, imported lazily
+(like ``torch.distributed.elastic.rendezvous``'s handler registry).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from towerflow.errors import InvalidArgumentError
+
+__all__ = [
+    "OptimizerConfig",
+    "StepResult",
+    "Strategy",
+    "LossFn",
+    "get_strategy_class",
+    "STRATEGIES",
+]
+
+#: ``loss_fn(model, batch) -> scalar loss tensor`` (on the strategy's device).
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """A declarative optimizer, so that a ps task can apply it server-side.
+
+    Attributes:
+        name: one of ``sgd``, ``momentum``, ``adam``, ``adagrad``.
+        lr: the base learning rate (a schedule may pass another per step).
+        momentum: for ``momentum`` (and ``sgd`` when non-zero).
+        weight_decay: L2 penalty added to the gradient.
+        betas, eps: for ``adam``; ``eps`` and ``initial_accumulator_value``
+            for ``adagrad``.
+    """
+
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.1
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name not in _OPTIMIZERS:
+            raise InvalidArgumentError(
+                f"Unknown optimizer {self.name!r}; use one of {', '.join(_OPTIMIZERS)}."
+            )
+        if not self.lr > 0:
+            raise InvalidArgumentError(
+                f"Learning rate must be positive, got {self.lr!r}; pass lr > 0."
+            )
+
+    def build(self, params: Any) -> torch.optim.Optimizer:
+        """Return the equivalent local ``torch.optim`` optimizer over ``params``."""
+        if self.name in ("sgd", "momentum"):
+            return torch.optim.SGD(
+                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
+        if self.name == "adam":
+            return torch.optim.Adam(
+                params, lr=self.lr, betas=self.betas, eps=self.eps,
+                weight_decay=self.weight_decay,
+            )
+        return torch.optim.Adagrad(
+            params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
+            initial_accumulator_value=self.initial_accumulator_value,
+        )
+
+
+@dataclass
+class StepResult:
+    """What one step returns.
+
+    Attributes:
+        loss: the step's loss, detached, still on the device (reading it
+            synchronises the host, so the loop reads it only when it logs).
+        global_step: the global step after this update (for a parameter
+            server in async mode, not consecutive between calls).
+        applied: False when the update was dropped (a stale gradient in sync
+            mode, a refused gradient with the ``skip`` policy).
+    """
+
+    loss: torch.Tensor
+    global_step: int
+    applied: bool = True
+
+
+class Strategy(abc.ABC):
+    """Runs training steps of one model on one or more devices or tasks."""
+
+    #: registry name, e.g. ``"mirrored"``
+    name: str = ""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+
+    @property
+    def rank(self) -> int:
+        """This replica's index among ``world_size`` (data sharding uses it)."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of replicas computing gradients."""
+        return 1
+
+    @property
+    def is_chief(self) -> bool:
+        """True in the one process that writes checkpoints and summaries."""
+        return self.rank == 0
+
+    @abc.abstractmethod
+    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
+        """Place ``model`` and set up the optimizer; return the model to call."""
+
+    @abc.abstractmethod
+    def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
+        """Compute the loss of ``batch``, its gradients, and apply one update."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Tensors to checkpoint, by group (``model``, ``optimizer``, ...)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Restore what :meth:`state_dict` returned (tensors on any device)."""
+
+    @property
+    def global_step(self) -> int:
+        """The number of updates applied so far (shared across replicas)."""
+        return 0
+
+    def barrier(self) -> None:
+        """Wait for every replica (no-op for a single process)."""
+
+    def shutdown(self) -> None:
+        """Release process groups, channels and threads. Idempotent."""
+
+
+#: strategy name -> "module:Class", imported on first use
+STRATEGIES: dict[str, str] = {
+    "single": "towerflow.strategies.single:SingleDevice",
+    "mirrored": "towerflow.strategies.mirrored:Mirrored",
+    "ps": "towerflow.strategies.parameter_server:ParameterServer",
+}
+
+
+def get_strategy_class(name: str) -> type[Strategy]:
+    """Return the strategy class registered under ``name``.
+
+    Example:
+        >>> get_strategy_class("single").__name__
+        'SingleDevice'
+    """
+    target = STRATEGIES.get(name)
+    if target is None:
+        raise InvalidArgumentError(
+            f"Unknown strategy {name!r}; use one of {', '.join(sorted(STRATEGIES))}."
+        )
+    module_name, _, cls_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)

@@ -1,0 +1,1 @@
+"""towerflow.training (under construction)."""

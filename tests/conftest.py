@@ -1,0 +1,61 @@
+"""Shared test fixtures: markers, free loopback ports, subprocess helpers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``gpu`` cleanly when no CUDA device is present."""
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch is a hard dependency
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def free_ports() -> Callable[[int], list[int]]:
+    """Return a function giving ``n`` currently free TCP ports on 127.0.0.1."""
+    return _free_ports
+
+
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    """Environment for child Python processes: unbuffered, single-threaded BLAS."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+@pytest.fixture
+def python() -> str:
+    """The interpreter running the tests, for starting child processes."""
+    return sys.executable
