@@ -1,0 +1,129 @@
+"""DevicePrefetcher: order, transform, bounded queue, resume position, errors, shutdown."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from towerflow.data import Dataset, DevicePrefetcher, ShardedBatches, synthetic_cifar10
+from towerflow.errors import InvalidArgumentError
+
+CPU = torch.device("cpu")
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        time.sleep(0.01)
+
+
+def _dataset() -> Dataset:
+    return synthetic_cifar10(24, seed=0)
+
+
+def test_batches_arrive_in_sampler_order_with_matching_labels() -> None:
+    ds = _dataset()
+    expected = list(itertools.islice(iter(ShardedBatches(24, 5, seed=3)), 7))
+    with DevicePrefetcher(ds, ShardedBatches(24, 5, seed=3), CPU) as prefetcher:
+        got = list(itertools.islice(prefetcher, 7))
+    for index, (images, labels) in zip(expected, got, strict=True):
+        assert torch.equal(images, ds.images[index])
+        assert torch.equal(labels, ds.labels[index])
+
+
+def test_transform_runs_on_each_batch() -> None:
+    def transform(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return images.float() / 255, labels + 100
+
+    with DevicePrefetcher(_dataset(), ShardedBatches(24, 4), CPU, transform=transform) as p:
+        images, labels = next(p)
+    assert images.dtype == torch.float32 and float(images.max()) <= 1.0
+    assert int(labels.min()) >= 100
+
+
+def test_queue_holds_at_most_capacity_batches_ahead() -> None:
+    sampler = ShardedBatches(24, 2)
+    with DevicePrefetcher(_dataset(), sampler, CPU, capacity=2) as p:
+        # Two batches queued plus one in the producer's hand, blocked on the full queue.
+        _wait_for(lambda: sampler.state()["offset"] >= 3 and p._queue.full())
+        assert sampler.state()["offset"] == 3
+        next(p)
+        _wait_for(lambda: sampler.state()["offset"] >= 4 and p._queue.full())
+        assert sampler.state()["offset"] == 4
+
+
+def test_state_is_the_position_after_the_last_consumed_batch() -> None:
+    with DevicePrefetcher(_dataset(), ShardedBatches(24, 5, seed=1), CPU, capacity=3) as p:
+        assert p.state() == {"epoch": 0, "offset": 0}
+        consumed = [idx for idx, _ in zip(range(6), p, strict=False)]
+        position = p.state()
+    assert len(consumed) == 6
+    assert position == {"epoch": 1, "offset": 2}
+    reference = list(itertools.islice(iter(ShardedBatches(24, 5, seed=1)), 8))
+    resumed = ShardedBatches(24, 5, seed=1)
+    resumed.load_state(position)
+    assert torch.equal(next(iter(resumed)), reference[6])
+
+
+def test_producer_exception_is_raised_in_the_consumer() -> None:
+    calls = []
+
+    def transform(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("bad batch number 2")
+        return images, labels
+
+    p = DevicePrefetcher(_dataset(), ShardedBatches(24, 4), CPU, transform=transform)
+    try:
+        next(p)
+        with pytest.raises(ValueError, match=r"bad batch number 2"):
+            next(p)
+        _wait_for(lambda: not p.running)
+        with pytest.raises(StopIteration):
+            next(p)
+    finally:
+        p.close()
+
+
+def test_close_stops_the_thread_and_is_idempotent() -> None:
+    p = DevicePrefetcher(_dataset(), ShardedBatches(24, 4), CPU)
+    next(p)
+    p.close()
+    assert not p.running
+    p.close()
+    with pytest.raises(StopIteration):
+        next(p)
+
+
+def test_garbage_collected_prefetcher_stops_its_thread() -> None:
+    p = DevicePrefetcher(_dataset(), ShardedBatches(24, 4), CPU)
+    thread = p._thread
+    next(p)
+    del p
+    gc.collect()
+    _wait_for(lambda: not thread.is_alive())
+    assert not [t for t in threading.enumerate() if t is thread]
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"capacity=0 must be a positive integer"):
+        DevicePrefetcher(_dataset(), ShardedBatches(24, 4), CPU, capacity=0)
+
+
+@pytest.mark.gpu
+def test_batches_land_on_the_gpu_unchanged() -> None:
+    ds = _dataset()
+    expected = next(iter(ShardedBatches(24, 6)))
+    with DevicePrefetcher(ds, ShardedBatches(24, 6), torch.device("cuda:0")) as p:
+        images, labels = next(p)
+        assert images.device.type == "cuda" and labels.device.type == "cuda"
+        assert torch.equal(images.cpu(), ds.images[expected])
+        assert torch.equal(labels.cpu(), ds.labels[expected])
