@@ -1,0 +1,351 @@
+"""Where a process learns its cluster and its own task.
+
+:func:`resolve_cluster` asks, in order: the explicit arguments, then each
+resolver plug-in of :data:`RESOLVERS` with the environment:
+
+1. ``TF_CONFIG`` — what Kubeflow's TFJob (and ``towerflow launch``) sets:
+   ``{"cluster": {"ps": [...], "worker": [...]}, "task": {"type": "worker", "index": 1}}``.
+2. torchrun — ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+   (and ``LOCAL_WORLD_SIZE``): every rank becomes a task; see :func:`torchrun_resolver`.
+3. Slurm — ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST`` /
+   ``SLURM_JOB_NODELIST`` and ``SLURM_STEP_TASKS_PER_NODE``; see :func:`slurm_resolver`.
+
+With torchrun and Slurm the first ``TOWERFLOW_NUM_PS`` ranks (default 0) are
+``ps`` tasks and the rest ``worker`` tasks.
+
+Example:
+    >>> env = {"TF_CONFIG": '{"cluster": {"worker": ["h0:2222", "h1:2222"]},'
+    ...        ' "task": {"type": "worker", "index": 1}}'}
+    >>> spec, task = resolve_cluster(env=env)
+    >>> task.device_name
+    '/job:worker/replica:0/task:1'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from towerflow.cluster.spec import ClusterSpec, TaskInfo
+from towerflow.errors import InvalidArgumentError
+
+__all__ = [
+    "RESOLVERS",
+    "Resolution",
+    "resolve_cluster",
+    "is_chief",
+    "tf_config_resolver",
+    "torchrun_resolver",
+    "slurm_resolver",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+]
+
+Resolution = tuple[ClusterSpec, TaskInfo]
+#: A resolver reads an environment and returns the cluster and task, or None when
+#: the environment is not its kind.
+Resolver = Callable[[Mapping[str, str]], Resolution | None]
+
+DEFAULT_SLURM_PORT = 2222
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise InvalidArgumentError(f"environment variable {name} is not set; set it to an integer.")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"environment variable {name}={value!r} is not an integer; set it to one."
+        ) from None
+
+
+# --------------------------------------------------------------------------- TF_CONFIG
+def tf_config_resolver(env: Mapping[str, str] | None = None) -> Resolution | None:
+    """The cluster and task of ``TF_CONFIG``; ``None`` when it is unset or empty.
+
+    An ``evaluator`` task may be absent from the cluster (Kubeflow runs it
+    outside): it resolves to ``TaskInfo("evaluator", index)``.
+
+    Raises:
+        InvalidArgumentError: invalid JSON, no cluster, an unknown task type,
+            or an index out of range.
+    """
+    env = os.environ if env is None else env
+    text = env.get("TF_CONFIG", "").strip()
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"TF_CONFIG is not valid JSON ({exc}); fix its value.") from None
+    if config in ({}, None):
+        return None
+    if not isinstance(config, dict) or not config.get("cluster"):
+        raise InvalidArgumentError(
+            'TF_CONFIG has no "cluster"; set it to {"cluster": {"worker": ["host:port"]}, '
+            '"task": {"type": "worker", "index": 0}}.'
+        )
+    spec = ClusterSpec(config["cluster"])
+    task = config.get("task") or {}
+    if not isinstance(task, dict) or "type" not in task:
+        raise InvalidArgumentError(
+            f'TF_CONFIG task {task!r} has no "type"; set "task": {{"type": "<job>", "index": <i>}} '
+            f"with a job among {spec.jobs}."
+        )
+    job, index = task["type"], task.get("index", 0)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise InvalidArgumentError(f"TF_CONFIG task index {index!r} is not an integer; fix it.")
+    if job == "evaluator" and "evaluator" not in spec:
+        return spec, TaskInfo(job, index)
+    if job not in spec:
+        raise InvalidArgumentError(
+            f"TF_CONFIG task type {job!r} is not a job of its cluster {spec.jobs}; use one of "
+            "those (or 'evaluator')."
+        )
+    spec.validate_task(job, index)
+    return spec, TaskInfo(job, index)
+
+
+# --------------------------------------------------------------------------- torchrun
+def _roles(addresses: list[str], rank: int, num_ps: int, source: str) -> Resolution:
+    if not 0 <= num_ps < len(addresses):
+        raise InvalidArgumentError(
+            f"TOWERFLOW_NUM_PS={num_ps} leaves no worker among the {len(addresses)} {source} "
+            f"tasks; use a value in 0..{len(addresses) - 1}."
+        )
+    if not 0 <= rank < len(addresses):
+        raise InvalidArgumentError(
+            f"{source} rank {rank} is out of range for {len(addresses)} tasks; use 0.."
+            f"{len(addresses) - 1}."
+        )
+    jobs = {"ps": addresses[:num_ps], "worker": addresses[num_ps:]}
+    spec = ClusterSpec({job: tasks for job, tasks in jobs.items() if tasks})
+    task = TaskInfo("ps", rank) if rank < num_ps else TaskInfo("worker", rank - num_ps)
+    return spec, task
+
+
+def torchrun_resolver(env: Mapping[str, str] | None = None) -> Resolution | None:
+    """A cluster from torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
+
+    Addresses: torchrun gives ranks in node order, ``LOCAL_WORLD_SIZE`` per node.
+    Rank ``r`` listens on port ``TOWERFLOW_PORT`` (default ``MASTER_PORT + 1``)
+    plus ``r % LOCAL_WORLD_SIZE``, on host ``MASTER_ADDR`` when every rank is on one
+    node, else on the ``r // LOCAL_WORLD_SIZE``-th host of ``TOWERFLOW_HOSTS``
+    (comma-separated node hosts in node-rank order, required across nodes).
+    """
+    env = os.environ if env is None else env
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+    if world < 1:
+        raise InvalidArgumentError(f"WORLD_SIZE={world} must be at least 1.")
+    master = env.get("MASTER_ADDR") or "localhost"
+    base = _env_int(env, "TOWERFLOW_PORT", _env_int(env, "MASTER_PORT", 29500) + 1)
+    per_node = _env_int(env, "LOCAL_WORLD_SIZE", world)
+    if per_node < 1:
+        raise InvalidArgumentError(f"LOCAL_WORLD_SIZE={per_node} must be at least 1.")
+    nodes = -(-world // per_node)
+    hosts = [h.strip() for h in env.get("TOWERFLOW_HOSTS", "").split(",") if h.strip()]
+    if nodes == 1:
+        hosts = hosts[:1] or [master]
+    elif len(hosts) < nodes:
+        raise InvalidArgumentError(
+            f"torchrun runs {world} ranks on {nodes} nodes but TOWERFLOW_HOSTS names "
+            f"{len(hosts)} host(s) {hosts}; set TOWERFLOW_HOSTS to the {nodes} node hosts in "
+            "node-rank order."
+        )
+    addresses = [f"{hosts[r // per_node]}:{base + r % per_node}" for r in range(world)]
+    return _roles(addresses, rank, _env_int(env, "TOWERFLOW_NUM_PS", 0), "torchrun")
+
+
+# --------------------------------------------------------------------------- Slurm
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list (``node[01-03,07],gpu[1-2]-ib``) to host names.
+
+    Example:
+        >>> expand_nodelist("node[01-03,07],login")
+        ['node01', 'node02', 'node03', 'node07', 'login']
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        hosts.extend(_expand_one(item, nodelist))
+    if not hosts:
+        raise InvalidArgumentError(f"Slurm node list {nodelist!r} names no host.")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item for item in items if item]
+
+
+def _expand_one(item: str, whole: str) -> list[str]:
+    match = re.search(r"\[([^\[\]]*)\]", item)
+    if match is None:
+        if "[" in item or "]" in item:
+            raise InvalidArgumentError(f"Slurm node list {whole!r} has unbalanced brackets.")
+        return [item]
+    head, tail = item[: match.start()], item[match.end() :]
+    out = []
+    for value in _expand_range(match.group(1), whole):
+        out.extend(_expand_one(head + value + tail, whole))
+    return out
+
+
+def _expand_range(ranges: str, whole: str) -> list[str]:
+    values = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise InvalidArgumentError(
+                f"Slurm node list {whole!r} has range {part!r}; ranges look like '01-03' or '7'."
+            )
+        hi = hi or lo
+        if int(hi) < int(lo):
+            raise InvalidArgumentError(f"Slurm node list {whole!r} has descending range {part!r}.")
+        width = len(lo)
+        values.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return values
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand ``SLURM_TASKS_PER_NODE`` (``2(x3),1``) to one count per node.
+
+    Example:
+        >>> expand_tasks_per_node("2(x3),1")
+        [2, 2, 2, 1]
+    """
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise InvalidArgumentError(
+                f"Slurm tasks-per-node {spec!r} has part {part!r}; expected forms like '2' or "
+                "'2(x3)'."
+            )
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def slurm_resolver(env: Mapping[str, str] | None = None) -> Resolution | None:
+    """A cluster from the environment of a ``srun`` task.
+
+    Tasks are laid out as Slurm's default block distribution does: node ``i`` of
+    ``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``) runs the next
+    ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``; default: an even
+    split) tasks; the ``k``-th task of a node listens on ``TOWERFLOW_PORT``
+    (default 2222) ``+ k``.
+    """
+    env = os.environ if env is None else env
+    if "SLURM_PROCID" not in env:
+        return None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise InvalidArgumentError(
+            "SLURM_PROCID is set but neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is; "
+            "start the tasks with srun."
+        )
+    hosts = expand_nodelist(nodelist)
+    ntasks = _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", len(hosts)))
+    per_node_spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if per_node_spec:
+        counts = expand_tasks_per_node(per_node_spec)
+    else:
+        even, extra = divmod(ntasks, len(hosts))
+        counts = [even + (i < extra) for i in range(len(hosts))]
+    if len(counts) != len(hosts) or sum(counts) != ntasks:
+        raise InvalidArgumentError(
+            f"Slurm tasks per node {counts} do not match {len(hosts)} node(s) {hosts} and "
+            f"{ntasks} task(s); check SLURM_STEP_TASKS_PER_NODE and SLURM_NTASKS."
+        )
+    base = _env_int(env, "TOWERFLOW_PORT", DEFAULT_SLURM_PORT)
+    addresses = [f"{host}:{base + k}" for host, count in zip(hosts, counts, strict=True) for k in range(count)]
+    rank = _env_int(env, "SLURM_PROCID")
+    return _roles(addresses, rank, _env_int(env, "TOWERFLOW_NUM_PS", 0), "Slurm")
+
+
+#: Resolver plug-ins, asked in order; the first that recognises the environment wins.
+RESOLVERS: list[tuple[str, Resolver]] = [
+    ("TF_CONFIG", tf_config_resolver),
+    ("torchrun", torchrun_resolver),
+    ("slurm", slurm_resolver),
+]
+
+
+def resolve_cluster(
+    cluster: ClusterSpec | Mapping | str | Path | None = None,
+    job_name: str | None = None,
+    task_index: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[ClusterSpec | None, TaskInfo | None]:
+    """This process's cluster and task.
+
+    Explicit arguments win: ``cluster`` (a spec, its dict, or a JSON file path)
+    and ``job_name`` / ``task_index``. What they leave open comes from the
+    first resolver of :data:`RESOLVERS` that recognises ``env`` (default
+    ``os.environ``). ``(None, None)`` means a single process with no cluster.
+
+    Raises:
+        InvalidArgumentError: the cluster is malformed or the task is not in it.
+    """
+    env = os.environ if env is None else env
+    spec: ClusterSpec | None = None
+    task: TaskInfo | None = None
+    if cluster is not None:
+        spec = (
+            ClusterSpec.from_json_file(cluster)
+            if isinstance(cluster, str | Path)
+            else ClusterSpec(cluster)
+        )
+    if spec is None or job_name is None:
+        for _name, resolver in RESOLVERS:
+            found = resolver(env)
+            if found is not None:
+                spec = spec or found[0]
+                task = found[1]
+                break
+    if job_name is not None:
+        task = TaskInfo(job_name, 0 if task_index is None else task_index)
+    elif task is not None and task_index is not None:
+        task = TaskInfo(task.job_name, task_index)
+    if spec is not None and task is not None and not (
+        task.job_name == "evaluator" and "evaluator" not in spec
+    ):
+        spec.validate_task(task.job_name, task.task_index)
+    if spec is None and task is not None:
+        raise InvalidArgumentError(
+            f"task {task.device_name} was given but no cluster; pass --cluster or set TF_CONFIG."
+        )
+    return spec, task
+
+
+def is_chief(cluster: ClusterSpec, task: TaskInfo) -> bool:
+    """Whether ``task`` is the chief: task 0 of the ``chief`` job, else worker 0.
+
+    A cluster with neither job (e.g. only ``local``) makes task 0 of its first
+    job that is not ``ps`` the chief.
+
+    Example:
+        >>> spec = ClusterSpec({"ps": ["h:1"], "worker": ["h:2", "h:3"]})
+        >>> is_chief(spec, TaskInfo("worker", 0)), is_chief(spec, TaskInfo("worker", 1))
+        (True, False)
+    """
+    if "chief" in cluster:
+        return task == TaskInfo("chief", 0)
+    if "worker" in cluster:
+        return task == TaskInfo("worker", 0)
+    candidates = [job for job in cluster.jobs if job not in ("ps", "evaluator")]
+    return bool(candidates) and task == TaskInfo(candidates[0], 0)

@@ -1,0 +1,339 @@
+"""One gRPC server per task: ``towerflow.Server(cluster, job_name, task_index)``.
+
+Like ``tf.train.Server``, a :class:`Server` listens on its task's address from
+the cluster spec, serves the services given to it (the ps shard service on a
+ps task) plus a built-in, authenticated ``Ping``, and can wait for its peers:
+
+    >>> cluster = ClusterSpec({"local": ["localhost:2998", "localhost:2999"]})
+    >>> server = Server(cluster, "local", 0)                    # doctest: +SKIP
+    >>> server.wait_for_peers(timeout=60)                       # doctest: +SKIP
+    waiting for /job:local/replica:0/task:1 at localhost:2999 (failed to connect; retrying)
+
+A non-loopback address is served only with authentication (a cluster secret
+or mutual TLS) unless the credentials say ``insecure=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from towerflow.cluster.spec import ClusterSpec, TaskInfo, is_loopback_host, parse_address
+from towerflow.cluster.transport import (
+    AuthInterceptor,
+    ChannelOptions,
+    Credentials,
+    make_channel,
+    raw_handlers,
+    server_credentials,
+    unary,
+)
+from towerflow.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TowerflowError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+__all__ = ["Server", "ServerOptions", "PING_METHOD", "stop_on_signals"]
+
+logger = logging.getLogger("towerflow.cluster")
+
+CONTROL_SERVICE = "towerflow.cluster.Control"
+PING_METHOD = f"/{CONTROL_SERVICE}/Ping"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """Tuning of a :class:`Server`.
+
+    Attributes:
+        max_workers: handler threads (blocking handlers, e.g. a sync-mode ps
+            waiting for gradients, each hold one).
+        channel: message size and keepalive options of the server and of the
+            channels it opens to peers.
+        auth_freshness: how many seconds an auth token's time may differ from
+            this machine's clock.
+    """
+
+    max_workers: int = 32
+    channel: ChannelOptions = field(default_factory=ChannelOptions)
+    auth_freshness: float = 300.0
+
+
+class Server:
+    """The gRPC server of one task of a cluster.
+
+    Args:
+        cluster: the cluster (a :class:`ClusterSpec` or its dict form).
+        job_name: this task's job.
+        task_index: this task's index in its job.
+        credentials: secret / TLS; ``None`` reads them from the environment
+            (:meth:`Credentials.from_env`).
+        start: start serving now (else call :meth:`start` after
+            :meth:`add_handlers`).
+        handlers: gRPC services to serve, e.g. from :func:`raw_handlers`.
+        options: thread pool, message size, keepalive.
+
+    Raises:
+        InvalidArgumentError: the task is not in the cluster, or a non-loopback
+            address would be served without authentication.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec | Mapping,
+        job_name: str,
+        task_index: int = 0,
+        *,
+        credentials: Credentials | None = None,
+        start: bool = True,
+        handlers: Sequence[grpc.GenericRpcHandler] = (),
+        options: ServerOptions | None = None,
+    ) -> None:
+        self.cluster = ClusterSpec(cluster)
+        self.task = TaskInfo(job_name, task_index)
+        self.address = self.cluster.task_address(job_name, task_index)
+        self.credentials = Credentials.from_env() if credentials is None else credentials
+        self.options = options or ServerOptions()
+        self.target = f"grpc://{self.address}"
+        self._host, self._port = parse_address(self.address)
+        self._bind = self._bind_address()
+        self._handlers: list[grpc.GenericRpcHandler] = list(handlers)
+        self._server: grpc.Server | None = None
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        if start:
+            self.start()
+
+    # -- lifecycle ------------------------------------------------------------
+    def _bind_address(self) -> str:
+        if is_loopback_host(self._host):
+            return self.address
+        bind = f"[::]:{self._port}"
+        if not self.credentials.authenticated:
+            if not self.credentials.insecure:
+                raise InvalidArgumentError(
+                    f"refusing to serve {self.task.device_name} on non-loopback address "
+                    f"{self.address} without authentication; set a cluster secret "
+                    "(TOWERFLOW_SECRET_FILE) or mutual TLS (TOWERFLOW_TLS_CERT/KEY/CA), or pass "
+                    "insecure=True (--insecure) on a network you trust."
+                )
+            logger.warning(
+                "serving %s on %s WITHOUT authentication (insecure): anyone who can reach this "
+                "port can read and change its state",
+                self.task.device_name,
+                bind,
+            )
+        return bind
+
+    def add_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        """Add services to serve; only before :meth:`start`.
+
+        Raises:
+            FailedPreconditionError: the server is already started.
+        """
+        if self._server is not None:
+            raise FailedPreconditionError(
+                f"server of {self.task.device_name} is already started; add handlers before "
+                "start() (create it with start=False)."
+            )
+        self._handlers.extend(handlers)
+
+    def start(self) -> None:
+        """Bind the task's address and start serving (no-op when already started).
+
+        Raises:
+            UnavailableError: the address cannot be bound (port taken, host not local).
+        """
+        with self._lock:
+            if self._server is not None:
+                return
+            interceptors = []
+            if self.credentials.secret:
+                interceptors.append(
+                    AuthInterceptor(self.credentials.secret, self.options.auth_freshness)
+                )
+            server = grpc.server(
+                futures.ThreadPoolExecutor(
+                    self.options.max_workers, thread_name_prefix=f"towerflow-{self.task}"
+                ),
+                interceptors=interceptors,
+                options=self.options.channel.server_options(),
+            )
+            server.add_generic_rpc_handlers((*self._handlers, self._control_handlers()))
+            self._add_port(server)
+            server.start()
+            self._server = server
+        logger.info("started %s at %s", self.task.device_name, self.target)
+
+    def _add_port(self, server: grpc.Server) -> None:
+        tls = self.credentials.tls
+        try:
+            if tls is not None:
+                port = server.add_secure_port(self._bind, server_credentials(tls))
+            else:
+                port = server.add_insecure_port(self._bind)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise UnavailableError(
+                f"cannot listen on {self._bind} for {self.task.device_name}: the port is taken "
+                "or the host is not an address of this machine; stop the other process or "
+                "change the cluster spec."
+            )
+
+    def join(self) -> None:
+        """Block until :meth:`stop` is called (from another thread or a signal handler)."""
+        while not self._stopped.wait(1.0):
+            pass
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving (in-flight calls get ``grace`` seconds) and close peer channels."""
+        with self._lock:
+            server, self._server = self._server, None
+            channels, self._channels = self._channels, {}
+        if server is not None:
+            server.stop(grace).wait()
+        for channel in channels.values():
+            channel.close()
+        self._stopped.set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self._stopped.is_set()
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"Server({self.task.device_name}, target={self.target!r})"
+
+    # -- peers ---------------------------------------------------------------
+    def channel(self, job_name: str, task_index: int) -> grpc.Channel:
+        """A channel (cached, closed by :meth:`stop`) to another task, with our credentials."""
+        address = self.cluster.task_address(job_name, task_index)
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = make_channel(address, self.credentials, options=self.options.channel)
+                self._channels[address] = channel
+            return channel
+
+    def ping(self, job_name: str, task_index: int, *, timeout: float = 5.0) -> dict:
+        """Ping a task; returns what it says about itself (``job``, ``task``, ``pid``).
+
+        Raises:
+            InvalidArgumentError: the task answering at that address is another one.
+            UnavailableError, DeadlineExceededError, UnauthenticatedError: as the call.
+        """
+        reply = json.loads(unary(self.channel(job_name, task_index), PING_METHOD, b"", timeout=timeout))
+        if (reply.get("job"), reply.get("task")) != (job_name, task_index):
+            raise InvalidArgumentError(
+                f"the task at {self.cluster.task_address(job_name, task_index)} is "
+                f"/job:{reply.get('job')}/replica:0/task:{reply.get('task')}, not "
+                f"/job:{job_name}/replica:0/task:{task_index}; give every task the same cluster "
+                "spec."
+            )
+        return reply
+
+    def wait_for_peers(self, jobs: Sequence[str] | None = None, timeout: float = 60.0) -> None:
+        """Wait until every task of ``jobs`` (default: all) but this one answers a ping.
+
+        Logs ``waiting for /job:worker/replica:0/task:1 at localhost:2223 (failed to
+        connect; retrying)`` for each missing task, retrying with backoff.
+
+        Raises:
+            UnavailableError: some tasks did not answer within ``timeout`` seconds
+                (the message names them).
+            UnauthenticatedError: a peer refused this task's credentials.
+        """
+        for job in jobs or ():
+            self.cluster.num_tasks(job)  # validates the job name
+        pending = [
+            (task, address)
+            for task, address in self.cluster.tasks()
+            if task != self.task and (jobs is None or task.job_name in jobs)
+        ]
+        deadline = time.monotonic() + timeout
+        backoff = 0.1
+        reasons: dict[TaskInfo, str] = {}
+        while pending:
+            for task, address in pending:
+                per_call = max(0.05, min(2.0, deadline - time.monotonic()))
+                reasons[task] = self._probe(task, per_call)
+                if reasons[task]:
+                    logger.info(
+                        "waiting for %s at %s (%s; retrying)", task.device_name, address, reasons[task]
+                    )
+            pending = [(t, a) for t, a in pending if reasons[t]]
+            remaining = deadline - time.monotonic()
+            if pending and (remaining <= 0 or self._stopped.wait(min(backoff, remaining))):
+                missing = ", ".join(f"{t.device_name} at {a} ({reasons[t]})" for t, a in pending)
+                raise UnavailableError(
+                    f"{self.task.device_name} gave up after {timeout:g} s waiting for {missing}; "
+                    "start those tasks or check the cluster spec and their addresses."
+                )
+            backoff = min(backoff * 2, 2.0)
+
+    def _probe(self, task: TaskInfo, timeout: float) -> str:
+        try:
+            self.ping(task.job_name, task.task_index, timeout=timeout)
+        except UnauthenticatedError:
+            raise
+        except UnavailableError:
+            return "failed to connect"
+        except DeadlineExceededError:
+            return "no reply before the deadline"
+        except InvalidArgumentError:
+            raise
+        except TowerflowError as exc:
+            return str(exc)
+        return ""
+
+    def _control_handlers(self) -> grpc.GenericRpcHandler:
+        identity = json.dumps(
+            {"job": self.task.job_name, "task": self.task.task_index, "pid": os.getpid()}
+        ).encode()
+        return raw_handlers(CONTROL_SERVICE, {"Ping": ("unary_unary", lambda _request: identity)})
+
+
+@contextlib.contextmanager
+def stop_on_signals(
+    server: Server, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+) -> Iterator[Server]:
+    """Within the block, SIGTERM / SIGINT stop ``server`` (so :meth:`Server.join` returns).
+
+    Must be entered in the main thread; the previous handlers are restored on exit.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+
+    def handle(signum: int, frame: object) -> None:
+        logger.info("%s received signal %d; stopping", server.task.device_name, signum)
+        threading.Thread(target=server.stop, name="towerflow-stop", daemon=True).start()
+
+    try:
+        for sig in signals:
+            signal.signal(sig, handle)
+        yield server
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,557 @@
+"""gRPC transport of the cluster: authenticated channels, raw-bytes calls, error mapping.
+
+Every message is ``bytes``: no (de)serialisers are registered, so what a
+service puts on the wire (protobuf, the tensor codec of
+:mod:`towerflow.cluster.codec`, JSON) is the service's own business and
+nothing is ever unpickled.
+
+Authentication (see ``docs/cluster.md``): with a per-cluster secret, every
+call carries the metadata ``x-towerflow-auth: v1:<unix time>:<nonce>:<mac>``
+where ``mac = HMAC-SHA256(secret, "<method>\\n<time>\\n<nonce>")``. The server
+interceptor accepts it only when the time is within ``freshness`` seconds of
+its own clock, the nonce was not seen before in that window, and the MAC
+matches (``hmac.compare_digest``). A sniffed header is therefore useless for
+another method and cannot be replayed. Any other call is refused with
+``UNAUTHENTICATED`` before its handler runs. TLS (optionally mutual) encrypts
+and authenticates the connection itself.
+
+Example:
+    >>> creds = Credentials(secret=b"s3cret")
+    >>> channel = make_channel("localhost:2222", creds)        # doctest: +SKIP
+    >>> unary(channel, "/towerflow.cluster.Control/Ping", b"", timeout=5.0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import logging
+import math
+import os
+import secrets
+import stat
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from towerflow.cluster.spec import parse_address, strip_scheme
+from towerflow.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    TowerflowError,
+    from_grpc_code,
+)
+
+__all__ = [
+    "AUTH_METADATA_KEY",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "Credentials",
+    "TLSConfig",
+    "AuthInterceptor",
+    "ChannelOptions",
+    "make_channel",
+    "channel_address",
+    "unary",
+    "stream_unary",
+    "unary_stream",
+    "raw_handlers",
+    "map_rpc_error",
+    "server_credentials",
+    "new_secret",
+    "read_secret_file",
+    "write_secret_file",
+]
+
+logger = logging.getLogger("towerflow.cluster")
+
+AUTH_METADATA_KEY = "x-towerflow-auth"
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+_RPC_KINDS = ("unary_unary", "stream_unary", "unary_stream", "stream_stream")
+
+
+# --------------------------------------------------------------------------- credentials
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """PEM files for TLS.
+
+    Attributes:
+        cert: this end's certificate chain (required on a server; on a client it
+            makes the connection mutual).
+        key: the private key of ``cert``.
+        ca: the CA bundle that signed the peers' certificates. On a server a CA
+            turns on mutual TLS (clients must present a certificate it signed);
+            on a client it is the root used to verify the server.
+        server_name: the name to check the server certificate against when it
+            differs from the host in the address (``grpc.ssl_target_name_override``).
+    """
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    server_name: str | None = None
+
+    def _read(self, path: Path | None, what: str) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"TLS {what} file '{path}' does not exist; pass the path of a PEM file."
+            ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """How the tasks of a cluster prove who they are.
+
+    Attributes:
+        secret: the per-cluster secret; every call is authenticated with it.
+        tls: certificates for TLS / mutual TLS.
+        insecure: allow a server without secret and TLS on a non-loopback address.
+    """
+
+    secret: bytes | None = None
+    tls: TLSConfig | None = None
+    insecure: bool = False
+
+    def __repr__(self) -> str:  # never print the secret
+        secret = "<set>" if self.secret else None
+        return f"Credentials(secret={secret}, tls={self.tls!r}, insecure={self.insecure})"
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether calls are authenticated (a secret or mutual TLS)."""
+        return bool(self.secret) or (self.tls is not None and self.tls.ca is not None)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Credentials:
+        """Read ``TOWERFLOW_SECRET`` or ``TOWERFLOW_SECRET_FILE`` and ``TOWERFLOW_TLS_CERT``,
+        ``TOWERFLOW_TLS_KEY``, ``TOWERFLOW_TLS_CA``, ``TOWERFLOW_TLS_SERVER_NAME``.
+
+        ``TOWERFLOW_SECRET`` wins over ``TOWERFLOW_SECRET_FILE`` when both are set.
+        """
+        env = os.environ if env is None else env
+        secret: bytes | None = None
+        if env.get("TOWERFLOW_SECRET"):
+            secret = env["TOWERFLOW_SECRET"].encode()
+        elif env.get("TOWERFLOW_SECRET_FILE"):
+            secret = read_secret_file(env["TOWERFLOW_SECRET_FILE"])
+        paths = {k: env.get(f"TOWERFLOW_TLS_{k.upper()}") for k in ("cert", "key", "ca")}
+        tls = None
+        if any(paths.values()):
+            tls = TLSConfig(
+                **{k: Path(v) if v else None for k, v in paths.items()},
+                server_name=env.get("TOWERFLOW_TLS_SERVER_NAME") or None,
+            )
+        return cls(secret=secret, tls=tls)
+
+
+def new_secret() -> bytes:
+    """A fresh random cluster secret (64 hex characters)."""
+    return secrets.token_hex(32).encode()
+
+
+def write_secret_file(path: str | Path, secret: bytes) -> Path:
+    """Write ``secret`` to a new file readable by its owner only (mode 0600)."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+    return path
+
+
+def read_secret_file(path: str | Path) -> bytes:
+    """Read a cluster secret from a file, warning when others can read it.
+
+    Raises:
+        NotFoundError: the file does not exist.
+        InvalidArgumentError: the file is empty.
+    """
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        data = path.read_bytes().strip()
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"secret file '{path}' does not exist; create it (mode 0600) or unset "
+            "TOWERFLOW_SECRET_FILE."
+        ) from None
+    if not data:
+        raise InvalidArgumentError(f"secret file '{path}' is empty; write a random secret into it.")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("secret file %s is readable by other users; chmod 600 it", path)
+    return data
+
+
+# --------------------------------------------------------------------------- auth
+def _auth_token(secret: bytes, method: str, now: float | None = None) -> str:
+    stamp = str(int(time.time() if now is None else now))
+    nonce = secrets.token_hex(12)
+    mac = hmac.new(secret, f"{method}\n{stamp}\n{nonce}".encode(), hashlib.sha256).hexdigest()
+    return f"v1:{stamp}:{nonce}:{mac}"
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Server interceptor refusing every call without a valid, fresh auth token.
+
+    Args:
+        secret: the cluster secret.
+        freshness: how far (seconds) a token's time may be from this clock.
+    """
+
+    def __init__(self, secret: bytes, freshness: float = 300.0) -> None:
+        self._secret = secret
+        self._freshness = freshness
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, method: str, token: str | None, now: float | None = None) -> str | None:
+        """Return ``None`` when ``token`` is valid for ``method``, else the reason."""
+        if not token:
+            return "no credentials"
+        parts = token.split(":")
+        if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit():
+            return "malformed credentials"
+        _, stamp, nonce, mac = parts
+        expected = hmac.new(
+            self._secret, f"{method}\n{stamp}\n{nonce}".encode(), hashlib.sha256
+        ).hexdigest()
+        if not hmac.compare_digest(expected, mac):
+            return "wrong credentials"
+        now = time.time() if now is None else now
+        if abs(now - int(stamp)) > self._freshness:
+            return "expired credentials (check the clocks)"
+        with self._lock:
+            while self._seen and next(iter(self._seen.values())) < now - 2 * self._freshness:
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                return "replayed credentials"
+            self._seen[nonce] = now
+        return None
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        method = handler_call_details.method
+        token = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                token = value
+                break
+        reason = self.check(method, token)
+        if reason is None:
+            return continuation(handler_call_details)
+        logger.warning("refused call to %s: %s", method, reason)
+        return _refusal_handler(continuation(handler_call_details), f"{method}: {reason}")
+
+
+def _refusal_handler(real: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    def abort(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"call refused: {message}")
+
+    kind = "unary_unary"
+    if real is not None:
+        kind = {
+            (False, False): "unary_unary",
+            (True, False): "stream_unary",
+            (False, True): "unary_stream",
+            (True, True): "stream_stream",
+        }[(bool(real.request_streaming), bool(real.response_streaming))]
+    return getattr(grpc, f"{kind}_rpc_method_handler")(abort)
+
+
+class _ClientAuth(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the auth token of every outgoing call."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = list(details.metadata or ())
+        metadata.append((AUTH_METADATA_KEY, _auth_token(self._secret, details.method)))
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
+        )  # fmt: skip
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[override]
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[override]
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[override]
+        return continuation(self._details(details), request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[override]
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    __slots__ = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
+# --------------------------------------------------------------------------- channels
+@dataclass(frozen=True, slots=True)
+class ChannelOptions:
+    """gRPC options shared by channels and servers.
+
+    Attributes:
+        max_message_bytes: largest message sent or received; larger tensor
+            payloads are streamed in chunks (see :func:`codec.chunk`).
+        keepalive_ms: interval of HTTP/2 keepalive pings, so a dead peer is noticed.
+        keepalive_timeout_ms: how long a keepalive ping may go unanswered.
+        max_reconnect_backoff_ms: longest pause between reconnection attempts to
+            a peer that is down, so a restarted task is reached again quickly.
+    """
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    keepalive_ms: int = 10_000
+    keepalive_timeout_ms: int = 5_000
+    max_reconnect_backoff_ms: int = 2_000
+
+    def _common(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", self.keepalive_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+
+    def grpc_options(self) -> list[tuple[str, Any]]:
+        """The options as gRPC channel arguments."""
+        return self._common() + [
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_ms),
+            ("grpc.initial_reconnect_backoff_ms", min(100, self.max_reconnect_backoff_ms)),
+            ("grpc.min_reconnect_backoff_ms", min(100, self.max_reconnect_backoff_ms)),
+            ("grpc.max_reconnect_backoff_ms", self.max_reconnect_backoff_ms),
+        ]
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        """The options as gRPC server arguments (a taken port is an error, not shared)."""
+        return self._common() + [
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", self.keepalive_ms // 2),
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+_ADDRESSES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def make_channel(
+    address: str,
+    credentials: Credentials,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    options: ChannelOptions | None = None,
+) -> grpc.Channel:
+    """Open a channel to ``address`` (``host:port`` or ``grpc://host:port``).
+
+    Every call made through the channel carries ``credentials``: an auth token
+    when there is a secret, TLS (with this end's certificate for mutual TLS)
+    when there is a :class:`TLSConfig`.
+    """
+    target = strip_scheme(address)
+    parse_address(target, owner=" of the peer")
+    if options is None:
+        options = ChannelOptions(max_message_bytes=max_message_bytes)
+    grpc_options = options.grpc_options()
+    tls = credentials.tls
+    if tls is not None:
+        if tls.server_name:
+            grpc_options.append(("grpc.ssl_target_name_override", tls.server_name))
+        channel_creds = grpc.ssl_channel_credentials(
+            root_certificates=tls._read(tls.ca, "CA"),
+            private_key=tls._read(tls.key, "key"),
+            certificate_chain=tls._read(tls.cert, "certificate"),
+        )
+        channel = grpc.secure_channel(target, channel_creds, options=grpc_options)
+    else:
+        channel = grpc.insecure_channel(target, options=grpc_options)
+    if credentials.secret:
+        channel = grpc.intercept_channel(channel, _ClientAuth(credentials.secret))
+    _ADDRESSES[channel] = target
+    return channel
+
+
+def channel_address(channel: grpc.Channel) -> str:
+    """The address a channel from :func:`make_channel` talks to (``"?"`` if unknown)."""
+    return _ADDRESSES.get(channel, "?")
+
+
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    """Server TLS credentials; a CA in ``tls`` requires client certificates (mutual TLS)."""
+    if tls.cert is None or tls.key is None:
+        raise InvalidArgumentError(
+            f"a TLS server needs both a certificate and a key, got cert={tls.cert} "
+            f"key={tls.key}; set TOWERFLOW_TLS_CERT and TOWERFLOW_TLS_KEY."
+        )
+    pair = (tls._read(tls.key, "key"), tls._read(tls.cert, "certificate"))
+    ca = tls._read(tls.ca, "CA")
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+# --------------------------------------------------------------------------- calls
+def map_rpc_error(error: grpc.RpcError, method: str, address: str = "?") -> TowerflowError:
+    """The towerflow error for a failed call (``UNAVAILABLE`` -> ``UnavailableError`` ...)."""
+    code = error.code() if hasattr(error, "code") else None
+    name = code.name if code is not None else "UNKNOWN"
+    details = error.details() if hasattr(error, "details") else str(error)
+    cls = from_grpc_code(name)
+    hint = _HINTS.get(name, "")
+    return cls(f"call {method} to {address} failed with {name}: {details}{hint}")
+
+
+_HINTS = {
+    "UNAVAILABLE": "; check that the task is running and reachable at that address.",
+    "UNAUTHENTICATED": "; give every task the same cluster secret (TOWERFLOW_SECRET_FILE) "
+    "or certificates signed by the same CA.",
+    "DEADLINE_EXCEEDED": "; raise the timeout or check whether the peer is stalled.",
+    "RESOURCE_EXHAUSTED": "; stream large payloads in chunks or raise max_message_bytes.",
+}
+
+
+def _check_timeout(timeout: float | None, method: str) -> float:
+    if timeout is None or isinstance(timeout, bool) or not (0 < timeout < math.inf):
+        raise InvalidArgumentError(
+            f"call {method} needs a finite positive deadline, got timeout={timeout!r}; pass "
+            "timeout=<seconds>."
+        )
+    return float(timeout)
+
+
+def unary(channel: grpc.Channel, method: str, payload: bytes, *, timeout: float) -> bytes:
+    """One request, one reply; grpc failures raise the matching towerflow error."""
+    timeout = _check_timeout(timeout, method)
+    try:
+        return channel.unary_unary(method)(payload, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise map_rpc_error(exc, method, channel_address(channel)) from None
+
+
+def stream_unary(
+    channel: grpc.Channel, method: str, chunks: Iterable[bytes | memoryview], *, timeout: float
+) -> bytes:
+    """Stream ``chunks`` (e.g. :func:`codec.chunk` of a large payload), get one reply."""
+    timeout = _check_timeout(timeout, method)
+    requests = (c if isinstance(c, bytes) else bytes(c) for c in chunks)
+    try:
+        return channel.stream_unary(method)(requests, timeout=timeout)
+    except grpc.RpcError as exc:
+        raise map_rpc_error(exc, method, channel_address(channel)) from None
+
+
+def unary_stream(
+    channel: grpc.Channel, method: str, payload: bytes, *, timeout: float
+) -> Iterator[bytes]:
+    """One request, a stream of replies; iterate it to receive them."""
+    timeout = _check_timeout(timeout, method)
+    address = channel_address(channel)
+    call = channel.unary_stream(method)(payload, timeout=timeout)
+
+    def replies() -> Iterator[bytes]:
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, method, address) from None
+        finally:
+            call.cancel()
+
+    return replies()
+
+
+# --------------------------------------------------------------------------- handlers
+Handler = Callable[..., Any]
+
+
+def raw_handlers(service: str, methods: Mapping[str, tuple[str, Handler]]) -> grpc.GenericRpcHandler:
+    """A bytes-in, bytes-out gRPC service.
+
+    Args:
+        service: full service name, e.g. ``"towerflow.ps.PS"``.
+        methods: ``{name: (kind, fn)}`` with ``kind`` one of ``unary_unary``,
+            ``stream_unary``, ``unary_stream``, ``stream_stream``. ``fn(request)``
+            or ``fn(request, context)`` (when it takes two parameters) receives
+            ``bytes`` (an iterator of ``bytes`` for streaming requests) and
+            returns ``bytes`` (an iterator for streaming replies).
+
+    A :class:`~towerflow.errors.TowerflowError` raised by ``fn`` becomes its
+    gRPC status with the message; any other exception becomes ``INTERNAL``.
+    """
+    table = {}
+    for name, (kind, fn) in methods.items():
+        if kind not in _RPC_KINDS:
+            raise InvalidArgumentError(
+                f"method {service}/{name} has kind {kind!r}; use one of {list(_RPC_KINDS)}."
+            )
+        wrapped = _wrap(f"/{service}/{name}", fn, streaming_reply=kind.endswith("_stream"))
+        table[name] = getattr(grpc, f"{kind}_rpc_method_handler")(wrapped)
+    return grpc.method_handlers_generic_handler(service, table)
+
+
+def _takes_context(fn: Handler) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
+    if context.code() is not None:  # the handler aborted the call itself
+        raise exc
+    if isinstance(exc, TowerflowError):
+        code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.UNKNOWN)
+        context.abort(code, str(exc))
+    logger.exception("handler of %s failed", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {type(exc).__name__}: {exc}")
+
+
+def _wrap(method: str, fn: Handler, *, streaming_reply: bool) -> Handler:
+    with_context = _takes_context(fn)
+
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        return fn(request, context) if with_context else fn(request)
+
+    if streaming_reply:
+
+        def stream_handler(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+            try:
+                yield from call(request, context)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                _abort(context, method, exc)
+
+        return stream_handler
+
+    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return call(request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            _abort(context, method, exc)
+
+    return handler
+

@@ -1,0 +1,105 @@
+"""ClusterSpec and TaskInfo: parsing, queries, and every validation error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from towerflow.cluster import ClusterSpec, TaskInfo
+from towerflow.cluster.spec import is_loopback_host, parse_address
+from towerflow.errors import InvalidArgumentError, NotFoundError
+
+ARTICLE_003 = {"ps": ["localhost:1681"], "worker": ["localhost:1682", "localhost:1683"]}
+
+
+def test_jobs_tasks_and_addresses_of_article_003_cluster():
+    spec = ClusterSpec(ARTICLE_003)
+    assert spec.jobs == ["ps", "worker"]
+    assert spec.num_tasks("worker") == 2
+    assert spec.task_address("worker", 1) == "localhost:1683"
+    assert spec.as_dict() == ARTICLE_003
+    assert [(str(t), a) for t, a in spec.tasks()] == [
+        ("ps:0", "localhost:1681"), ("worker:0", "localhost:1682"), ("worker:1", "localhost:1683"),
+    ]
+
+
+def test_any_job_name_and_dict_of_index_form():
+    spec = ClusterSpec({"local": {1: "localhost:2999", 0: "localhost:2998"}})
+    assert spec.job_tasks("local") == ["localhost:2998", "localhost:2999"]
+    assert ClusterSpec({"local": ["localhost:2998", "localhost:2999"]}) == spec
+
+
+def test_cluster_spec_is_an_immutable_hashable_value():
+    spec = ClusterSpec(ARTICLE_003)
+    with pytest.raises(AttributeError, match="immutable"):
+        spec.extra = 1
+    copy = ClusterSpec(spec)
+    assert copy == spec and hash(copy) == hash(spec)
+    assert "worker" in spec and "chief" not in spec
+
+
+def test_task_info_device_name():
+    assert TaskInfo("worker", 1).device_name == "/job:worker/replica:0/task:1"
+
+
+def test_from_json_file_accepts_plain_and_tf_config_shaped_files(tmp_path):
+    plain = tmp_path / "cluster.json"
+    plain.write_text(json.dumps(ARTICLE_003))
+    wrapped = tmp_path / "tf_config.json"
+    wrapped.write_text(json.dumps({"cluster": ARTICLE_003, "task": {"type": "ps", "index": 0}}))
+    assert ClusterSpec.from_json_file(plain) == ClusterSpec.from_json_file(wrapped) == ClusterSpec(ARTICLE_003)
+
+
+def test_from_json_file_errors_name_the_file(tmp_path):
+    with pytest.raises(NotFoundError, match="cluster file '.*missing.json' does not exist"):
+        ClusterSpec.from_json_file(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ps: 1")
+    with pytest.raises(InvalidArgumentError, match="cluster file '.*bad.json' is not valid JSON"):
+        ClusterSpec.from_json_file(bad)
+
+
+@pytest.mark.parametrize(
+    ("cluster", "pattern"),
+    [
+        ({}, "the cluster has no jobs"),
+        ({"worker": []}, "job 'worker' has no tasks"),
+        ({"ps": ["localhost:2222"], "worker": ["127.0.0.1:2222"]},
+         "address '127.0.0.1:2222' of /job:worker/replica:0/task:0 is also used by /job:ps"),
+        ({"worker": ["localhost:2222", "localhost:2222"]}, "also used by /job:worker/replica:0/task:0"),
+        ({"worker": [":2222"]}, "address ':2222'.* empty or malformed host"),
+        ({"worker": ["localhost"]}, "address 'localhost' of /job:worker/replica:0/task:0 has no numeric port"),
+        ({"worker": ["localhost:http"]}, "'localhost:http' of .* has no numeric port"),
+        ({"worker": ["localhost:70000"]}, "port 70000, outside 1..65535"),
+        ({"worker": ["localhost:0"]}, "port 0, outside 1..65535"),
+        ({"worker": ["bad host:22"]}, "empty or malformed host"),
+        ({"worker": [2222]}, "address 2222 of .* is not a string"),
+        ({"worker": "localhost:2222"}, "single string 'localhost:2222' instead of a list"),
+        ({"Worker!": ["localhost:1"]}, "job name 'Worker!' is not valid"),
+        ({"chief": ["localhost:1", "localhost:2"]}, "the cluster has 2 chiefs"),
+        ({"worker": {0: "localhost:1", 2: "localhost:2"}}, r"task indices \[0, 2\]; indices must be exactly \[0, 1\]"),
+        (["localhost:1"], "is not a mapping"),
+    ],
+)
+def test_every_malformed_cluster_is_refused_with_a_clear_message(cluster, pattern):
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        ClusterSpec(cluster)
+
+
+def test_unknown_job_and_index_out_of_range():
+    spec = ClusterSpec(ARTICLE_003)
+    with pytest.raises(InvalidArgumentError, match=r"job 'chief' is not in the cluster, whose jobs are \['ps', 'worker'\]"):
+        spec.task_address("chief", 0)
+    with pytest.raises(InvalidArgumentError, match="task index 2 is out of range for job 'worker', which has 2"):
+        spec.validate_task("worker", 2)
+    with pytest.raises(InvalidArgumentError, match="task index -1 is out of range"):
+        spec.task_address("ps", -1)
+
+
+def test_addresses_ipv6_and_scheme():
+    assert parse_address("[::1]:2222") == ("::1", 2222)
+    assert parse_address("grpc://node01:2223") == ("node01", 2223)
+    with pytest.raises(InvalidArgumentError, match="empty or malformed host"):
+        parse_address("[zz::1]:2222")
+    assert is_loopback_host("::1") and is_loopback_host("127.0.0.5") and not is_loopback_host("node01")

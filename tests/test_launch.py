@@ -1,0 +1,149 @@
+"""``towerflow launch``: TF_CONFIG and secret for each child, prefixed output, exit status,
+and no process left behind after Ctrl-C."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from towerflow.cluster.launcher import launch_cluster
+from towerflow.errors import InvalidArgumentError
+
+CHILD = r'''
+import hashlib, json, os, subprocess, sys, threading
+config = json.loads(os.environ["TF_CONFIG"])
+task = config["task"]
+path = os.environ["TOWERFLOW_SECRET_FILE"]
+report = {
+    "task": task, "cluster": config["cluster"], "pid": os.getpid(), "secret_file": path,
+    "mode": oct(os.stat(path).st_mode & 0o777),
+    "secret": hashlib.sha256(open(path, "rb").read()).hexdigest(),
+    "inherited_secret": "TOWERFLOW_SECRET" in os.environ,
+}
+if sys.argv[1] == "block":
+    grandchild = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+    report["grandchild"] = grandchild.pid
+print(json.dumps(report), flush=True)
+print("second line", flush=True)
+if sys.argv[1] == "exit" and task["type"] in ("worker", "chief"):
+    sys.exit(int(sys.argv[2]) * task["index"])
+threading.Event().wait()
+'''
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Path:
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return path
+
+
+def _reports(text: str) -> dict[str, dict]:
+    out = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("] ")
+        if rest.startswith("{"):
+            out[name.lstrip("[")] = json.loads(rest)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_children_get_tf_config_and_one_private_secret_and_the_worst_status(child, subprocess_env, python):
+    out = io.StringIO()
+    subprocess_env["TOWERFLOW_SECRET"] = "must-not-leak-into-children"
+    status = launch_cluster(
+        [python, str(child), "exit", "3"], num_ps=1, num_workers=2, chief=True,
+        env=subprocess_env, output=out, grace=5.0,
+    )  # fmt: skip
+    assert status == 3  # worker:1 exits 3 * 1, the others 0
+    reports = _reports(out.getvalue())
+    assert sorted(reports) == ["chief:0", "ps:0", "worker:0", "worker:1"]
+    for name, report in reports.items():
+        assert f"{report['task']['type']}:{report['task']['index']}" == name
+        assert report["mode"] == "0o600" and not report["inherited_secret"]
+        assert f"[{name}] second line" in out.getvalue()
+    assert len({r["secret"] for r in reports.values()}) == 1
+    cluster = reports["ps:0"]["cluster"]
+    assert [len(cluster[j]) for j in ("chief", "ps", "worker")] == [1, 1, 2]
+    assert not os.path.exists(reports["ps:0"]["secret_file"])
+    assert not _alive(reports["ps:0"]["pid"])
+
+
+def test_status_is_zero_when_every_worker_succeeds(child, subprocess_env, python):
+    out = io.StringIO()
+    status = launch_cluster([python, str(child), "exit", "0"], num_ps=2, num_workers=1,
+                            env=subprocess_env, output=out, grace=5.0)  # fmt: skip
+    assert status == 0
+    assert sorted(_reports(out.getvalue())) == ["ps:0", "ps:1", "worker:0"]
+
+
+def test_launch_refuses_an_empty_cluster_or_command(python):
+    with pytest.raises(InvalidArgumentError, match="give at least one worker"):
+        launch_cluster([python, "-c", "pass"], num_ps=1, num_workers=0)
+    with pytest.raises(InvalidArgumentError, match="launch needs a command"):
+        launch_cluster([], num_ps=1, num_workers=1)
+    with pytest.raises(InvalidArgumentError, match="base_port=65535 leaves no room for 2 ports"):
+        launch_cluster([python, "-c", "pass"], num_ps=1, num_workers=1, base_port=65535)
+
+
+def test_ctrl_c_stops_every_child_and_grandchild(child, subprocess_env, python):
+    launcher = subprocess.Popen(
+        [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace", "5",
+         "--", python, str(child), "block"],
+        env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout], daemon=True)
+    reader.start()
+    text = ""
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(_reports(text)) < 3:
+            text += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        reports = _reports(text)
+        pids = [r[k] for r in reports.values() for k in ("pid", "grandchild")]
+        assert all(_alive(pid) for pid in pids)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=60) == 128 + signal.SIGINT
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        assert [pid for pid in pids if _alive(pid)] == []
+        assert not os.path.exists(reports["worker:0"]["secret_file"])
+    finally:
+        for pid in [launcher.pid, *pids]:
+            if not _alive(pid):
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait(timeout=30)
+
+
+def test_launch_command_line_parses_the_command_after_double_dash():
+    from towerflow.cli import build_parser
+
+    args = build_parser().parse_args(["launch", "--ps", "2", "--workers", "3", "--chief", "--",
+                                      sys.executable, "train.py", "--steps", "5"])  # fmt: skip
+    assert (args.ps, args.workers, args.chief) == (2, 3, True)
+    assert args.command[-4:] == [sys.executable, "train.py", "--steps", "5"]
