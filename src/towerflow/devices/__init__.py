@@ -1,1 +1,31 @@
-"""towerflow.devices (under construction)."""
+"""The device model: device names, the local devices, settings and op placement.
+
+Example:
+    >>> import torch, towerflow
+    >>> towerflow.DeviceSpec.from_string("/gpu:0").to_string()
+    '/device:GPU:0'
+    >>> with towerflow.device("/cpu:0"):
+    ...     torch.zeros(2).device
+    device(type='cpu')
+"""
+
+from __future__ import annotations
+
+from towerflow.devices.config import DeviceSettings, configure
+from towerflow.devices.local import DeviceInfo, list_local_devices
+from towerflow.devices.placer import current_scope, device, resolve_device
+from towerflow.devices.settings import DeviceConfig, get_config
+from towerflow.devices.spec import DeviceSpec
+
+__all__ = [
+    "DeviceSpec",
+    "DeviceInfo",
+    "DeviceConfig",
+    "DeviceSettings",
+    "list_local_devices",
+    "device",
+    "configure",
+    "resolve_device",
+    "get_config",
+    "current_scope",
+]

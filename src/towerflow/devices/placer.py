@@ -1,0 +1,434 @@
+"""Op placement: ``towerflow.device`` scopes, the placer mode and soft placement.
+
+``with towerflow.device("/gpu:1"):`` makes the operations inside run on GPU 1:
+
+* factory functions (``torch.zeros``, ``torch.tensor``, the parameters of a
+  module built inside) create their tensors there unless given a ``device``;
+* a computing operation whose inputs live elsewhere gets them copied to the
+  scope's device first (the copy shows in the placement log);
+* in-place operations (``add_``, ``out=``) run where the tensor they change
+  lives, and device-neutral calls (``.to``, ``.item()``, ``.size()``,
+  attribute access) are left alone.
+
+Scopes nest: the inner spec is merged into the outer one (``make_merged_spec``,
+inner fields win), and ``device(None)`` clears every outer scope. The job,
+replica and task parts of a spec (``/job:worker/task:1/gpu:0``) are kept as
+placement metadata; the device type and index alone decide where a local
+operation runs.
+
+The placer is a :class:`torch.overrides.TorchFunctionMode` pushed onto the
+current thread's mode stack only while a scope is open, the placement log is
+on, or a default device is configured; otherwise nothing is installed and
+PyTorch runs untouched. Scopes are per thread, like PyTorch's mode stack. Per
+operation the placer pays a dictionary lookup (the operation's kind is
+classified once and cached) and a device check of each tensor argument.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from towerflow.devices import log as _log
+from towerflow.devices import settings as _settings
+from towerflow.devices.local import LOCAL_TASK, full_name, gpu_count
+from towerflow.devices.spec import DeviceSpec
+from towerflow.errors import PlacementError
+
+__all__ = [
+    "device", "resolve_device", "current_scope", "refresh_global", "check_default_device",
+]
+
+_FACTORY, _NEUTRAL, _INPLACE, _COMPUTE = range(4)
+
+_FACTORY_NAMES = (
+    "empty", "empty_permuted", "empty_strided", "zeros", "ones", "full", "arange", "range",
+    "linspace", "logspace", "eye", "rand", "randn", "randint", "randperm", "tensor",
+    "as_tensor", "asarray", "scalar_tensor", "tril_indices", "triu_indices",
+    "bartlett_window", "blackman_window", "hamming_window", "hann_window", "kaiser_window",
+    "sparse_coo_tensor", "sparse_csr_tensor",
+)
+_NEUTRAL_NAMES = frozenset({
+    "__get__", "__set__", "__delete__", "to", "cpu", "cuda", "type", "type_as", "numpy",
+    "item", "tolist", "size", "dim", "ndimension", "numel", "nelement", "element_size",
+    "stride", "storage_offset", "is_contiguous", "is_floating_point", "is_complex",
+    "data_ptr", "untyped_storage", "get_device", "__repr__", "__str__", "__format__",
+    "__len__", "__bool__", "__int__", "__float__", "__index__", "__hash__", "__reduce_ex__",
+    "__deepcopy__", "__setstate__", "__getstate__", "__array__", "__array_wrap__",
+    "__dlpack__", "__dlpack_device__", "__contains__", "backward", "register_hook",
+    "register_post_accumulate_grad_hook", "retain_grad", "requires_grad_", "detach",
+    "detach_", "pin_memory", "is_pinned", "share_memory_", "is_shared", "new_empty",
+    "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided", "_is_view",
+    "is_set_to", "dtype", "device", "shape", "is_nonzero", "equal",
+})
+_INPLACE_DUNDERS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+    "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+    "__irshift__",
+})
+_FACTORIES: frozenset[Callable[..., Any]] = frozenset(
+    getattr(torch, name) for name in _FACTORY_NAMES if hasattr(torch, name)
+)
+_KINDS: dict[Callable[..., Any], int] = {}
+
+
+def _kind(func: Callable[..., Any]) -> int:
+    kind = _KINDS.get(func)
+    if kind is None:
+        name = getattr(func, "__name__", "")
+        if func in _FACTORIES:
+            kind = _FACTORY
+        elif name in _NEUTRAL_NAMES:
+            kind = _NEUTRAL
+        elif name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
+            kind = _INPLACE
+        else:
+            kind = _COMPUTE
+        _KINDS[func] = kind
+    return kind
+
+
+class _Target:
+    """Where operations of the current scope go (resolved once per scope change)."""
+
+    __slots__ = ("device", "index", "spec", "missing", "note", "soft")
+
+    def __init__(self, device: torch.device | None, spec: DeviceSpec | None = None, *,
+                 missing: bool = False, note: str = "", soft: bool = False) -> None:
+        self.device = device
+        self.index = -1 if device is None or device.type == "cpu" else int(device.index or 0)
+        self.spec = spec          # what was asked for (for messages)
+        self.missing = missing    # asked-for device does not exist and no soft placement
+        self.note = note          # appended to log lines (soft placement)
+        self.soft = soft          # an op with no kernel there falls back to the CPU
+
+
+_NO_TARGET = _Target(None)
+_CPU = torch.device("cpu")
+
+
+def _available_devices() -> str:
+    names = [f"{LOCAL_TASK}/device:CPU:0"]
+    names += [f"{LOCAL_TASK}/device:GPU:{i}" for i in range(gpu_count())]
+    return ", ".join(names)
+
+
+def _missing_message(what: str, spec: DeviceSpec) -> str:
+    return (
+        f"Cannot assign a device for {what}: Could not satisfy explicit device specification "
+        f"'{spec.to_string()}' because no devices matching that specification are registered "
+        f"in this process; available devices: {_available_devices()}. Set "
+        f"allow_soft_placement=True to fall back to a device that exists."
+    )
+
+
+def _target_for(spec: DeviceSpec, soft: bool, *, auto: bool = False) -> _Target:
+    """Resolve the local part of ``spec`` (type and index) to an existing device."""
+    if spec.device_type == "CPU":
+        exists = spec.device_index in (None, 0)
+        device = _CPU
+    else:
+        index = spec.device_index or 0
+        exists = index < gpu_count()
+        device = torch.device("cuda", index)
+    soft = soft or auto
+    if exists:
+        return _Target(device, spec, soft=soft)
+    if soft:
+        note = f" (soft placement: no device matches '{spec.to_string()}')"
+        return _Target(_CPU, spec, note=note, soft=True)
+    return _Target(_CPU, spec, missing=True)
+
+
+def _default_target(config: _settings.DeviceConfig) -> _Target:
+    default = config.default_device
+    if default is None:
+        return _NO_TARGET
+    if default == "auto":
+        if gpu_count() == 0:
+            return _NO_TARGET
+        return _Target(torch.device("cuda", 0), DeviceSpec("localhost", 0, 0, "GPU", 0),
+                       soft=True)
+    return _target_for(DeviceSpec.from_string(default), config.allow_soft_placement)
+
+
+def check_default_device(config: _settings.DeviceConfig) -> None:
+    """Raise ``PlacementError`` now if ``config.default_device`` names no existing device."""
+    target = _default_target(config)
+    if target.missing and target.spec is not None:
+        what = f"default_device={config.default_device!r}"
+        raise PlacementError(_missing_message(what, target.spec))
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[DeviceSpec | None] = []   # merged spec per open scope
+        self.mode: _Placer | None = None
+        self.users = 0
+        self.global_held = False
+        self.target: _Target = _NO_TARGET
+        self.generation = -1
+
+
+_state = _ThreadState()
+
+
+def _refresh(state: _ThreadState) -> _Target:
+    config = _settings.get_config()
+    spec = state.scopes[-1] if state.scopes else None
+    if spec is not None and spec.device_type is not None:
+        state.target = _target_for(spec, config.allow_soft_placement)
+    else:
+        state.target = _default_target(config)
+    state.generation = _settings.generation()
+    return state.target
+
+
+def _acquire(state: _ThreadState) -> None:
+    if state.users == 0:
+        mode = _Placer()
+        mode.__enter__()
+        state.mode = mode
+    state.users += 1
+
+
+def _release(state: _ThreadState) -> None:
+    state.users -= 1
+    if state.users == 0 and state.mode is not None:
+        mode, state.mode = state.mode, None
+        mode.__exit__(None, None, None)
+
+
+def refresh_global() -> None:
+    """Install or remove the placer for the settings (log on, default device)."""
+    state = _state
+    config = _settings.get_config()
+    needed = config.log_device_placement or _default_target(config).device is not None
+    if needed and not state.global_held:
+        _acquire(state)
+        state.global_held = True
+    elif not needed and state.global_held:
+        state.global_held = False
+        _release(state)
+    _refresh(state)
+
+
+class _DeviceScope:
+    """The context manager returned by :func:`device`."""
+
+    __slots__ = ("_spec", "_depth")
+
+    def __init__(self, spec: str | DeviceSpec | torch.device | None) -> None:
+        self._spec = None if spec is None else DeviceSpec.from_string(spec)
+        self._depth: list[int] = []
+
+    def __enter__(self) -> DeviceSpec | None:
+        state = _state
+        merged = self._spec
+        if merged is not None and state.scopes and state.scopes[-1] is not None:
+            merged = state.scopes[-1].make_merged_spec(merged)
+        state.scopes.append(merged)
+        self._depth.append(len(state.scopes))
+        _acquire(state)
+        _refresh(state)
+        return merged
+
+    def __exit__(self, *exc_info: object) -> None:
+        state = _state
+        try:
+            depth = self._depth.pop()
+            del state.scopes[depth - 1:]
+        finally:
+            _release(state)
+            _refresh(state)
+
+
+def device(spec: str | DeviceSpec | torch.device | None) -> _DeviceScope:
+    """Open a placement scope: operations inside run on ``spec``'s device.
+
+    Args:
+        spec: a device name (``"/gpu:1"``, ``"/cpu:0"``, ``"cuda:0"``,
+            ``"/job:worker/task:1/gpu:0"``), a ``DeviceSpec``, a ``torch.device``,
+            or ``None`` to clear the outer scopes.
+
+    Raises:
+        InvalidArgumentError: ``spec`` is malformed (raised here, at the ``with``).
+        PlacementError: at the first operation, when the device does not exist
+            and ``allow_soft_placement`` is off.
+
+    Example:
+        >>> with device("/cpu:0"):
+        ...     torch.ones(2).device
+        device(type='cpu')
+    """
+    return _DeviceScope(spec)
+
+
+def current_scope() -> DeviceSpec | None:
+    """Return the merged spec of the innermost open scope (``None`` when none or cleared)."""
+    scopes = _state.scopes
+    return scopes[-1] if scopes else None
+
+
+def resolve_device(spec: str | DeviceSpec | torch.device | None = None) -> torch.device:
+    """Turn a user's device name into an existing ``torch.device``.
+
+    ``None`` (or a spec naming only a job/task) gives the device new tensors go
+    to here: the current scope's, else the configured default, else the
+    lowest-numbered visible GPU, else the CPU.
+
+    Raises:
+        InvalidArgumentError: the name is malformed.
+        PlacementError: the device does not exist and soft placement is off
+            (with it, the CPU is returned).
+
+    Example:
+        >>> resolve_device("/cpu:0")
+        device(type='cpu')
+    """
+    parsed = DeviceSpec.from_string(spec)
+    if parsed.device_type is None:
+        state = _state
+        target = state.target if state.generation == _settings.generation() else _refresh(state)
+        if target.device is not None:
+            return target.device
+        return torch.device("cuda", 0) if gpu_count() else _CPU
+    target = _target_for(parsed, _settings.get_config().allow_soft_placement)
+    if target.missing:
+        raise PlacementError(_missing_message(f"device {str(spec)!r}", parsed))
+    return target.device  # type: ignore[return-value]
+
+
+def _wrong_device(args: Any, kwargs: Mapping[str, Any], index: int) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if value.get_device() != index:
+                return True
+        elif type(value) in (list, tuple):
+            for item in value:
+                if isinstance(item, torch.Tensor) and item.get_device() != index:
+                    return True
+    return False
+
+
+def _movable(tensor: torch.Tensor, index: int) -> bool:
+    return tensor.get_device() != index and (tensor.is_cpu or tensor.is_cuda)
+
+
+def _move(value: Any, device: torch.device, index: int, copies: list[torch.device]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if _movable(value, index):
+            copies.append(value.device)
+            return value.to(device)
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(_move(item, device, index, copies) for item in value)
+    return value
+
+
+def _result_device(result: Any, fallback: torch.device | None) -> torch.device:
+    if isinstance(result, torch.Tensor):
+        return result.device
+    if isinstance(result, (list, tuple)):
+        for item in result:
+            if isinstance(item, torch.Tensor):
+                return item.device
+    return fallback or _CPU
+
+
+def _no_kernel(exc: BaseException, target: _Target) -> bool:
+    """A missing kernel: no backend kernel at all, or (on a GPU) none for the dtype."""
+    text = str(exc)
+    if isinstance(exc, NotImplementedError):
+        return "Could not run" in text
+    return target.index >= 0 and "not implemented for" in text
+
+
+class _Placer(TorchFunctionMode):
+    """Puts every operation on the device of the current thread's scope."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _kind(func)
+        if kind == _NEUTRAL:
+            return func(*args, **kwargs)
+        state = _state
+        target = state.target if state.generation == _settings.generation() else _refresh(state)
+        logging_on = _settings.get_config().log_device_placement
+        if target.device is None and not logging_on:
+            return func(*args, **kwargs)
+        if kind == _INPLACE or (kind == _COMPUTE and "out" in kwargs):
+            return _run_logged(func, args, kwargs, None, logging_on) if logging_on \
+                else func(*args, **kwargs)
+        if target.device is None:
+            return _run_logged(func, args, kwargs, None, logging_on)
+        if target.missing:
+            raise PlacementError(_missing_message(f"operation '{_log.OpNamer.peek(func)}'",
+                                                  target.spec))  # type: ignore[arg-type]
+        if kind == _FACTORY:
+            if kwargs.get("device") is None:
+                kwargs = {**kwargs, "device": target.device}
+            return _run_logged(func, args, kwargs, target, logging_on)
+        return _run_compute(func, args, kwargs, target, logging_on)
+
+
+def _run_compute(func: Any, args: Any, kwargs: dict[str, Any], target: _Target,
+                 logging_on: bool) -> Any:
+    name = _log.OpNamer.name(func) if logging_on else ""
+    if _wrong_device(args, kwargs, target.index):
+        copies: list[torch.device] = []
+        args = _move(args, target.device, target.index, copies)  # type: ignore[arg-type]
+        kwargs = {k: _move(v, target.device, target.index, copies)  # type: ignore[arg-type]
+                  for k, v in kwargs.items()}
+        for number, source in enumerate(copies if logging_on else ()):
+            suffix = "input_copy" if number == 0 else f"input_copy_{number}"
+            _log.log_op(f"{name}/{suffix}", "aten::_to_copy",
+                        full_name(target.device),  # type: ignore[arg-type]
+                        f" (from {full_name(source)})")
+    try:
+        return _run_logged(func, args, kwargs, target, logging_on, name)
+    except (NotImplementedError, RuntimeError) as exc:
+        if not _no_kernel(exc, target):
+            raise
+        return _kernel_fallback(func, args, kwargs, target, logging_on, exc, name)
+
+
+def _kernel_fallback(func: Any, args: Any, kwargs: dict[str, Any], target: _Target,
+                     logging_on: bool, exc: BaseException, name: str) -> Any:
+    device_type = "GPU" if target.index >= 0 else "CPU"
+    if not target.soft or target.index < 0:
+        spec = target.spec.to_string() if target.spec is not None else device_type
+        reason = str(exc).splitlines()[0]
+        raise PlacementError(
+            f"Cannot assign a device for operation '{name or _log.OpNamer.peek(func)}': Could not "
+            f"satisfy explicit device specification '{spec}' because no supported kernel for "
+            f"{device_type} devices is available ({reason}). Set allow_soft_placement=True to "
+            f"run it on the CPU instead."
+        ) from exc
+    copies: list[torch.device] = []
+    args = _move(args, _CPU, -1, copies)
+    kwargs = {k: _move(v, _CPU, -1, copies) for k, v in kwargs.items()}
+    soft = _Target(_CPU, target.spec, note=f" (soft placement: no {device_type} kernel)")
+    return _run_logged(func, args, kwargs, soft, logging_on, name)
+
+
+def _run_logged(func: Any, args: Any, kwargs: dict[str, Any], target: _Target | None,
+                logging_on: bool, name: str = "") -> Any:
+    if not logging_on:
+        return func(*args, **kwargs)
+    name = name or _log.OpNamer.name(func)
+    recorder = _log.AtenRecorder()
+    with recorder:
+        result = func(*args, **kwargs)
+    fallback = target.device if target is not None else None
+    device_name = full_name(_result_device(result, fallback))
+    _log.log_op(name, recorder.aten_name(result, name), device_name,
+                target.note if target is not None else "")
+    return result
