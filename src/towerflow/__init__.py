@@ -42,20 +42,28 @@ _LAZY: dict[str, str] = {
     "list_local_devices": "towerflow.devices",
     "device": "towerflow.devices",
     "configure": "towerflow.devices",
+    "resolve_device": "towerflow.devices",
+    "get_config": "towerflow.devices",
     # checkpoint
     "save": "towerflow.checkpoint",
     "load": "towerflow.checkpoint",
     "CheckpointManager": "towerflow.checkpoint",
     "latest_checkpoint": "towerflow.checkpoint",
+    "Checkpoint": "towerflow.checkpoint",
+    "read_checkpoint": "towerflow.checkpoint",
     # cluster
     "ClusterSpec": "towerflow.cluster",
     "Server": "towerflow.cluster",
+    "TaskInfo": "towerflow.cluster",
+    "Credentials": "towerflow.cluster",
+    "resolve_cluster": "towerflow.cluster",
     # parameter server
     "replica_device_setter": "towerflow.ps",
     # strategies
     "SingleDevice": "towerflow.strategies",
     "Mirrored": "towerflow.strategies",
     "ParameterServer": "towerflow.strategies",
+    "OptimizerConfig": "towerflow.strategies",
     # training
     "Trainer": "towerflow.training",
     "Supervisor": "towerflow.training",
