@@ -1,1 +1,25 @@
-"""towerflow.models (under construction)."""
+"""Models: the article's CIFAR-10 network and a small net for 8x8 digits.
+
+Example:
+    >>> from towerflow.models import Cifar10Net, weight_decay_loss
+    >>> float(weight_decay_loss(Cifar10Net())) > 0
+    True
+"""
+
+from __future__ import annotations
+
+from towerflow.models.cifar10 import (
+    Cifar10Net,
+    LocalResponseNorm,
+    cross_entropy_loss,
+    weight_decay_loss,
+)
+from towerflow.models.digits import DigitsNet
+
+__all__ = [
+    "Cifar10Net",
+    "DigitsNet",
+    "LocalResponseNorm",
+    "cross_entropy_loss",
+    "weight_decay_loss",
+]

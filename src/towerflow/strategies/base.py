@@ -162,6 +162,34 @@ class Strategy(abc.ABC):
     def load_state_dict(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Restore what :meth:`state_dict` returned (tensors on any device)."""
 
+    def state_metadata(self) -> dict[str, Any]:
+        """JSON-able facts a checkpoint stores next to :meth:`state_dict`.
+
+        For example the layout of a flattened optimizer state. Empty by default.
+        """
+        return {}
+
+    def load_state(
+        self, groups: Mapping[str, Mapping[str, torch.Tensor]],
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Restore tensors together with what :meth:`state_metadata` returned.
+
+        The default ignores ``metadata`` and calls :meth:`load_state_dict`.
+        """
+        self.load_state_dict(groups)
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the replicas (``value`` itself in one process).
+
+        The loop calls it only on log and checkpoint steps, so that every
+        replica logs the same loss and stops together on a NaN.
+        """
+        return value
+
+    def check_restored_step(self, step: int) -> None:
+        """Raise when the replicas restored different steps (no-op in one process)."""
+
     @property
     def global_step(self) -> int:
         """The number of updates applied so far (shared across replicas)."""

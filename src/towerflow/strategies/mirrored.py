@@ -1,0 +1,260 @@
+"""``Mirrored``: synchronous data parallelism, one process per device.
+
+Article 001's towers, the PyTorch way: every replica (a process on its own GPU,
+or one of N CPU processes) holds a full copy of the model, computes the
+gradients of its own shard of the batch, and ``DistributedDataParallel``
+averages them with an all-reduce (NCCL on GPUs, Gloo on CPUs) before the same
+update is applied everywhere — the article's ``average_gradients``. DDP
+broadcasts rank 0's parameters when it wraps the model, so every replica
+starts from the same initialisation.
+
+Where a replica finds its place (first match wins):
+
+1. torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+   ``MASTER_ADDR``, ``MASTER_PORT`` (``towerflow train --replicas N`` sets the
+   same variables for the processes it starts);
+2. ``TF_CONFIG`` without a ``ps`` job: the ``chief`` task is rank 0, then the
+   ``worker`` tasks in order; the rank-0 task's address is the rendezvous;
+3. nothing: a world of one process.
+
+Example (two CPU replicas on one machine)::
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python train.py &
+    RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 python train.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.strategies.single import LocalOptimizerStrategy, resolve_device
+
+__all__ = ["Mirrored", "ReplicaEnv"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEnv:
+    """Where this replica sits: its rank, the world size and the rendezvous address.
+
+    Example:
+        >>> env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+        ...        "MASTER_PORT": "29500"}
+        >>> ReplicaEnv.from_env(env)
+        ReplicaEnv(rank=1, world_size=2, local_rank=1, master_addr='127.0.0.1', master_port=29500)
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaEnv:
+        """Read torchrun's variables, else ``TF_CONFIG``, else a world of one."""
+        env = os.environ if env is None else env
+        if any(name in env for name in ("RANK", "WORLD_SIZE")):
+            return cls._from_torchrun(env)
+        if env.get("TF_CONFIG"):
+            return cls._from_tf_config(env)
+        return cls(0, 1, 0, "127.0.0.1", _free_port())
+
+    @classmethod
+    def _from_torchrun(cls, env: Mapping[str, str]) -> ReplicaEnv:
+        missing = [name for name in _TORCHRUN_VARS if not env.get(name)]
+        if missing:
+            raise InvalidArgumentError(
+                f"The replica environment is incomplete: {', '.join(missing)} not set; set "
+                f"all of {', '.join(_TORCHRUN_VARS)} or start the replicas with torchrun."
+            )
+        rank = _env_int(env, "RANK")
+        world = _env_int(env, "WORLD_SIZE")
+        local_rank = _env_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else rank
+        port = _env_int(env, "MASTER_PORT")
+        return cls._checked(rank, world, local_rank, env["MASTER_ADDR"], port)
+
+    @classmethod
+    def _from_tf_config(cls, env: Mapping[str, str]) -> ReplicaEnv:
+        from towerflow.cluster import resolve_cluster
+
+        cluster, task = resolve_cluster(env=env)
+        if cluster is None or task is None:
+            raise InvalidArgumentError(
+                "TF_CONFIG names no cluster and task for this process; set "
+                '{"cluster": {...}, "task": {"type": "worker", "index": 0}}.'
+            )
+        if "ps" in cluster.jobs:
+            raise InvalidArgumentError(
+                "TF_CONFIG names a 'ps' job, which the Mirrored strategy does not use; "
+                "train with the ParameterServer strategy (towerflow train --ps) instead."
+            )
+        members = [(job, i) for job in ("chief", "worker") if job in cluster.jobs
+                   for i in range(cluster.num_tasks(job))]
+        me = (task.job_name, task.task_index)
+        if me not in members:
+            raise InvalidArgumentError(
+                f"TF_CONFIG task {task.job_name}:{task.task_index} does not train in a Mirrored "
+                "cluster; only 'chief' and 'worker' tasks are replicas."
+            )
+        from towerflow.cluster.spec import parse_address
+
+        host, port = parse_address(cluster.task_address(*members[0]))
+        local_rank = _env_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else 0
+        return cls._checked(members.index(me), len(members), local_rank, host, port)
+
+    @classmethod
+    def _checked(cls, rank: int, world: int, local_rank: int, addr: str, port: int) -> ReplicaEnv:
+        if world < 1 or not 0 <= rank < world:
+            raise InvalidArgumentError(
+                f"Replica rank {rank} is outside a world of {world} replicas; "
+                "RANK must be in [0, WORLD_SIZE)."
+            )
+        if local_rank < 0:
+            raise InvalidArgumentError(f"LOCAL_RANK must be non-negative, got {local_rank}.")
+        return cls(rank, world, local_rank, addr, port)
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise InvalidArgumentError(
+            f"Environment variable {name}={env[name]!r} is not an integer."
+        ) from None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Mirrored(LocalOptimizerStrategy):
+    """Synchronous all-reduce training, one process per device.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; by default NCCL for a GPU, Gloo for a CPU.
+        device: force this replica's device (e.g. ``"cpu"`` for CPU replicas on a
+            machine with GPUs); by default ``cuda:LOCAL_RANK`` when CUDA is
+            available, else the CPU.
+        timeout_s: how long a collective (and the rendezvous) may wait for
+            the other replicas.
+        env: the environment to read (``os.environ`` by default).
+    """
+
+    name = "mirrored"
+
+    def __init__(self, backend: str | None = None, *, device: str | torch.device | None = None,
+                 timeout_s: float = 1800.0, env: Mapping[str, str] | None = None) -> None:
+        super().__init__()
+        self.replica = ReplicaEnv.from_env(env)
+        self._device = self._choose_device(device)
+        self.backend = backend or ("nccl" if self._device.type == "cuda" else "gloo")
+        if self.backend not in ("nccl", "gloo"):
+            raise InvalidArgumentError(
+                f"Unknown backend {self.backend!r}; use 'nccl' (GPUs) or 'gloo' (CPUs)."
+            )
+        if self.backend == "nccl" and self._device.type != "cuda":
+            raise InvalidArgumentError(
+                f"The NCCL backend needs a GPU but this replica runs on {self._device}; "
+                "use backend='gloo'."
+            )
+        self._owns_group = False
+        self._init_group(timeout_s)
+
+    def _choose_device(self, device: str | torch.device | None) -> torch.device:
+        if device is not None:
+            chosen = resolve_device(device)
+        elif torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if self.replica.local_rank >= count:
+                raise InvalidArgumentError(
+                    f"Replica with LOCAL_RANK={self.replica.local_rank} needs GPU "
+                    f"{self.replica.local_rank} but {count} GPU(s) are visible; start at "
+                    f"most {count} replicas per machine or use CPU replicas."
+                )
+            chosen = torch.device("cuda", self.replica.local_rank)
+        else:
+            chosen = torch.device("cpu")
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
+        return chosen
+
+    def _init_group(self, timeout_s: float) -> None:
+        if dist.is_initialized():
+            if dist.get_world_size() != self.replica.world_size:
+                raise FailedPreconditionError(
+                    f"A process group of {dist.get_world_size()} processes already exists but "
+                    f"this replica expects {self.replica.world_size}; destroy it first."
+                )
+            return
+        host = self.replica.master_addr
+        host = f"[{host}]" if ":" in host else host
+        dist.init_process_group(
+            self.backend,
+            init_method=f"tcp://{host}:{self.replica.master_port}",
+            rank=self.replica.rank,
+            world_size=self.replica.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self._owns_group = True
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        return self.replica.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.replica.world_size
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        ids = [self._device.index] if self._device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().to(self._device, torch.float32).clone()
+        dist.all_reduce(total)
+        return total / self.world_size
+
+    def check_restored_step(self, step: int) -> None:
+        steps = torch.tensor([step, -step], dtype=torch.int64, device=self._device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        high, low = int(steps[0]), -int(steps[1])
+        if high != low:
+            raise FailedPreconditionError(
+                f"Replica {self.rank} restored step {step} but the replicas restored steps "
+                f"between {low} and {high}; every replica must read the same train_dir "
+                "(a shared file system), or start them all from an empty one."
+            )
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self._device.index])
+            else:
+                dist.barrier()
+
+    def shutdown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def __repr__(self) -> str:
+        return (f"Mirrored(rank={self.rank}, world_size={self.world_size}, "
+                f"device={str(self._device)!r}, backend={self.backend!r})")

@@ -1,0 +1,162 @@
+"""``SingleDevice``: one process, one device, a local ``torch.optim`` optimizer.
+
+The simplest strategy and the base of :class:`~towerflow.strategies.mirrored.Mirrored`,
+which only adds the process group and the ``DistributedDataParallel`` wrapper.
+
+Example:
+    >>> import torch
+    >>> from towerflow.strategies.base import OptimizerConfig
+    >>> strategy = SingleDevice("/cpu:0")
+    >>> model = strategy.prepare(torch.nn.Linear(2, 1), OptimizerConfig(lr=0.1))
+    >>> batch = (torch.ones(4, 2), torch.zeros(4, 1))
+    >>> loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    >>> strategy.run_step(loss_fn, batch).global_step
+    1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+
+__all__ = ["SingleDevice", "LocalOptimizerStrategy"]
+
+
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """A user's device string as a validated ``torch.device`` (the device model decides)."""
+    from towerflow.devices import resolve_device as _resolve
+
+    return _resolve(spec)
+
+
+class LocalOptimizerStrategy(Strategy):
+    """Shared machinery of strategies whose optimizer runs in this process.
+
+    Subclasses choose the device and may wrap the model (:meth:`_wrap`); the
+    step, the optimizer and the checkpoint state are the same for all of them.
+    """
+
+    def __init__(self) -> None:
+        self._model: nn.Module | None = None
+        self._train_model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._step = 0
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """The module the loss function calls (the model itself by default)."""
+        return model
+
+    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
+        """Move ``model`` to :attr:`device`, wrap it and build the optimizer."""
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(
+                f"prepare() needs a torch.nn.Module, got {type(model).__name__}."
+            )
+        model.to(self.device)
+        self._model = model
+        self._train_model = self._wrap(model)
+        self._optimizer = optimizer.build(self._train_model.parameters())
+        return self._train_model
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's (unwrapped) model on :attr:`device`."""
+        return self._prepared()[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The local optimizer built by :meth:`prepare`."""
+        return self._prepared()[1]
+
+    def _prepared(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self._model is None or self._optimizer is None:
+            raise FailedPreconditionError(
+                f"{type(self).__name__} has no model yet; call prepare(model, optimizer) first."
+            )
+        return self._model, self._optimizer
+
+    def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
+        """Forward, backward and one optimizer update; the loss stays on the device."""
+        _, optimizer = self._prepared()
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(self._train_model, batch)
+        loss.backward()
+        optimizer.step()
+        self._step += 1
+        return StepResult(loss=loss.detach(), global_step=self._step)
+
+    @property
+    def global_step(self) -> int:
+        return self._step
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        model, optimizer = self._prepared()
+        from towerflow.checkpoint import flatten_state
+
+        tensors, _ = flatten_state(optimizer.state_dict())
+        return {"model": dict(model.state_dict()), "optimizer": tensors}
+
+    def state_metadata(self) -> dict[str, Any]:
+        _, optimizer = self._prepared()
+        from towerflow.checkpoint import flatten_state
+
+        _, layout = flatten_state(optimizer.state_dict())
+        return {"global_step": self._step, "optimizer": layout}
+
+    def load_state_dict(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Restore the model only (the optimizer state needs :meth:`load_state`)."""
+        self.load_state(groups, None)
+
+    def load_state(
+        self, groups: Mapping[str, Mapping[str, torch.Tensor]],
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Restore parameters, optimizer state and the step from any device."""
+        model, optimizer = self._prepared()
+        from towerflow.checkpoint import load_into_module, unflatten_state
+
+        if "model" not in groups:
+            raise InvalidArgumentError(
+                f"The checkpoint has no 'model' group (groups: {sorted(groups)}); "
+                "restore a checkpoint written by a towerflow trainer."
+            )
+        load_into_module(model, groups["model"])
+        metadata = metadata or {}
+        layout = metadata.get("optimizer")
+        if layout is not None:
+            # own copies: torch keeps the given tensors when device and dtype already match
+            tensors = {k: v.clone() for k, v in groups.get("optimizer", {}).items()}
+            optimizer.load_state_dict(unflatten_state(tensors, layout))
+        if "global_step" in metadata:
+            self._step = int(metadata["global_step"])
+
+
+class SingleDevice(LocalOptimizerStrategy):
+    """Train on one device of this process.
+
+    Args:
+        device: ``"/gpu:0"``, ``"/cpu:0"``, ``"cuda:1"``, a ``torch.device`` or
+            None for the default device (the lowest-numbered GPU when there is one).
+    """
+
+    name = "single"
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        super().__init__()
+        self._device = resolve_device(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def __repr__(self) -> str:
+        return f"SingleDevice(device={str(self._device)!r})"

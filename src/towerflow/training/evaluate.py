@@ -1,0 +1,100 @@
+"""Evaluate a checkpoint's moving-average weights on the test split, on any device.
+
+Article 002: a model trained on a GPU runs inference on a CPU with no change;
+article 001's ``cifar10_eval.py`` prints ``precision @ 1 = 0.861``. The
+checkpoint's tensors are read straight onto the requested device, so where the
+model was trained does not matter.
+
+Example:
+    >>> import torch
+    >>> from towerflow.data import Dataset
+    >>> model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
+    >>> data = Dataset(torch.zeros(6, 1, 2, 2), torch.zeros(6, dtype=torch.int64), 2)
+    >>> 0.0 <= evaluate(model, data, device=torch.device("cpu")) <= 1.0
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from towerflow.errors import NotFoundError
+from towerflow.training.tasks import DataOptions, Task, get_task
+
+__all__ = ["EvalResult", "evaluate", "evaluate_checkpoint"]
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """Precision @ 1 of a checkpoint on a test split.
+
+    Attributes:
+        precision: fraction of test examples whose top class is the label.
+        step: the checkpoint's training step.
+        path: the checkpoint directory.
+        num_examples: how many examples were scored.
+        averaged: True when the moving averages were evaluated.
+    """
+
+    precision: float
+    step: int
+    path: Path
+    num_examples: int
+    averaged: bool
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, *, device: torch.device,  # noqa: ANN001
+             batch_size: int = 128,
+             images_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """Precision @ 1 of ``model`` on ``dataset`` (counted on the device, read once)."""
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    total = len(dataset.labels)
+    for start in range(0, total, batch_size):
+        images = dataset.images[start:start + batch_size].to(device, non_blocking=True)
+        labels = dataset.labels[start:start + batch_size].to(device, non_blocking=True)
+        if images_fn is not None:
+            images = images_fn(images)
+        correct += (model(images).argmax(dim=1) == labels).sum()
+    return int(correct.item()) / max(total, 1)
+
+
+def evaluate_checkpoint(task: str | Task, train_dir: str | Path, *,
+                        device: str | torch.device | None = None,
+                        data: DataOptions | None = None, batch_size: int = 128) -> EvalResult:
+    """Load the latest checkpoint in ``train_dir`` onto ``device`` and score the test split.
+
+    The moving averages (group ``ema``) replace the parameters when the
+    checkpoint has them, as ``cifar10_eval.py`` restores them.
+
+    Raises:
+        NotFoundError: ``train_dir`` holds no checkpoint.
+    """
+    from towerflow.checkpoint import latest_checkpoint, load_into_module, read_checkpoint
+    from towerflow.devices import resolve_device
+
+    task = get_task(task) if isinstance(task, str) else task
+    target = resolve_device(device)
+    path = latest_checkpoint(train_dir) if Path(train_dir).is_dir() else None
+    if path is None:
+        raise NotFoundError(
+            f"No checkpoint found in {str(train_dir)!r}; train first with "
+            f"`towerflow train {task.name} --train-dir {train_dir}`, or pass the --train-dir "
+            "a training run wrote."
+        )
+    ckpt = read_checkpoint(path, device=target)
+    model = task.build_model().to(target)
+    load_into_module(model, ckpt.groups["model"])
+    averaged = "ema" in ckpt.groups
+    if averaged:
+        load_into_module(model, ckpt.groups["ema"], strict=False)
+    dataset = task.load("test", data or DataOptions())
+    precision = evaluate(model, dataset, device=target, batch_size=batch_size,
+                         images_fn=task.eval_images)
+    return EvalResult(precision, ckpt.step, ckpt.path, len(dataset.labels), averaged)

@@ -1,0 +1,287 @@
+"""What the loop does around the steps: step log, NaN guard, summaries, checkpoints, progress.
+
+Each hook is told about every step through a :class:`StepContext`. Reading
+the loss synchronises the host with the device, so the loop reads it only on
+steps where some hook asks for it (:meth:`Hook.wants_loss`): every 10 steps
+for the log, every 100 for summaries, before every checkpoint. Every replica
+runs the same hooks (the loss read is a collective); only the chief writes.
+
+The step log has article 001's format::
+
+    step 10, loss = 2.30 (1234.5 examples/sec; 0.104 sec/batch)
+
+where examples/sec counts the global batch (all replicas) and sec/batch is the
+mean wall time of one step since the previous line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+
+from towerflow.errors import TowerflowError
+
+if TYPE_CHECKING:
+    from towerflow.checkpoint import CheckpointManager
+    from towerflow.training.loop import Trainer
+    from towerflow.training.summaries import SummaryWriter
+
+__all__ = [
+    "NanLossDuringTrainingError",
+    "StepContext",
+    "Hook",
+    "StepLogHook",
+    "SummaryHook",
+    "CheckpointHook",
+    "ProgressHook",
+    "check_finite_loss",
+    "format_step_line",
+]
+
+log = logging.getLogger("towerflow.training")
+
+
+class NanLossDuringTrainingError(TowerflowError):
+    """The loss (or a parameter) became NaN or infinite: the model diverged."""
+
+    grpc_code = "ABORTED"
+
+
+@dataclass(slots=True)
+class StepContext:
+    """One finished step, as the hooks see it.
+
+    Attributes:
+        step: the global step after the update.
+        max_steps: where training stops.
+        lr: the learning rate of the step (None when no schedule is used).
+        loss: the loss averaged over replicas, or None when no hook asked for it.
+        global_batch: examples in the step over all replicas.
+    """
+
+    step: int
+    max_steps: int
+    lr: float | None
+    loss: float | None
+    global_batch: int
+
+
+def check_finite_loss(loss: float, step: int, train_dir: Any = None) -> None:
+    """Raise :class:`NanLossDuringTrainingError` when ``loss`` is NaN or infinite.
+
+    Example:
+        >>> check_finite_loss(2.3, 10)
+        >>> try:
+        ...     check_finite_loss(float("nan"), 20)
+        ... except NanLossDuringTrainingError as exc:
+        ...     print(str(exc)[:41])
+        Model diverged with loss = NaN at step 20
+    """
+    if math.isfinite(loss):
+        return
+    where = f"; the checkpoints in {str(train_dir)!r} hold finite parameters" if train_dir else ""
+    raise NanLossDuringTrainingError(
+        f"Model diverged with loss = NaN at step {step} (loss {loss}){where}. "
+        "Lower the learning rate (--lr) or check the input data."
+    )
+
+
+def format_step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float) -> str:
+    """Article 001's step log line.
+
+    Example:
+        >>> format_step_line(10, 2.3012, 1234.54, 0.1037)
+        'step 10, loss = 2.30 (1234.5 examples/sec; 0.104 sec/batch)'
+    """
+    return (f"step {step}, loss = {loss:.2f} ({examples_per_sec:.1f} examples/sec; "
+            f"{sec_per_batch:.3f} sec/batch)")
+
+
+class _Rate:
+    """Steps and wall time since the previous reading."""
+
+    __slots__ = ("_step", "_time")
+
+    def __init__(self, step: int) -> None:
+        self._step = step
+        self._time = time.perf_counter()
+
+    def read(self, step: int, global_batch: int) -> tuple[float, float]:
+        """``(examples/sec, sec/batch)`` since the last read; resets the interval."""
+        now = time.perf_counter()
+        steps = max(step - self._step, 1)
+        sec_per_batch = max(now - self._time, 1e-9) / steps
+        self._step, self._time = step, now
+        return global_batch / sec_per_batch, sec_per_batch
+
+
+def _every(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+class Hook:
+    """Base class: override what you need. ``begin`` runs after restoring."""
+
+    def begin(self, trainer: Trainer) -> None:
+        """Called once before the first step, with the prepared trainer."""
+
+    def wants_loss(self, step: int) -> bool:
+        """Whether the loss of ``step`` must be read (the same answer on every replica)."""
+        return False
+
+    def after_step(self, ctx: StepContext) -> None:
+        """Called after every step."""
+
+    def end(self, ctx: StepContext | None, error: BaseException | None) -> None:
+        """Called once when the loop stops (``error`` is what stopped it, if anything)."""
+
+
+class StepLogHook(Hook):
+    """Print ``step N, loss = ...`` every ``every`` steps (chief only)."""
+
+    def __init__(self, every: int = 10, stream: TextIO | None = None) -> None:
+        self.every = every
+        self.stream = stream
+        self._rate = _Rate(0)
+        self._chief = True
+
+    def begin(self, trainer: Trainer) -> None:
+        self._rate = _Rate(trainer.global_step)
+        self._chief = trainer.strategy.is_chief
+
+    def wants_loss(self, step: int) -> bool:
+        return _every(step, self.every)
+
+    def after_step(self, ctx: StepContext) -> None:
+        if ctx.loss is None or not _every(ctx.step, self.every):
+            return
+        examples_per_sec, sec_per_batch = self._rate.read(ctx.step, ctx.global_batch)
+        if self._chief:
+            line = format_step_line(ctx.step, ctx.loss, examples_per_sec, sec_per_batch)
+            print(line, file=self.stream or sys.stdout, flush=True)
+
+
+class SummaryHook(Hook):
+    """TensorBoard scalars and histograms every ``every`` steps (chief only)."""
+
+    def __init__(self, writer_factory: Any, every: int = 100) -> None:
+        self.every = every
+        self._factory = writer_factory
+        self._writer: SummaryWriter | None = None
+        self._trainer: Trainer | None = None
+        self._rate = _Rate(0)
+
+    def begin(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self._rate = _Rate(trainer.global_step)
+        if trainer.strategy.is_chief:
+            self._writer = self._factory()
+
+    def wants_loss(self, step: int) -> bool:
+        return _every(step, self.every)
+
+    def after_step(self, ctx: StepContext) -> None:
+        if ctx.loss is None or not _every(ctx.step, self.every):
+            return
+        examples_per_sec, _ = self._rate.read(ctx.step, ctx.global_batch)
+        if self._writer is None or self._trainer is None:
+            return
+        scalars = {"loss": ctx.loss, "examples_per_sec": examples_per_sec}
+        if ctx.lr is not None:
+            scalars["learning_rate"] = ctx.lr
+        from towerflow.training.summaries import parameter_histograms
+
+        self._writer.scalars(ctx.step, scalars)
+        self._writer.histograms(ctx.step, parameter_histograms(
+            self._trainer.model.named_parameters()))
+
+    def end(self, ctx: StepContext | None, error: BaseException | None) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class CheckpointHook(Hook):
+    """Save every ``every`` steps and at the last step; never a non-finite model."""
+
+    def __init__(self, manager: CheckpointManager, every: int = 1000) -> None:
+        self.manager = manager
+        self.every = every
+        self._trainer: Trainer | None = None
+
+    def begin(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def _due(self, step: int, max_steps: int) -> bool:
+        return _every(step, self.every) or step == max_steps
+
+    def wants_loss(self, step: int) -> bool:
+        trainer = self._trainer
+        return trainer is not None and self._due(step, trainer.max_steps)
+
+    def after_step(self, ctx: StepContext) -> None:
+        trainer = self._trainer
+        if trainer is None or not self._due(ctx.step, ctx.max_steps):
+            return
+        bad = trainer.non_finite_state()
+        if bad:
+            raise NanLossDuringTrainingError(
+                f"Model diverged with loss = NaN: {bad} is not finite at step {ctx.step}; "
+                f"no checkpoint was written, the ones in {str(self.manager.directory)!r} "
+                "hold finite parameters. Lower the learning rate (--lr)."
+            )
+        if trainer.strategy.is_chief:
+            groups, metadata = trainer.checkpoint_state()
+            path = self.manager.save(ctx.step, groups, metadata)
+            log.info("saved checkpoint %s", path)
+
+
+class ProgressHook(Hook):
+    """A ``rich`` progress bar on stderr, shown only when stderr is a terminal."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+        self._task: Any = None
+
+    def begin(self, trainer: Trainer) -> None:
+        enabled = sys.stderr.isatty() if self.enabled is None else self.enabled
+        if not (enabled and trainer.strategy.is_chief):
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        self._progress = Progress(
+            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+            TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "training", total=trainer.max_steps, completed=trainer.global_step)
+
+    def after_step(self, ctx: StepContext) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=ctx.step)
+
+    def end(self, ctx: StepContext | None, error: BaseException | None) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def non_finite_tensor(named: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, or None."""
+    names = list(named)
+    if not names:
+        return None
+    flags = torch.stack([torch.isfinite(named[n]).all() for n in names]).cpu()
+    for name, ok in zip(names, flags.tolist(), strict=True):
+        if not ok:
+            return name
+    return None

@@ -1,0 +1,101 @@
+"""``towerflow train``: one process, resume, N local replicas, and the replica spawner."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from towerflow.checkpoint import CheckpointManager, read_checkpoint
+from towerflow.cli import build_parser, main
+from towerflow.cli.train import replica_argv
+from towerflow.training.spawn import spawn_replicas
+
+_STEP = r"step {}, loss = \d+\.\d\d \(\d+\.\d examples/sec; \d+\.\d{{3}} sec/batch\)"
+
+
+def _train_args(train_dir: Path, steps: int, *extra: str) -> list[str]:
+    return ["train", "digits", "--train-dir", str(train_dir), "--max-steps", str(steps),
+            "--batch-size", "16", "--log-every", "10", "--checkpoint-every", "10",
+            "--summary-every", "0", "--no-progress", *extra]
+
+
+def test_train_then_the_same_command_resumes_from_the_latest_checkpoint(
+        tmp_path, capsys, caplog) -> None:
+    assert main(_train_args(tmp_path, 20, "--device", "/cpu:0")) == 0
+    out = capsys.readouterr().out
+    assert any(re.fullmatch(_STEP.format(20), line)
+               for line in out.splitlines()), out
+    with caplog.at_level(logging.INFO, logger="towerflow.training"):
+        assert main(_train_args(tmp_path, 30, "--device", "/cpu:0")) == 0
+    assert "at step 20" in caplog.text
+    out = capsys.readouterr().out
+    assert "step 10," not in out and "step 30, loss" in out
+    assert CheckpointManager(tmp_path).latest().name == "ckpt-00000030"
+
+
+@pytest.mark.slow
+def test_two_cpu_replicas_train_digits_and_only_the_chief_logs_and_saves(
+        tmp_path, subprocess_env, python) -> None:
+    cmd = [python, "-m", "towerflow", *_train_args(tmp_path, 20, "--replicas", "2")]
+    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    step_lines = [line for line in proc.stdout.splitlines() if "loss =" in line]
+    assert len(step_lines) == 2 and not any(line.startswith("[replica") for line in step_lines)
+    ckpt = read_checkpoint(CheckpointManager(tmp_path).latest())
+    assert ckpt.step == 20 and ckpt.metadata["world_size"] == 2
+    assert ckpt.metadata["batch_size"] == 16
+
+
+def test_replica_command_reproduces_the_parsed_options() -> None:
+    argv = ["train", "cifar10", "--replicas", "2", "--train-dir", "d", "--max-steps", "5",
+            "--data", "synthetic", "--lr", "0.05", "--log-device-placement"]
+    args = build_parser().parse_args(argv)
+    again = build_parser().parse_args(replica_argv(args)[3:])
+    assert vars(again) == vars(args) | {"_run": again._run}
+    assert replica_argv(args)[:3] == [sys.executable, "-m", "towerflow"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_num_gpus_without_gpus_suggests_cpu_replicas(tmp_path, capsys) -> None:
+    assert main(_train_args(tmp_path, 5, "--num-gpus", "2")) == 2
+    assert "--num-gpus 2 asks for 2 GPU(s) but 0 are visible; use --replicas 2" in \
+        capsys.readouterr().err
+
+
+_FAILING_REPLICA = r"""
+import os, sys, time
+if os.environ["RANK"] == "0":
+    open(sys.argv[1] + ".tmp", "w").write(str(os.getpid()))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(120)  # a replica stuck waiting for a dead peer
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+def test_a_failing_replica_stops_the_others_and_sets_the_exit_status(tmp_path) -> None:
+    import psutil
+
+    pid_file = tmp_path / "rank0.pid"
+    status = spawn_replicas([sys.executable, "-c", _FAILING_REPLICA, str(pid_file)], 2,
+                            grace_s=5.0)
+    assert status == 3
+    pid = int(pid_file.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_replicas_get_torchrun_environment(tmp_path) -> None:
+    code = ("import os, sys; e = os.environ; "
+            "open(sys.argv[1] + e['RANK'], 'w').write(','.join(e[k] for k in "
+            "('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR')))")
+    assert spawn_replicas([sys.executable, "-c", code, str(tmp_path / "r")], 2) == 0
+    assert (tmp_path / "r0").read_text() == "0,0,2,127.0.0.1"
+    assert (tmp_path / "r1").read_text() == "1,1,2,127.0.0.1"

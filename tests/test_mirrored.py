@@ -1,0 +1,135 @@
+"""Mirrored strategy: replica environment, and N replicas == one replica with N x the batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from towerflow.errors import InvalidArgumentError
+from towerflow.strategies.mirrored import ReplicaEnv
+
+# One replica of the equivalence test: rank r initialises with seed r (so only
+# DDP's broadcast of rank 0 makes them equal), takes its half of a fixed
+# batch, runs two momentum-SGD steps and saves its parameters.
+_REPLICA = r"""
+import sys, torch
+import towerflow
+from towerflow.models import Cifar10Net, cross_entropy_loss
+from towerflow.strategies.base import OptimizerConfig
+from towerflow.strategies.mirrored import Mirrored
+
+out, per_replica = sys.argv[1], int(sys.argv[2])
+strategy = Mirrored(timeout_s=60)
+torch.manual_seed(strategy.rank)
+model = strategy.prepare(Cifar10Net(), OptimizerConfig("momentum", lr=0.05, momentum=0.9))
+g = torch.Generator().manual_seed(42)
+images = torch.randn(2 * per_replica, 3, 24, 24, generator=g)
+labels = torch.randint(0, 10, (2 * per_replica,), generator=g)
+mine = slice(strategy.rank * per_replica, (strategy.rank + 1) * per_replica)
+for _ in range(2):
+    strategy.run_step(cross_entropy_loss, (images[mine], labels[mine]))
+towerflow.save(strategy.model, f"{out}/rank{strategy.rank}")
+strategy.shutdown()
+"""
+
+
+def _reference(per_replica: int) -> dict[str, torch.Tensor]:
+    from towerflow.models import Cifar10Net, cross_entropy_loss
+    from towerflow.strategies.base import OptimizerConfig
+    from towerflow.strategies.single import SingleDevice
+
+    strategy = SingleDevice("/cpu:0")
+    torch.manual_seed(0)
+    strategy.prepare(Cifar10Net(), OptimizerConfig("momentum", lr=0.05, momentum=0.9))
+    g = torch.Generator().manual_seed(42)
+    images = torch.randn(2 * per_replica, 3, 24, 24, generator=g)
+    labels = torch.randint(0, 10, (2 * per_replica,), generator=g)
+    for _ in range(2):
+        strategy.run_step(cross_entropy_loss, (images, labels))
+    return {k: v.detach() for k, v in strategy.model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_two_gloo_replicas_match_one_replica_with_twice_the_batch(
+        tmp_path: Path, free_ports, subprocess_env, python) -> None:
+    from towerflow import load
+
+    port = free_ports(1)[0]
+    procs = []
+    try:
+        for rank in range(2):
+            env = dict(subprocess_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+            procs.append(subprocess.Popen([python, "-c", _REPLICA, str(tmp_path), "4"], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    expected = _reference(per_replica=4)
+    replicas = [load(tmp_path / f"rank{r}") for r in range(2)]
+    for name, want in expected.items():
+        torch.testing.assert_close(replicas[0][name], replicas[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(replicas[0][name], want, rtol=1e-4, atol=1e-5)
+
+
+def test_replica_env_reads_torchrun_variables() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500"}
+    assert ReplicaEnv.from_env(env) == ReplicaEnv(3, 4, 1, "10.0.0.1", 29500)
+
+
+def test_replica_env_without_any_variables_is_a_world_of_one() -> None:
+    replica = ReplicaEnv.from_env({})
+    assert (replica.rank, replica.world_size, replica.master_addr) == (0, 1, "127.0.0.1")
+
+
+def test_incomplete_torchrun_environment_names_the_missing_variables() -> None:
+    with pytest.raises(InvalidArgumentError, match="MASTER_ADDR, MASTER_PORT not set"):
+        ReplicaEnv.from_env({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_rank_outside_the_world_is_refused() -> None:
+    env = {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    with pytest.raises(InvalidArgumentError, match=r"rank 2 is outside a world of 2"):
+        ReplicaEnv.from_env(env)
+
+
+def test_tf_config_orders_chief_then_workers_and_meets_at_the_chief() -> None:
+    cluster = {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}})
+    replica = ReplicaEnv.from_env({"TF_CONFIG": tf_config})
+    assert replica == ReplicaEnv(2, 3, 0, "host0", 2222)
+
+
+def test_tf_config_with_a_ps_job_points_to_the_parameter_server_strategy() -> None:
+    cluster = {"ps": ["h:1"], "worker": ["h:2"]}
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
+    with pytest.raises(InvalidArgumentError, match="names a 'ps' job.*ParameterServer"):
+        ReplicaEnv.from_env({"TF_CONFIG": tf_config})
+
+
+def test_mirrored_world_of_one_trains_and_reports_its_place() -> None:
+    from towerflow.strategies.base import OptimizerConfig
+    from towerflow.strategies.mirrored import Mirrored
+
+    strategy = Mirrored(device="cpu", env={}, timeout_s=30)
+    try:
+        model = strategy.prepare(torch.nn.Linear(3, 1), OptimizerConfig(lr=0.1))
+        batch = (torch.ones(2, 3), torch.zeros(2, 1))
+        result = strategy.run_step(
+            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), batch)
+        assert (strategy.rank, strategy.world_size, strategy.backend) == (0, 1, "gloo")
+        assert result.global_step == 1
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        strategy.check_restored_step(0)
+        assert float(strategy.reduce_mean(torch.tensor(3.0))) == 3.0
+    finally:
+        strategy.shutdown()
