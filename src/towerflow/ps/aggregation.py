@@ -1,0 +1,342 @@
+"""How a ps shard turns pushed gradients into updates: async, sync and ssp.
+
+==========  =================================================================
+``async``   every gradient is applied when it arrives (article 000's
+            asynchronous mode); workers see non-consecutive global steps.
+``sync``    ``tf.train.SyncReplicasOptimizer``'s semantics: the first
+            ``replicas_to_aggregate`` gradients computed on the current step
+            are averaged and applied once; a gradient computed on an older
+            step is stale, dropped and counted. With ``total_num_replicas``
+            greater than ``replicas_to_aggregate`` the extra workers are
+            backups, so a straggler does not hold the step. A push returns
+            when its step has been applied.
+``ssp``     stale-synchronous parallel: gradients are applied on arrival, but
+            a worker's push returns only once it is at most ``staleness``
+            pushes ahead of the slowest live worker.
+==========  =================================================================
+
+Memory does not grow with the number of workers: async and ssp receive into
+one buffer per shard (pushes are received one at a time), sync sums every
+gradient straight into one accumulator per shard. A sync push refused part
+way through (NaN / inf in a later chunk, or a worker dying mid-push) voids the
+step's partial sum: the workers that contributed to it are told ``voided``
+and compute again, so the parameters never see a refused gradient.
+
+Example:
+    >>> AggregationConfig(mode="sync", total_num_replicas=3, replicas_to_aggregate=2).backups
+    1
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from towerflow.errors import DataLossError, DeadlineExceededError, InvalidArgumentError
+from towerflow.ps.shard import (
+    APPLIED,
+    REFUSED,
+    STALE,
+    VOIDED,
+    PushHeader,
+    PushOutcome,
+    ShardState,
+    receive_into,
+)
+
+__all__ = ["AggregationConfig", "Aggregator", "make_aggregator", "MODES"]
+
+MODES = ("async", "sync", "ssp")
+
+
+@dataclass(frozen=True, slots=True)
+class AggregationConfig:
+    """How gradients are combined on the ps.
+
+    Attributes:
+        mode: ``async``, ``sync`` or ``ssp``.
+        total_num_replicas: number of workers pushing gradients.
+        replicas_to_aggregate: gradients averaged per step in sync mode
+            (default: all replicas).
+        staleness: ssp bound: pushes a worker may be ahead of the slowest.
+        timeout: seconds a push may wait for its step (sync) or for the
+            slowest worker (ssp) before failing with DeadlineExceededError.
+    """
+
+    mode: str = "async"
+    total_num_replicas: int = 1
+    replicas_to_aggregate: int | None = None
+    staleness: int = 2
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgumentError(
+                f"Unknown ps mode {self.mode!r}; use one of {', '.join(MODES)}."
+            )
+        if self.total_num_replicas < 1:
+            raise InvalidArgumentError(
+                f"total_num_replicas must be >= 1, got {self.total_num_replicas}."
+            )
+        r = self.replicas_to_aggregate
+        if r is not None and not 1 <= r <= self.total_num_replicas:
+            raise InvalidArgumentError(
+                f"replicas_to_aggregate={r} must be between 1 and total_num_replicas="
+                f"{self.total_num_replicas}; extra replicas act as backup workers."
+            )
+        if self.staleness < 0:
+            raise InvalidArgumentError(f"staleness must be >= 0, got {self.staleness}.")
+        if not self.timeout > 0:
+            raise InvalidArgumentError(f"timeout must be positive, got {self.timeout}.")
+
+    @property
+    def required(self) -> int:
+        """Gradients averaged per sync step."""
+        return self.replicas_to_aggregate or self.total_num_replicas
+
+    @property
+    def backups(self) -> int:
+        """Number of backup workers (sync mode)."""
+        return self.total_num_replicas - self.required
+
+
+class Aggregator(abc.ABC):
+    """Receives pushes for one :class:`ShardState` and applies them."""
+
+    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
+        self.state = state
+        self.config = config
+        self._recv_lock = threading.Lock()  # one payload received at a time
+        self._done: set[int] = set()
+        self._closed = False
+
+    def push(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+        """Handle one push: de-duplicate, validate, receive, apply (or drop).
+
+        A refused push returns a ``refused`` outcome (counted, parameters
+        unchanged); a retry of a push already seen returns its outcome again.
+        """
+        state = self.state
+        try:
+            earlier = state.begin_push(header, self.config.timeout)
+        except InvalidArgumentError as exc:
+            return state.finish_push(header, PushOutcome(REFUSED, state.step, str(exc)))
+        if earlier is not None:
+            return earlier
+        with state.cond:
+            self._done.discard(header.worker_id)
+        try:
+            outcome = self._accept(header, chunks)
+        except (InvalidArgumentError, DataLossError) as exc:
+            outcome = PushOutcome(REFUSED, state.step, str(exc))
+        except DeadlineExceededError:
+            raise
+        except BaseException:
+            state.forget_push(header)
+            raise
+        outcome = state.finish_push(header, outcome)
+        if outcome.status == APPLIED:
+            self._after_applied(header)
+        return outcome
+
+    @abc.abstractmethod
+    def _accept(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+        """Receive the payload and apply or accumulate it."""
+
+    def _after_applied(self, header: PushHeader) -> None:
+        """Hook run after an applied push has been recorded (ssp waits here)."""
+
+    def worker_done(self, worker_id: int) -> None:
+        """Worker ``worker_id`` has finished: stop waiting for it."""
+        with self.state.cond:
+            self._done.add(worker_id)
+            self.state.cond.notify_all()
+
+    def close(self) -> None:
+        """The shard was replaced (the chief re-initialised it): release waiting pushes."""
+        with self.state.cond:
+            self._closed = True
+            self.state.cond.notify_all()
+
+    def _live(self) -> int:
+        return max(1, self.config.total_num_replicas - len(self._done))
+
+    def _who(self, header: PushHeader) -> str:
+        return f"worker {header.worker_id}"
+
+    def _receive_checked(self, target: np.ndarray, header: PushHeader,
+                         chunks: Iterable[bytes | memoryview]) -> None:
+        receive_into(target, chunks, header.numel, who=self._who(header))
+        bad = self.state.find_nonfinite(target)
+        if bad is not None:
+            raise InvalidArgumentError(self.state.nonfinite_message(header, bad))
+
+
+class _AsyncAggregator(Aggregator):
+    """Applies every gradient on arrival."""
+
+    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
+        super().__init__(state, config)
+        self._rbuf = np.empty(state.layout.numel, np.float32)  # pages touched on first use
+
+    def _accept(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+        with self._recv_lock:
+            self._receive_checked(self._rbuf, header, chunks)
+            self._before_apply(header)
+            step = self.state.apply(self._rbuf, header.lr)
+        return PushOutcome(APPLIED, step)
+
+    def _before_apply(self, header: PushHeader) -> None:
+        """Hook run just before a gradient is applied (ssp records the lead)."""
+
+
+class _SSPAggregator(_AsyncAggregator):
+    """Async updates, but no worker more than ``staleness`` pushes ahead."""
+
+    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
+        super().__init__(state, config)
+        self._clocks: dict[int, int] = dict.fromkeys(range(config.total_num_replicas), 0)
+
+    def _min_clock(self) -> int:
+        live = [c for w, c in self._clocks.items() if w not in self._done]
+        return min(live) if live else 0
+
+    def _before_apply(self, header: PushHeader) -> None:
+        with self.state.cond:
+            clock = self._clocks.setdefault(header.worker_id, self._min_clock())
+            lead = clock - self._min_clock()
+            self.state.stats.max_lead = max(self.state.stats.max_lead, lead)
+            self._clocks[header.worker_id] = clock + 1
+            self.state.cond.notify_all()
+
+    def _after_applied(self, header: PushHeader) -> None:
+        state, bound = self.state, self.config.staleness
+        deadline = time.monotonic() + self.config.timeout
+        with state.cond:
+            while self._clocks[header.worker_id] - self._min_clock() > bound and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    slowest = self._min_clock()
+                    behind = sorted(w for w, c in self._clocks.items()
+                                    if c == slowest and w not in self._done)
+                    raise DeadlineExceededError(
+                        f"Worker {header.worker_id} waited {self.config.timeout:.0f} s for the "
+                        f"slowest workers ({', '.join(map(str, behind))}, at push {slowest}) "
+                        f"to come within staleness {bound}; check that they are alive."
+                    )
+                state.cond.wait(remaining)
+
+
+class _SyncAggregator(Aggregator):
+    """Averages ``replicas_to_aggregate`` gradients of the current step, applies once."""
+
+    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
+        super().__init__(state, config)
+        self._acc = np.zeros(state.layout.numel, np.float32)
+        self._count = 0
+        self._contributors: list[int] = []
+        self._epoch = 0     # bumped when the step's sum is applied or voided
+        self._dirty = False  # the accumulator holds part of a push not yet counted
+        self._lr = 0.0
+
+    def _accept(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+        state = self.state
+        with self._recv_lock:
+            with state.cond:
+                if header.token != state.step:
+                    return PushOutcome(STALE, state.step, (
+                        f"gradient of worker {header.worker_id} was computed on step "
+                        f"{header.token} but shard {state.layout.index} is at step {state.step}"))
+                epoch = self._epoch
+            try:
+                receive_into(self._acc, chunks, header.numel, who=self._who(header),
+                             on_chunk=lambda first, values: self._add(header, first, values))
+            except BaseException:
+                if self._dirty:
+                    self._void(header)
+                raise
+            with state.cond:
+                self._dirty = False
+                self._count += 1
+                self._contributors.append(header.worker_id)
+                self._lr = header.lr
+                if self._count >= min(self.config.required, self._live()):
+                    self._complete()
+                    return PushOutcome(APPLIED, state.step)
+        return self._wait_for_step(header, epoch)
+
+    def _add(self, header: PushHeader, first: int, values: np.ndarray) -> None:
+        bad = self.state.find_nonfinite(values, base=first)
+        if bad is not None:
+            raise InvalidArgumentError(self.state.nonfinite_message(header, bad))
+        self._dirty = True
+        self._acc[first:first + values.size] += values
+
+    def _complete(self) -> None:
+        """Average and apply the step's sum (caller holds the receive lock and cond)."""
+        self._acc *= np.float32(1.0 / self._count)
+        self.state.apply(self._acc, self._lr)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._acc.fill(0.0)
+        self._count = 0
+        self._contributors.clear()
+        self._dirty = False
+        self._epoch += 1
+        self.state.cond.notify_all()
+
+    def _void(self, header: PushHeader) -> None:
+        with self.state.cond:
+            self._reset()
+
+    def _wait_for_step(self, header: PushHeader, epoch: int) -> PushOutcome:
+        state = self.state
+        deadline = time.monotonic() + self.config.timeout
+        with state.cond:
+            while self._epoch == epoch and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceededError(self._missing_message(header))
+                state.cond.wait(remaining)
+            if state.step > header.token:
+                return PushOutcome(APPLIED, state.step)
+            return PushOutcome(VOIDED, state.step, (
+                f"step {header.token} of shard {state.layout.index} was voided by a refused "
+                "gradient; compute it again"))
+
+    def _missing_message(self, header: PushHeader) -> str:
+        state = self.state
+        got = sorted(set(self._contributors))
+        missing = [w for w in range(self.config.total_num_replicas)
+                   if w not in got and w not in self._done]
+        return (f"Step {header.token} of ps shard {state.layout.index} waited "
+                f"{self.config.timeout:.0f} s for {self.config.required} gradients but received "
+                f"{self._count} (from worker {', '.join(map(str, got)) or 'none'}); missing: "
+                f"{', '.join(f'/job:worker/task:{w}' for w in missing) or 'none'}. "
+                "Restart the missing workers or add backup workers.")
+
+    def worker_done(self, worker_id: int) -> None:
+        with self._recv_lock, self.state.cond:
+            self._done.add(worker_id)
+            if self._count and self._count >= min(self.config.required, self._live()):
+                self._complete()
+            self.state.cond.notify_all()
+
+
+_KINDS: dict[str, type[Aggregator]] = {
+    "async": _AsyncAggregator,
+    "sync": _SyncAggregator,
+    "ssp": _SSPAggregator,
+}
+
+
+def make_aggregator(state: ShardState, config: AggregationConfig) -> Aggregator:
+    """Return the aggregator of ``config.mode`` over ``state``."""
+    return _KINDS[config.mode](state, config)
+

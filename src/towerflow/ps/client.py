@@ -1,0 +1,444 @@
+"""The worker's side of the parameter server: pull, push, push-and-pull, prefetch.
+
+A :class:`PSClient` talks to every ps task of a cluster over the cluster
+transport (authenticated channels, a deadline on every call). Each shard's
+parameters and gradients are one flat float32 numpy buffer on the worker; a
+push streams the gradient buffer in chunks and can bring the fresh parameters
+back in the same call; shards are reached in parallel by a thread pool. Every
+push carries ``(worker_id, incarnation, seq)``, so a push retried after a lost
+reply is applied once.
+
+Example (with a running ps task)::
+
+    client = PSClient(cluster, placement, worker_id=1)
+    client.wait_until_initialized(timeout=60)
+    step = client.pull(params)                       # list of flat arrays, one per shard
+    result = client.push(grads, lr=0.1, pull_into=params)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from towerflow.cluster.transport import (
+    Credentials,
+    channel_address,
+    make_channel,
+    map_rpc_error,
+    stream_unary,
+    unary,
+    unary_stream,
+)
+from towerflow.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
+from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.aggregation import AggregationConfig
+from towerflow.ps.placement import Placement, ShardLayout
+from towerflow.ps.service import SERVICE_NAME, layout_to_proto, pack, parse_message, unpack
+from towerflow.ps.shard import APPLIED, CHUNK_BYTES, REFUSED
+
+__all__ = ["ShardClient", "PSClient", "PushResult", "ShardSnapshot"]
+
+logger = logging.getLogger("towerflow.ps")
+
+_T = TypeVar("_T")
+_M = f"/{SERVICE_NAME}/"
+
+
+def _chunks(buffer: np.ndarray, chunk_bytes: int) -> Iterator[bytes]:
+    raw = memoryview(np.ascontiguousarray(buffer)).cast("B")
+    for start in range(0, len(raw), chunk_bytes):
+        yield bytes(raw[start:start + chunk_bytes])
+
+
+def _receive(into: np.ndarray, chunks: Iterator[bytes], numel: int, what: str) -> None:
+    if numel != into.size:
+        raise DataLossError(
+            f"{what} announces {numel} elements but this worker's buffer holds {into.size}; "
+            "the ps holds another model: restart it or the chief."
+        )
+    raw = into.view(np.uint8)
+    pos = 0
+    for chunk in chunks:
+        end = pos + len(chunk)
+        if end > raw.size:
+            raise DataLossError(f"{what} sent more than the {raw.size} bytes it announced.")
+        raw[pos:end] = np.frombuffer(chunk, np.uint8)
+        pos = end
+    if pos != raw.size:
+        raise DataLossError(f"{what} ended after {pos} of {raw.size} bytes.")
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """The outcome of one push to every shard.
+
+    Attributes:
+        global_step: ps task 0's step after the push.
+        statuses: each shard's outcome (``applied``, ``stale``, ``voided``, ``refused``).
+        messages: why, for shards that did not apply it.
+    """
+
+    global_step: int
+    statuses: tuple[str, ...]
+    messages: tuple[str, ...]
+
+    @property
+    def applied(self) -> bool:
+        """True when every shard applied the gradient."""
+        return all(s == APPLIED for s in self.statuses)
+
+    @property
+    def refused(self) -> bool:
+        """True when some shard refused the gradient as invalid."""
+        return REFUSED in self.statuses
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSnapshot:
+    """A shard's parameters and optimizer state, for a checkpoint."""
+
+    step: int
+    optimizer_step: int
+    params: np.ndarray
+    slots: Mapping[str, np.ndarray]
+
+
+class ShardClient:
+    """Calls to one ps task.
+
+    Args:
+        channel: an authenticated channel to the ps task.
+        layout: what that shard holds.
+        timeout: deadline of ordinary calls (seconds).
+        push_timeout: deadline of a push (covers a sync step's wait).
+        chunk_bytes: size of streamed chunks.
+    """
+
+    def __init__(self, channel: grpc.Channel, layout: ShardLayout, *, timeout: float = 30.0,
+                 push_timeout: float | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.channel = channel
+        self.layout = layout
+        self.timeout = timeout
+        self.push_timeout = push_timeout or timeout
+        self.chunk_bytes = chunk_bytes
+        self.version = 0  # the shard step of the last parameters received
+        self._signature = [pb.SegmentSignature(name=n, shape=s) for n, s in layout.signature]
+
+    @property
+    def address(self) -> str:
+        """The ps task's address."""
+        return channel_address(self.channel)
+
+    def _retrying(self, call: Callable[[], _T], timeout: float) -> _T:
+        """Run ``call``, retrying while the ps is unavailable, until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                return call()
+            except UnavailableError:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def status(self, timeout: float | None = None) -> pb.StatusReply:
+        """The shard's status (initialised, step, layout fingerprint, counters)."""
+        data = unary(self.channel, _M + "Status", b"", timeout=timeout or self.timeout)
+        return parse_message(pb.StatusReply, data, "StatusReply")
+
+    def init(self, params: np.ndarray, *, optimizer: pb.OptimizerSpec,
+             aggregation: AggregationConfig, step: int = 0,
+             slots: Mapping[str, np.ndarray] | None = None, optimizer_step: int = 0) -> None:
+        """Create the shard with ``params`` (and optimizer ``slots``) on the ps."""
+        slots = dict(slots or {})
+        req = pb.InitRequest(
+            shard=self.layout.index, segments=layout_to_proto(self.layout), optimizer=optimizer,
+            aggregation=pb.AggregationSpec(
+                mode=aggregation.mode, total_num_replicas=aggregation.total_num_replicas,
+                replicas_to_aggregate=aggregation.replicas_to_aggregate or 0,
+                staleness=aggregation.staleness, timeout=aggregation.timeout),
+            step=step, slots=list(slots), optimizer_step=optimizer_step)
+
+        def messages() -> Iterator[bytes]:
+            yield req.SerializeToString()
+            for buf in (params, *slots.values()):
+                yield from _chunks(np.asarray(buf, np.float32).reshape(-1), self.chunk_bytes)
+
+        self._retrying(lambda: stream_unary(self.channel, _M + "Init", messages(),
+                                            timeout=self.timeout), self.timeout)
+        self.version = step
+
+    def pull(self, into: np.ndarray, buffer: str = "params", *, track: bool = True) -> pb.PullReply:
+        """Receive the shard's ``buffer`` into ``into``; return the reply header.
+
+        With ``track`` (the default) pulled parameters become the version the
+        next push says its gradient was computed on; a snapshot for a
+        checkpoint passes ``track=False``.
+        """
+        req = pb.PullRequest(buffer=buffer).SerializeToString()
+
+        def call() -> pb.PullReply:
+            replies = unary_stream(self.channel, _M + "Pull", req, timeout=self.timeout)
+            first = next(replies, None)
+            if first is None:
+                raise DataLossError(f"ps shard {self.layout.index} answered a pull with nothing.")
+            head = parse_message(pb.PullReply, first, "PullReply")
+            _receive(into, replies, head.numel, f"ps shard {self.layout.index}")
+            return head
+
+        head = self._retrying(call, self.timeout)
+        if buffer == "params" and track:
+            self.version = head.step
+        return head
+
+    def push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
+             pull_into: np.ndarray | None = None) -> pb.PushReply:
+        """Push ``grad``; with ``pull_into``, receive the fresh parameters in the same call."""
+        req = pb.PushRequest(
+            worker_id=worker_id, incarnation=incarnation, seq=seq, token=self.version, lr=lr,
+            dtype=str(grad.dtype), numel=grad.size, segments=self._signature,
+            want_params=pull_into is not None)
+
+        def messages() -> Iterator[bytes]:
+            yield req.SerializeToString()
+            yield from _chunks(grad, self.chunk_bytes)
+
+        def call() -> pb.PushReply:
+            if self.layout.nbytes <= self.chunk_bytes:  # one message each way
+                return self._push_pull_small(req, grad, pull_into)
+            if pull_into is None:
+                data = stream_unary(self.channel, _M + "Push", messages(),
+                                    timeout=self.push_timeout)
+                return parse_message(pb.PushReply, data, "PushReply")
+            return self._push_pull(messages(), pull_into)
+
+        reply = self._retrying(call, self.push_timeout)
+        if pull_into is not None and reply.numel:
+            self.version = reply.step
+        return reply
+
+    def _push_pull_small(self, req: pb.PushRequest, grad: np.ndarray,
+                         into: np.ndarray | None) -> pb.PushReply:
+        payload = memoryview(np.ascontiguousarray(grad)).cast("B")
+        data = unary(self.channel, _M + "PushPullSmall", pack(req.SerializeToString(), payload),
+                     timeout=self.push_timeout)
+        head, params = unpack(data)
+        reply = parse_message(pb.PushReply, head, "PushReply")
+        if reply.numel and into is not None:
+            _receive(into, iter((params,)), reply.numel, f"ps shard {self.layout.index}")
+        return reply
+
+    def _push_pull(self, messages: Iterator[bytes], into: np.ndarray) -> pb.PushReply:
+        method = _M + "PushPull"
+        call = self.channel.stream_stream(method)(messages, timeout=self.push_timeout)
+        try:
+            replies = iter(call)
+            first = next(replies, None)
+            if first is None:
+                raise DataLossError(f"ps shard {self.layout.index} answered a push with nothing.")
+            reply = parse_message(pb.PushReply, first, "PushReply")
+            if reply.numel:
+                _receive(into, replies, reply.numel, f"ps shard {self.layout.index}")
+            return reply
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, method, self.address) from None
+        finally:
+            call.cancel()
+
+    def done(self, worker_id: int) -> None:
+        """Tell the shard this worker has finished."""
+        unary(self.channel, _M + "Done", pb.DoneRequest(worker_id=worker_id).SerializeToString(),
+              timeout=self.timeout)
+
+
+class PSClient:
+    """A worker's connection to every ps task of the cluster.
+
+    Args:
+        cluster: the ``ClusterSpec`` (its ``ps`` job is used).
+        placement: where each variable lives (one layout per ps task).
+        worker_id: this worker's replica index (0 .. total_num_replicas - 1).
+        credentials: the cluster credentials (default: from the environment).
+        timeout: deadline of ordinary calls.
+        push_timeout: deadline of a push (default: ``timeout``).
+        on_bad_gradient: ``"raise"`` an InvalidArgumentError when the ps refuses a
+            gradient, or ``"skip"`` it with a warning.
+    """
+
+    def __init__(self, cluster: Any, placement: Placement, *, worker_id: int,
+                 credentials: Credentials | None = None, timeout: float = 30.0,
+                 push_timeout: float | None = None, on_bad_gradient: str = "raise",
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        if on_bad_gradient not in ("raise", "skip"):
+            raise InvalidArgumentError(
+                f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'."
+            )
+        num_ps = cluster.num_tasks("ps")
+        if num_ps != placement.num_shards:
+            raise InvalidArgumentError(
+                f"The placement has {placement.num_shards} shards but the cluster has {num_ps} "
+                "ps tasks; place the variables with this cluster's replica_device_setter."
+            )
+        credentials = Credentials.from_env() if credentials is None else credentials
+        self.placement = placement
+        self.worker_id = worker_id
+        self.incarnation = time.time_ns() & ((1 << 63) - 1)
+        self.on_bad_gradient = on_bad_gradient
+        self.shards = [
+            ShardClient(make_channel(cluster.task_address("ps", i), credentials), layout,
+                        timeout=timeout, push_timeout=push_timeout, chunk_bytes=chunk_bytes)
+            for i, layout in enumerate(placement.shards)
+        ]
+        self._seq = 0
+        self._pool = ThreadPoolExecutor(max(1, len(self.shards)),
+                                        thread_name_prefix="towerflow-ps-client")
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerflow-ps-prefetch")
+        self._closed = False
+
+    def _each(self, fn: Callable[[ShardClient, int], _T]) -> list[_T]:
+        """Run ``fn(shard, index)`` on every shard in parallel; re-raise the first error."""
+        if len(self.shards) == 1:
+            return [fn(self.shards[0], 0)]
+        futures = [self._pool.submit(fn, shard, i) for i, shard in enumerate(self.shards)]
+        return [f.result() for f in futures]
+
+    # -- initialisation ----------------------------------------------------------------
+    def initialize(self, params: Sequence[np.ndarray], *, optimizer: pb.OptimizerSpec,
+                   aggregation: AggregationConfig, step: int = 0,
+                   slots: Sequence[Mapping[str, np.ndarray]] | None = None,
+                   optimizer_step: int = 0) -> None:
+        """(Chief) create every shard with ``params[i]`` and optional optimizer state."""
+        self._each(lambda shard, i: shard.init(
+            params[i], optimizer=optimizer, aggregation=aggregation, step=step,
+            slots=slots[i] if slots else None, optimizer_step=optimizer_step))
+
+    def wait_until_initialized(self, timeout: float = 300.0, poll: float = 0.2) -> int:
+        """(Non-chief) wait until every shard is initialised with this layout; return the step.
+
+        Raises:
+            InvalidArgumentError: a shard holds another model's layout.
+            DeadlineExceededError: not initialised within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        logged = False
+        while True:
+            pending = []
+            for shard in self.shards:
+                try:
+                    status = shard.status(timeout=min(5.0, shard.timeout))
+                except UnavailableError as exc:
+                    pending.append(f"/job:ps/task:{shard.layout.index} ({exc})")
+                    continue
+                if not status.initialized:
+                    pending.append(f"/job:ps/task:{shard.layout.index} (not initialised)")
+                elif status.fingerprint != shard.layout.fingerprint:
+                    raise InvalidArgumentError(
+                        f"ps task {shard.layout.index} holds variables with layout "
+                        f"{status.fingerprint} but this worker's model has layout "
+                        f"{shard.layout.fingerprint}; run the same model on every worker."
+                    )
+            if not pending:
+                return self.global_step()
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"Worker {self.worker_id} waited {timeout:.0f} s for the chief to initialise "
+                    f"the parameters; still waiting for {', '.join(pending)}. Start the chief."
+                )
+            if not logged:
+                logger.info("worker %d waiting for the chief to initialise %s", self.worker_id,
+                            ", ".join(pending))
+                logged = True
+            time.sleep(poll)
+
+    # -- traffic -------------------------------------------------------------------------
+    def global_step(self) -> int:
+        """ps task 0's step (the global step)."""
+        return int(self.shards[0].status().step)
+
+    def pull(self, into: Sequence[np.ndarray]) -> int:
+        """Receive every shard's parameters into ``into``; return the global step."""
+        heads = self._each(lambda shard, i: shard.pull(into[i]))
+        return int(heads[0].step)
+
+    def push(self, grads: Sequence[np.ndarray], lr: float, *,
+             pull_into: Sequence[np.ndarray] | None = None) -> PushResult:
+        """Push every shard's gradient; with ``pull_into``, get fresh parameters back.
+
+        Raises:
+            InvalidArgumentError: a shard refused the gradient and the policy is ``raise``.
+        """
+        self._seq += 1
+        seq = self._seq
+        replies = self._each(lambda shard, i: shard.push(
+            grads[i], worker_id=self.worker_id, incarnation=self.incarnation, seq=seq, lr=lr,
+            pull_into=None if pull_into is None else pull_into[i]))
+        result = PushResult(int(replies[0].step), tuple(r.status for r in replies),
+                            tuple(r.message for r in replies))
+        if result.refused:
+            message = next(m for s, m in zip(result.statuses, result.messages, strict=True)
+                           if s == REFUSED)
+            if self.on_bad_gradient == "raise":
+                raise InvalidArgumentError(message)
+            logger.warning("gradient skipped: %s", message)
+        return result
+
+    def push_async(self, grads: Sequence[np.ndarray], lr: float, *,
+                   pull_into: Sequence[np.ndarray] | None = None) -> Future[PushResult]:
+        """:meth:`push` in the background (prefetching the next parameters)."""
+        return self._prefetcher.submit(self.push, grads, lr, pull_into=pull_into)
+
+    def snapshot(self) -> list[ShardSnapshot]:
+        """Pull every shard's parameters and optimizer state (for a checkpoint)."""
+
+        def one(shard: ShardClient, i: int) -> ShardSnapshot:
+            status = shard.status()
+            params = np.empty(shard.layout.numel, np.float32)
+            head = shard.pull(params, track=False)
+            slots = {}
+            for name in status.slots:
+                slots[name] = np.empty(shard.layout.numel, np.float32)
+                shard.pull(slots[name], buffer=name, track=False)
+            return ShardSnapshot(int(head.step), int(head.optimizer_step), params, slots)
+
+        return self._each(one)
+
+    def stats(self) -> list[dict[str, int]]:
+        """Each shard's counters (applied, stale, refused, duplicates, ...)."""
+        return [dict(shard.status().stats) for shard in self.shards]
+
+    def close(self, *, done: bool = True) -> None:
+        """Tell the shards this worker is done (best effort), then close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._prefetcher.shutdown(wait=True)
+        if done:
+            for shard in self.shards:
+                try:
+                    shard.done(self.worker_id)
+                except (UnavailableError, DeadlineExceededError, FailedPreconditionError) as exc:
+                    logger.debug("done to ps %d failed: %s", shard.layout.index, exc)
+        self._pool.shutdown(wait=True)
+        for shard in self.shards:
+            shard.channel.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,169 @@
+"""Server-side optimizers: updates applied by a ps shard to its flat buffer.
+
+Each optimizer updates a float32 parameter buffer in place from a gradient
+buffer with exactly the arithmetic of the matching ``torch.optim`` class
+(``SGD`` with or without momentum, ``Adam``, ``Adagrad``; L2 weight decay added
+to the gradient). The work is done block by block with one small scratch
+buffer, so an update allocates nothing as large as the parameters. The
+gradient buffer is consumed (overwritten).
+
+numpy only: a ps task needs neither torch nor a GPU.
+
+Example:
+    >>> import numpy as np
+    >>> opt = make_optimizer("momentum", 3, momentum=0.9)
+    >>> p = np.ones(3, np.float32)
+    >>> opt.apply(p, np.full(3, 2.0, np.float32), lr=0.1)
+    >>> p.tolist(), opt.slots["momentum_buffer"].tolist()
+    ([0.800000011920929, 0.800000011920929, 0.800000011920929], [2.0, 2.0, 2.0])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from towerflow.errors import InvalidArgumentError
+
+__all__ = ["ServerOptimizer", "make_optimizer", "OPTIMIZER_NAMES"]
+
+OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adagrad")
+_BLOCK = 1 << 16  # elements per block: 256 KiB of float32, cache friendly
+
+
+def _blocks(n: int) -> Iterator[slice]:
+    for start in range(0, n, _BLOCK):
+        yield slice(start, min(start + _BLOCK, n))
+
+
+class ServerOptimizer:
+    """An optimizer over one flat float32 buffer.
+
+    Attributes:
+        name: ``sgd``, ``momentum``, ``adam`` or ``adagrad``.
+        slots: the state buffers by name (same length as the parameters).
+        step: number of updates applied (Adam's bias correction uses it).
+    """
+
+    __slots__ = ("name", "numel", "momentum", "weight_decay", "beta1", "beta2", "eps",
+                 "initial_accumulator_value", "slots", "step", "_scratch")
+
+    def __init__(self, name: str, numel: int, *, momentum: float = 0.0,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, initial_accumulator_value: float = 0.0) -> None:
+        if name not in OPTIMIZER_NAMES:
+            raise InvalidArgumentError(
+                f"Unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}."
+            )
+        if name == "sgd" and momentum:
+            name = "momentum"
+        self.name = name
+        self.numel = numel
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps = float(eps)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.step = 0
+        self._scratch = np.empty(min(numel, _BLOCK), np.float32)
+        self.slots: dict[str, np.ndarray] = {}
+        if name == "momentum":
+            self.slots["momentum_buffer"] = np.zeros(numel, np.float32)
+        elif name == "adam":
+            self.slots["exp_avg"] = np.zeros(numel, np.float32)
+            self.slots["exp_avg_sq"] = np.zeros(numel, np.float32)
+        elif name == "adagrad":
+            self.slots["sum"] = np.full(numel, self.initial_accumulator_value, np.float32)
+
+    def load_slots(self, slots: Mapping[str, np.ndarray], step: int) -> None:
+        """Replace the state with ``slots`` (from a checkpoint) and the step count."""
+        for key, buf in self.slots.items():
+            value = slots.get(key)
+            if value is None:
+                continue
+            if value.size != buf.size:
+                raise InvalidArgumentError(
+                    f"Optimizer state {key!r} has {value.size} elements but the shard holds "
+                    f"{buf.size}; restore a checkpoint written for this model."
+                )
+            buf[...] = value.reshape(-1)
+        self.step = int(step)
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, lr: float) -> None:
+        """Update ``params`` in place from ``grad`` (consumed) with rate ``lr``."""
+        self.step += 1
+        method = getattr(self, f"_apply_{self.name}")
+        for block in _blocks(self.numel):
+            p, g = params[block], grad[block]
+            tmp = self._scratch[: p.size]
+            if self.weight_decay:
+                np.multiply(p, self.weight_decay, out=tmp)
+                g += tmp
+            method(block, p, g, tmp, lr)
+
+    def _apply_sgd(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
+                   lr: float) -> None:
+        np.multiply(g, lr, out=tmp)
+        p -= tmp
+
+    def _apply_momentum(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
+                        lr: float) -> None:
+        buf = self.slots["momentum_buffer"][block]
+        if self.step == 1:
+            buf[...] = g
+        else:
+            buf *= self.momentum
+            buf += g
+        np.multiply(buf, lr, out=tmp)
+        p -= tmp
+
+    def _apply_adam(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
+                    lr: float) -> None:
+        m, v = self.slots["exp_avg"][block], self.slots["exp_avg_sq"][block]
+        b1, b2 = self.beta1, self.beta2
+        # exp_avg.lerp_(grad, 1 - beta1)
+        np.subtract(g, m, out=tmp)
+        tmp *= 1.0 - b1
+        m += tmp
+        # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        v *= b2
+        np.multiply(g, g, out=tmp)
+        tmp *= 1.0 - b2
+        v += tmp
+        bias1 = 1.0 - b1 ** self.step
+        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step)
+        # denom = sqrt(v) / sqrt(bias2) + eps ; p -= lr / bias1 * m / denom
+        np.sqrt(v, out=tmp)
+        tmp /= bias2_sqrt
+        tmp += self.eps
+        np.divide(m, tmp, out=tmp)
+        tmp *= lr / bias1
+        p -= tmp
+
+    def _apply_adagrad(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
+                       lr: float) -> None:
+        acc = self.slots["sum"][block]
+        np.multiply(g, g, out=tmp)
+        acc += tmp
+        np.sqrt(acc, out=tmp)
+        tmp += self.eps
+        np.divide(g, tmp, out=tmp)
+        tmp *= lr
+        p -= tmp
+
+
+def make_optimizer(name: str, numel: int, **options: float | tuple[float, float]) -> ServerOptimizer:
+    """Return a :class:`ServerOptimizer` ``name`` over ``numel`` elements.
+
+    ``options`` are ``momentum``, ``weight_decay``, ``betas``, ``eps`` and
+    ``initial_accumulator_value`` (unknown keys are an error).
+    """
+    allowed = {"momentum", "weight_decay", "betas", "eps", "initial_accumulator_value"}
+    unknown = set(options) - allowed
+    if unknown:
+        raise InvalidArgumentError(
+            f"Unknown optimizer options {sorted(unknown)}; use {sorted(allowed)}."
+        )
+    return ServerOptimizer(name, numel, **options)  # type: ignore[arg-type]

@@ -1,0 +1,330 @@
+"""The ps shard service on the cluster transport, and ``run_ps_task``.
+
+Service ``towerflow.ps.PS`` (raw-bytes handlers of
+:func:`towerflow.cluster.transport.raw_handlers`, so every call is
+authenticated by the cluster's credentials):
+
+=============  ===============  ===============================================
+method         kind             messages
+=============  ===============  ===============================================
+``Init``       stream -> unary  ``InitRequest``, then params and slot buffers
+``Status``     unary            ``StatusRequest`` -> ``StatusReply``
+``Push``       stream -> unary  ``PushRequest``, gradient chunks -> ``PushReply``
+``PushPull``   stream -> stream as ``Push``; replies ``PushReply`` + param chunks
+``Pull``       unary -> stream  ``PullRequest`` -> ``PullReply`` + buffer chunks
+``PushPullSmall`` unary         ``PushPull`` in one message each way, for a
+                                shard that fits in one chunk (:func:`pack`)
+``Done``       unary            ``DoneRequest`` -> ``Empty``
+=============  ===============  ===============================================
+
+Control messages are protobuf (``ps.proto``); tensors are raw float32 chunks
+whose total size the header announces and the shard checks. Nothing is
+unpickled. A ps task imports neither torch nor a GPU runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from towerflow.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
+from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.aggregation import AggregationConfig, Aggregator, make_aggregator
+from towerflow.ps.optimizers import make_optimizer
+from towerflow.ps.placement import ShardLayout
+from towerflow.ps.shard import CHUNK_BYTES, REFUSED, PushHeader, ShardState, receive_into
+
+__all__ = ["PSService", "SERVICE_NAME", "run_ps_task", "parse_message", "pack", "unpack"]
+
+logger = logging.getLogger("towerflow.ps")
+
+SERVICE_NAME = "towerflow.ps.PS"
+_LENGTH = struct.Struct("<I")
+
+
+def pack(header: bytes, payload: bytes | memoryview = b"") -> bytes:
+    """One message: a 4-byte little-endian header length, the header, the raw payload."""
+    return b"".join((_LENGTH.pack(len(header)), header, payload))
+
+
+def unpack(message: bytes) -> tuple[bytes, memoryview]:
+    """Split a :func:`pack` message into its header and (zero-copy) payload.
+
+    Raises:
+        DataLossError: the message is shorter than its header length says.
+    """
+    view = memoryview(message)
+    if len(view) < _LENGTH.size:
+        raise DataLossError(f"A {len(view)}-byte message is too short for its header length.")
+    (length,) = _LENGTH.unpack_from(view)
+    end = _LENGTH.size + length
+    if end > len(view):
+        raise DataLossError(
+            f"A message announces a {length}-byte header but holds {len(view)} bytes in all."
+        )
+    return bytes(view[_LENGTH.size:end]), view[end:]
+
+
+def parse_message(cls: type, data: bytes, what: str):  # noqa: ANN201 - a protobuf message
+    """Parse protobuf ``cls`` from ``data``; malformed input is InvalidArgumentError."""
+    try:
+        return cls.FromString(bytes(data))
+    except (DecodeError, ValueError, TypeError) as exc:
+        raise InvalidArgumentError(
+            f"Malformed {what} message ({len(data)} bytes): {exc}; client and ps must run the "
+            "same towerflow version."
+        ) from None
+
+
+def layout_from_proto(index: int, segments: Iterable[pb.Segment]) -> ShardLayout:
+    """Rebuild a :class:`ShardLayout` from its protobuf segments, validating them."""
+    parts = []
+    for seg in segments:
+        shape, var_shape = tuple(seg.shape), tuple(seg.var_shape)
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if any(d < 0 for d in (*shape, *var_shape)) or numel != seg.numel or seg.start < 0:
+            raise InvalidArgumentError(
+                f"Segment {seg.name!r} of shard {index} has shape {list(shape)} but numel "
+                f"{seg.numel}; the initialising worker sent an inconsistent layout."
+            )
+        parts.append((seg.name, shape, var_shape, int(seg.start), numel, int(seg.part),
+                      int(seg.num_parts) or 1))
+    return ShardLayout.build(index, parts)
+
+
+def layout_to_proto(layout: ShardLayout) -> list[pb.Segment]:
+    """The protobuf segments of ``layout``."""
+    return [pb.Segment(name=s.name, shape=s.shape, var_shape=s.var_shape, start=s.start,
+                       numel=s.numel, part=s.part, num_parts=s.num_parts)
+            for s in layout.segments]
+
+
+def _check_memory(nbytes: int, index: int) -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise ResourceExhaustedError(
+            f"Initialising ps shard {index} needs {nbytes / 2**20:.0f} MiB but only "
+            f"{available / 2**20:.0f} MiB are available; add ps tasks or use a larger machine."
+        )
+
+
+def _scatter(buffers: list[np.ndarray], first: int, values: np.ndarray) -> None:
+    """Copy ``values`` (elements ``first..`` of the buffers laid end to end) into place."""
+    size = buffers[0].size
+    while values.size:
+        index, offset = divmod(first, size)
+        take = min(values.size, size - offset)
+        buffers[index][offset:offset + take] = values[:take]
+        values, first = values[take:], first + take
+
+
+class _Counted:
+    """Wraps a chunk iterator, counting bytes into the shard's stats."""
+
+    __slots__ = ("_chunks", "_state")
+
+    def __init__(self, chunks: Iterator[bytes], state: ShardState) -> None:
+        self._chunks, self._state = chunks, state
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._chunks:
+            self._state.stats.bytes_in += len(chunk)
+            yield chunk
+
+
+class PSService:
+    """Hosts one ps shard: initialised by the chief, then pulled and pushed by workers.
+
+    Args:
+        shard_index: this ps task's index (task 0 holds the global step).
+        chunk_bytes: size of streamed reply chunks.
+    """
+
+    def __init__(self, shard_index: int, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.shard_index = shard_index
+        self.chunk_bytes = chunk_bytes
+        self._lock = threading.Lock()
+        self._shard: tuple[ShardState, Aggregator] | None = None
+        self._generation = 0
+
+    def handlers(self):  # noqa: ANN201 - grpc.GenericRpcHandler
+        """The gRPC handlers of this service (to pass to ``Server``)."""
+        from towerflow.cluster.transport import raw_handlers
+
+        return raw_handlers(SERVICE_NAME, {
+            "Init": ("stream_unary", self.init),
+            "Status": ("unary_unary", self.status),
+            "Push": ("stream_unary", self.push),
+            "PushPull": ("stream_stream", self.push_pull),
+            "PushPullSmall": ("unary_unary", self.push_pull_small),
+            "Pull": ("unary_stream", self.pull),
+            "Done": ("unary_unary", self.done),
+        })
+
+    @property
+    def shard(self) -> tuple[ShardState, Aggregator]:
+        """The current state and aggregator.
+
+        Raises:
+            FailedPreconditionError: not initialised yet.
+        """
+        current = self._shard
+        if current is None:
+            raise FailedPreconditionError(
+                f"ps shard {self.shard_index} is not initialised yet; the chief initialises it "
+                "(or restores it from a checkpoint) when it starts. Wait for it."
+            )
+        return current
+
+    # -- handlers -----------------------------------------------------------------------
+    def init(self, requests: Iterator[bytes]) -> bytes:
+        """Create (or replace) the shard from an ``InitRequest`` and its payload."""
+        chunks = iter(requests)
+        req = parse_message(pb.InitRequest, next(chunks, b""), "InitRequest")
+        if req.shard != self.shard_index:
+            raise InvalidArgumentError(
+                f"Init for shard {req.shard} reached ps task {self.shard_index}; the cluster "
+                "spec's ps addresses differ between the chief and this task."
+            )
+        layout = layout_from_proto(self.shard_index, req.segments)
+        o, a = req.optimizer, req.aggregation
+        config = AggregationConfig(
+            mode=a.mode or "async", total_num_replicas=max(1, a.total_num_replicas),
+            replicas_to_aggregate=a.replicas_to_aggregate or None, staleness=a.staleness,
+            timeout=a.timeout or 120.0)
+        optimizer = make_optimizer(
+            o.name or "sgd", layout.numel, momentum=o.momentum, weight_decay=o.weight_decay,
+            betas=(o.beta1 or 0.9, o.beta2 or 0.999), eps=o.eps or 1e-8,
+            initial_accumulator_value=o.initial_accumulator_value)
+        unknown = [s for s in req.slots if s not in optimizer.slots]
+        if unknown:
+            raise InvalidArgumentError(
+                f"Init sends optimizer state {unknown} but {optimizer.name} keeps "
+                f"{sorted(optimizer.slots) or 'none'}; restore a checkpoint of the same optimizer."
+            )
+        _check_memory(layout.nbytes * (2 + len(optimizer.slots)), self.shard_index)
+        params = np.empty(layout.numel, np.float32)
+        buffers = [params] + [optimizer.slots[s] for s in req.slots]
+        receive_into(params, chunks, layout.numel * len(buffers), who="the chief's Init",
+                     on_chunk=lambda first, values: _scatter(buffers, first, values))
+        optimizer.step = int(req.optimizer_step)
+        state = ShardState(layout, params, optimizer, step=int(req.step))
+        aggregator = make_aggregator(state, config)
+        with self._lock:
+            previous, self._shard = self._shard, (state, aggregator)
+            self._generation += 1
+        if previous is not None:
+            previous[1].close()
+        logger.info("ps shard %d initialised: %d variables, %.1f MiB, step %d, mode %s",
+                    self.shard_index, len(layout.segments), layout.nbytes / 2**20, state.step,
+                    config.mode)
+        return pb.Empty().SerializeToString()
+
+    def status(self, request: bytes) -> bytes:
+        """Report whether the shard is initialised, its step, layout and counters."""
+        current = self._shard
+        if current is None:
+            return pb.StatusReply(initialized=False, shard=self.shard_index).SerializeToString()
+        state, aggregator = current
+        with state.cond:
+            reply = pb.StatusReply(
+                initialized=True, step=state.step, fingerprint=state.layout.fingerprint,
+                numel=state.layout.numel, stats=state.stats.as_dict(),
+                mode=aggregator.config.mode, slots=list(state.optimizer.slots),
+                optimizer_step=state.optimizer.step, generation=self._generation,
+                shard=self.shard_index, refusals=state.stats.refusals)
+        return reply.SerializeToString()
+
+    def _push(self, chunks: Iterator[bytes]) -> tuple[ShardState, pb.PushRequest, pb.PushReply]:
+        req = parse_message(pb.PushRequest, next(chunks, b""), "PushRequest")
+        state, aggregator = self.shard
+        header = PushHeader(
+            worker_id=req.worker_id, seq=req.seq, token=req.token, lr=req.lr, numel=req.numel,
+            dtype=req.dtype or "float32", incarnation=req.incarnation,
+            segments=tuple((s.name, tuple(s.shape)) for s in req.segments))
+        outcome = aggregator.push(header, _Counted(chunks, state))
+        reply = pb.PushReply(status=outcome.status, step=outcome.step, message=outcome.message,
+                             duplicate=outcome.duplicate)
+        return state, req, reply
+
+    def push(self, requests: Iterator[bytes]) -> bytes:
+        """Apply (or aggregate, or refuse) one pushed gradient."""
+        _, _, reply = self._push(iter(requests))
+        return reply.SerializeToString()
+
+    def push_pull(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+        """Push, then stream the fresh parameters back in the same call."""
+        state, req, reply = self._push(iter(requests))
+        send = req.want_params and reply.status != REFUSED
+        if send:
+            reply.numel = state.layout.numel
+        yield reply.SerializeToString()
+        if send:
+            yield from state.read_chunks("params", self.chunk_bytes)
+
+    def push_pull_small(self, request: bytes) -> bytes:
+        """``PushPull`` of a small shard: header and payload packed in one message each way."""
+        head, payload = unpack(request)
+        state, req, reply = self._push(iter((head, payload) if len(payload) else (head,)))
+        params = b""
+        if req.want_params and reply.status != REFUSED:
+            reply.numel = state.layout.numel
+            params = b"".join(state.read_chunks("params", max(state.layout.nbytes, 1)))
+        return pack(reply.SerializeToString(), params)
+
+    def pull(self, request: bytes) -> Iterator[bytes]:
+        """Stream the parameters (or an optimizer slot buffer)."""
+        req = parse_message(pb.PullRequest, request, "PullRequest")
+        state, _ = self.shard
+        name = req.buffer or "params"
+        buffer = state.buffer(name)
+        with state.cond:
+            head = pb.PullReply(step=state.step, numel=buffer.size,
+                                optimizer_step=state.optimizer.step)
+        yield head.SerializeToString()
+        yield from state.read_chunks(name, self.chunk_bytes)
+
+    def done(self, request: bytes) -> bytes:
+        """A worker has finished: the shard stops waiting for it (sync and ssp)."""
+        req = parse_message(pb.DoneRequest, request, "DoneRequest")
+        current = self._shard
+        if current is not None:
+            current[1].worker_done(req.worker_id)
+        return pb.Empty().SerializeToString()
+
+
+def run_ps_task(cluster, task, credentials=None) -> int:  # noqa: ANN001 - cluster types
+    """Serve the ps shard of ``task`` until stopped (SIGTERM / SIGINT); return 0.
+
+    Args:
+        cluster: the ``ClusterSpec`` (or its dict form).
+        task: the ``TaskInfo`` of this ps task.
+        credentials: the cluster's ``Credentials`` (default: from the environment).
+    """
+    from towerflow.cluster import Server
+    from towerflow.cluster.server import stop_on_signals
+
+    service = PSService(task.task_index)
+    server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
+                    start=False)
+    server.add_handlers([service.handlers()])
+    server.start()
+    logger.info("ps task %d serving at %s", task.task_index, server.target)
+    try:
+        with stop_on_signals(server):
+            server.join()
+    finally:
+        server.stop(grace=1.0)
+    return 0

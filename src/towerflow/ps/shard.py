@@ -1,0 +1,369 @@
+"""The state one ps task keeps: a flat parameter buffer and what updates it.
+
+A :class:`ShardState` holds the parameters of the variables placed on this ps
+task in **one contiguous float32 buffer** (layout in
+:class:`~towerflow.ps.placement.ShardLayout`), the server-side optimizer and
+its state buffers, the step counter (on ps task 0 it is the global step), the
+de-duplication table of pushes, and the counters a ps reports.
+
+Everything here is plain numpy and threads, so the shard logic is tested
+in-process; :mod:`towerflow.ps.service` puts it behind gRPC.
+
+Example:
+    >>> import numpy as np
+    >>> from towerflow.ps.placement import plan_placement
+    >>> from towerflow.ps.optimizers import make_optimizer
+    >>> layout = plan_placement({"w": (2,)}, 1).shards[0]
+    >>> state = ShardState(layout, np.zeros(2, np.float32), make_optimizer("sgd", 2))
+    >>> state.apply(np.ones(2, np.float32), lr=0.5)
+    1
+    >>> state.params.tolist()
+    [-0.5, -0.5]
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from towerflow.errors import DataLossError, DeadlineExceededError, InvalidArgumentError
+from towerflow.ps.optimizers import ServerOptimizer
+from towerflow.ps.placement import ShardLayout
+
+__all__ = [
+    "PushHeader",
+    "PushOutcome",
+    "ShardStats",
+    "ShardState",
+    "APPLIED",
+    "STALE",
+    "REFUSED",
+    "VOIDED",
+    "CHUNK_BYTES",
+]
+
+#: bytes per streamed chunk (1-4 MiB measured fastest for Python gRPC)
+CHUNK_BYTES = 2 << 20
+_ITEM = 4  # float32 only
+_CHECK_BLOCK = 1 << 16
+
+APPLIED = "applied"      # the gradient changed the parameters
+STALE = "stale"          # sync: computed on an older step; dropped and counted
+REFUSED = "refused"      # wrong shape / dtype / NaN / inf; parameters unchanged
+VOIDED = "voided"        # sync: the step's partial sum was voided by a refused push
+
+
+@dataclass(frozen=True, slots=True)
+class PushHeader:
+    """What a push says about itself before its payload.
+
+    Attributes:
+        worker_id: the pushing worker's index.
+        incarnation: distinguishes a restarted worker (its ``seq`` restarts).
+        seq: the push's sequence number for this worker incarnation.
+        token: the shard step the gradient was computed on (sync staleness).
+        lr: the learning rate to apply it with.
+        dtype: dtype name of the payload (``float32``).
+        numel: number of elements in the payload.
+        segments: ``(name, shape)`` of each variable part, in buffer order.
+    """
+
+    worker_id: int
+    seq: int
+    token: int
+    lr: float
+    numel: int
+    dtype: str = "float32"
+    incarnation: int = 0
+    segments: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PushOutcome:
+    """What happened to a push.
+
+    Attributes:
+        status: one of ``applied``, ``stale``, ``refused``, ``voided``.
+        step: the shard's step after the push.
+        message: why, for a refused, stale or voided push.
+        duplicate: True when this push was a retry answered from the table.
+    """
+
+    status: str
+    step: int
+    message: str = ""
+    duplicate: bool = False
+
+    @property
+    def applied(self) -> bool:
+        """True when the gradient is part of an applied update."""
+        return self.status == APPLIED
+
+
+@dataclass(slots=True)
+class ShardStats:
+    """Counters a shard reports (all since it was initialised)."""
+
+    pushes: int = 0
+    applied: int = 0
+    updates: int = 0
+    stale: int = 0
+    refused: int = 0
+    duplicates: int = 0
+    voided: int = 0
+    max_lead: int = 0
+    pulls: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    refusals: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a dict (the last refusal messages left out)."""
+        return {k: getattr(self, k) for k in self.__slots__ if k != "refusals"}
+
+
+@dataclass(slots=True)
+class _Entry:
+    incarnation: int
+    seq: int
+    outcome: PushOutcome | None = None
+
+
+class ShardState:
+    """Parameters, optimizer, step and push bookkeeping of one ps task.
+
+    Args:
+        layout: the segments this shard holds.
+        params: the initial values, ``layout.numel`` float32 elements (owned).
+        optimizer: the server-side optimizer over the same number of elements.
+        step: the initial step (restored from a checkpoint, else 0).
+    """
+
+    def __init__(self, layout: ShardLayout, params: np.ndarray, optimizer: ServerOptimizer,
+                 step: int = 0) -> None:
+        if params.dtype != np.float32 or params.ndim != 1 or params.size != layout.numel:
+            raise InvalidArgumentError(
+                f"Shard {layout.index} needs {layout.numel} float32 initial values in a flat "
+                f"buffer, got {params.size} {params.dtype} values of shape {list(params.shape)}."
+            )
+        if optimizer.numel != layout.numel:
+            raise InvalidArgumentError(
+                f"The optimizer covers {optimizer.numel} elements but shard {layout.index} "
+                f"holds {layout.numel}."
+            )
+        self.layout = layout
+        self.params = params
+        self.optimizer = optimizer
+        self.step = int(step)
+        self.stats = ShardStats()
+        #: guards params, step, stats and the push table; waiters wait on it
+        self.cond = threading.Condition(threading.RLock())
+        self._table: dict[int, _Entry] = {}
+        self._expected = layout.signature
+        self._check_scratch = np.empty(min(layout.numel, _CHECK_BLOCK) or 1, np.bool_)
+
+    # -- updates ----------------------------------------------------------------
+    def apply(self, grad: np.ndarray, lr: float) -> int:
+        """Apply ``grad`` (consumed) with rate ``lr``; return the new step."""
+        with self.cond:
+            self.optimizer.apply(self.params, grad, lr)
+            self.step += 1
+            self.stats.updates += 1
+            self.cond.notify_all()
+            return self.step
+
+    # -- push bookkeeping ---------------------------------------------------------
+    def begin_push(self, header: PushHeader, timeout: float) -> PushOutcome | None:
+        """Validate ``header`` and register the push.
+
+        Returns:
+            The earlier outcome when ``(worker, seq)`` was already pushed (a
+            retry: the gradient is not applied twice), else ``None``.
+
+        Raises:
+            InvalidArgumentError: wrong dtype, size or variable shapes
+                (counted; the caller records the refusal with :meth:`finish_push`).
+        """
+        with self.cond:
+            entry = self._table.get(header.worker_id)
+            if entry is not None and entry.incarnation == header.incarnation \
+                    and header.seq <= entry.seq:
+                self.stats.duplicates += 1
+                outcome = self._wait_outcome(entry, header, timeout)
+                return replace(outcome, duplicate=True)
+            self._table[header.worker_id] = _Entry(header.incarnation, header.seq)
+            self.stats.pushes += 1
+        self.validate_header(header)
+        return None
+
+    def _wait_outcome(self, entry: _Entry, header: PushHeader, timeout: float) -> PushOutcome:
+        if header.seq < entry.seq:
+            return PushOutcome(STALE, self.step, f"push {header.seq} of worker "
+                               f"{header.worker_id} was superseded by push {entry.seq}")
+        deadline = time.monotonic() + timeout
+        while entry.outcome is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError(
+                    f"Push {header.seq} of worker {header.worker_id} is a retry of a push still "
+                    f"in progress on shard {self.layout.index} after {timeout:.0f} s; retry later."
+                )
+            self.cond.wait(remaining)
+        return entry.outcome
+
+    def forget_push(self, header: PushHeader) -> None:
+        """Drop the record of an interrupted push so that its retry is handled afresh."""
+        with self.cond:
+            entry = self._table.get(header.worker_id)
+            if entry is not None and entry.seq == header.seq and entry.outcome is None:
+                del self._table[header.worker_id]
+            self.cond.notify_all()
+
+    def finish_push(self, header: PushHeader, outcome: PushOutcome) -> PushOutcome:
+        """Record ``outcome`` for ``header``'s push (answers its retries); return it."""
+        with self.cond:
+            entry = self._table.get(header.worker_id)
+            if entry is not None and entry.seq == header.seq \
+                    and entry.incarnation == header.incarnation:
+                entry.outcome = outcome
+            if outcome.status == APPLIED:
+                self.stats.applied += 1
+            elif outcome.status == REFUSED:
+                self.stats.refused += 1
+                self.stats.refusals = [*self.stats.refusals[-9:], outcome.message]
+            elif outcome.status == STALE:
+                self.stats.stale += 1
+            elif outcome.status == VOIDED:
+                self.stats.voided += 1
+            self.cond.notify_all()
+        return outcome
+
+    # -- validation ---------------------------------------------------------------
+    def validate_header(self, header: PushHeader) -> None:
+        """Raise :class:`InvalidArgumentError` unless the push matches the layout."""
+        who = f"worker {header.worker_id}"
+        if header.dtype != "float32":
+            raise InvalidArgumentError(
+                f"Gradient pushed by {who} to ps shard {self.layout.index} has dtype "
+                f"{header.dtype}; the parameters are float32. Cast gradients to float32."
+            )
+        if header.segments and header.segments != self._expected:
+            raise InvalidArgumentError(self._describe_mismatch(header, who))
+        if header.numel != self.layout.numel:
+            raise InvalidArgumentError(
+                f"Gradient pushed by {who} to ps shard {self.layout.index} has {header.numel} "
+                f"elements but the shard holds {self.layout.numel} "
+                f"({self._listing(self._expected)}); push gradients of the same model."
+            )
+        if not np.isfinite(header.lr) or header.lr <= 0:
+            raise InvalidArgumentError(
+                f"Learning rate {header.lr!r} pushed by {who} is not a positive number."
+            )
+
+    def _describe_mismatch(self, header: PushHeader, who: str) -> str:
+        got = dict(header.segments)
+        expected = dict(self._expected)
+        problems = []
+        for name, shape in self._expected:
+            if name not in got:
+                problems.append(f"variable {name!r} {list(shape)} is missing")
+            elif tuple(got[name]) != tuple(shape):
+                problems.append(f"variable {name!r} has shape {list(got[name])} but the "
+                                f"parameter has shape {list(shape)}")
+        problems += [f"unexpected variable {name!r} {list(shape)}"
+                     for name, shape in header.segments if name not in expected]
+        if not problems:
+            problems.append("the variables are in a different order")
+        return (f"Gradient pushed by {who} to ps shard {self.layout.index} does not match "
+                f"its parameters: {'; '.join(problems)}. It was refused and the parameters "
+                "are unchanged; push gradients of the same model.")
+
+    @staticmethod
+    def _listing(items: Sequence[tuple[str, tuple[int, ...]]]) -> str:
+        shown = ", ".join(f"{n} {list(s)}" for n, s in items[:8])
+        return shown + (", ..." if len(items) > 8 else "")
+
+    def find_nonfinite(self, values: np.ndarray, base: int = 0) -> int | None:
+        """Index (in the shard buffer) of the first NaN / inf of ``values``, else None.
+
+        ``values`` holds the buffer's elements from ``base`` on.
+        """
+        scratch = self._check_scratch
+        for start in range(0, values.size, scratch.size):
+            block = values[start:start + scratch.size]
+            out = scratch[: block.size]
+            np.isfinite(block, out=out)
+            if not out.all():
+                return base + start + int(np.argmin(out))
+        return None
+
+    def nonfinite_message(self, header: PushHeader, index: int) -> str:
+        """The refusal message for a NaN / inf at buffer ``index``."""
+        seg = self.layout.segment_at(index)
+        return (f"Gradient pushed by worker {header.worker_id} to ps shard {self.layout.index} "
+                f"contains NaN or inf in variable {seg.label!r} (shape {list(seg.shape)}); it "
+                "was refused and the parameters are unchanged. Lower the learning rate or "
+                "clip the gradients.")
+
+    # -- reads ----------------------------------------------------------------------
+    def buffer(self, name: str) -> np.ndarray:
+        """``params`` or one optimizer slot buffer by name."""
+        if name == "params":
+            return self.params
+        slot = self.optimizer.slots.get(name)
+        if slot is None:
+            raise InvalidArgumentError(
+                f"Shard {self.layout.index} has no buffer {name!r}; it has params"
+                f"{''.join(', ' + k for k in self.optimizer.slots)}."
+            )
+        return slot
+
+    def read_chunks(self, name: str = "params", chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """Yield a copy of buffer ``name`` in chunks (each read under the lock)."""
+        raw = self.buffer(name).view(np.uint8)
+        for start in range(0, raw.size, chunk_bytes):
+            with self.cond:
+                data = raw[start:start + chunk_bytes].tobytes()
+                self.stats.bytes_out += len(data)
+            yield data
+        with self.cond:
+            self.stats.pulls += 1
+
+
+def receive_into(target: np.ndarray, chunks: Iterable[bytes | memoryview], numel: int,
+                 *, who: str, on_chunk=None) -> int:
+    """Copy a payload of ``numel`` float32 elements from ``chunks`` into ``target``.
+
+    ``on_chunk(offset, values)`` (when given) handles each chunk instead of the
+    copy. Returns the number of bytes received.
+
+    Raises:
+        DataLossError: a chunk not a whole number of elements, or a payload
+            shorter or longer than announced.
+    """
+    expected = numel * _ITEM
+    received = 0
+    for chunk in chunks:
+        size = len(chunk)
+        if size % _ITEM or received + size > expected:
+            raise DataLossError(
+                f"Payload from {who} does not match its header: a {size}-byte chunk at byte "
+                f"{received} of {expected}; the push was refused."
+            )
+        values = np.frombuffer(chunk, dtype=np.float32)
+        first = received // _ITEM
+        if on_chunk is None:
+            target[first:first + values.size] = values
+        else:
+            on_chunk(first, values)
+        received += size
+    if received != expected:
+        raise DataLossError(
+            f"Payload from {who} ended after {received} of {expected} bytes; the push was "
+            "refused."
+        )
+    return received

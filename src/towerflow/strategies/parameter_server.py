@@ -1,0 +1,451 @@
+"""``ParameterServer``: parameters and optimizer state on ps tasks, gradients from workers.
+
+Article 003's roles: ps tasks hold the variables and apply updates; every
+worker pulls the parameters, computes gradients on its own device (its GPU
+when it has one) and pushes them; the chief (the ``chief`` job's task, else
+worker 0) initialises the parameters on the ps tasks, or restores them from a
+checkpoint, and the other workers wait until it has.
+
+On the worker, each ps shard's parameters and gradients are one flat buffer:
+every parameter's ``.data`` and ``.grad`` are views into them, so a push sends
+the gradient buffer without a gather and a pull lands in place. A push brings
+the fresh parameters back in the same round trip.
+
+Example (in a worker process of a cluster with a ps job)::
+
+    strategy = ParameterServer(cluster, TaskInfo("worker", 1), mode="sync")
+    model = strategy.prepare(model, OptimizerConfig("momentum", lr=0.05, momentum=0.9))
+    result = strategy.run_step(loss_fn, batch)      # result.global_step, result.applied
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+
+__all__ = ["ParameterServer", "replica_index"]
+
+log = logging.getLogger("towerflow.ps")
+
+
+def replica_index(cluster: Any, task: Any) -> tuple[int, int]:
+    """``(index, count)`` of a training task among the chief and workers.
+
+    The chief is replica 0 and worker ``i`` is replica ``i + 1`` when the
+    cluster has a ``chief`` job; otherwise worker ``i`` is replica ``i``.
+    """
+    jobs = cluster.as_dict()
+    chiefs = len(jobs.get("chief", ()))
+    count = chiefs + len(jobs.get("worker", ()))
+    if task.job_name == "chief":
+        return 0, count
+    if task.job_name == "worker":
+        return chiefs + task.task_index, count
+    raise InvalidArgumentError(
+        f"Task {task.job_name}:{task.task_index} does not train; only 'chief' and 'worker' "
+        "tasks run the ParameterServer strategy (a ps task runs run_ps_task)."
+    )
+
+
+class ParameterServer(Strategy):
+    """Train with parameters held by the cluster's ps tasks.
+
+    Args:
+        cluster: the ``ClusterSpec`` (default: resolved from the environment).
+        task: this process's ``TaskInfo`` (a ``chief`` or ``worker`` task).
+        mode: ``async``, ``sync`` or ``ssp``.
+        replicas_to_aggregate: sync: gradients averaged per step (default: all
+            replicas; fewer leaves the rest as backup workers).
+        staleness: ssp: how many pushes a worker may run ahead of the slowest.
+        device: where this worker computes (default: its GPU when it has one).
+        credentials: the cluster credentials (default: from the environment).
+        ps_strategy: ``round_robin`` or ``greedy`` placement of variables.
+        partition_threshold_bytes: variables above this are split across ps tasks.
+        timeout: deadline of each call to a ps task, seconds.
+        step_timeout: how long a sync / ssp push may wait for the other workers.
+        init_timeout: how long a non-chief waits for the chief to initialise.
+        on_bad_gradient: ``raise`` or ``skip`` a NaN / inf gradient.
+        prefetch: push and pull in the background while the loop prepares the
+            next batch (the reported global step then lags by one push).
+        is_chief: override the cluster's rule (the ``chief`` task, else worker 0).
+        device_setter: a :func:`towerflow.replica_device_setter` result; its
+            placement strategy, partition threshold and worker device are used.
+    """
+
+    name = "ps"
+
+    def __init__(self, cluster: Any = None, task: Any = None, mode: str = "async", *,
+                 replicas_to_aggregate: int | None = None, staleness: int = 2,
+                 device: str | torch.device | None = None, credentials: Any = None,
+                 ps_strategy: str | None = None, partition_threshold_bytes: int | None = None,
+                 timeout: float = 30.0, step_timeout: float = 120.0,
+                 init_timeout: float = 300.0, on_bad_gradient: str = "raise",
+                 prefetch: bool = False, is_chief: bool | None = None,
+                 device_setter: Any = None) -> None:
+        from towerflow.cluster import is_chief as chief_rule
+        from towerflow.cluster import resolve_cluster
+        from towerflow.devices import resolve_device
+        from towerflow.ps.aggregation import AggregationConfig
+
+        if cluster is None or task is None:
+            cluster, task = resolve_cluster(cluster, getattr(task, "job_name", None),
+                                            getattr(task, "task_index", None))
+        if cluster is None or task is None or "ps" not in cluster.jobs:
+            raise InvalidArgumentError(
+                "ParameterServer needs a cluster with a 'ps' job and this task's job and index; "
+                "pass cluster= and task=, or start the process with TF_CONFIG "
+                "(towerflow launch --ps 1 --workers 2 -- ...)."
+            )
+        if on_bad_gradient not in ("raise", "skip"):
+            raise InvalidArgumentError(f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'.")
+        self.cluster, self.task = cluster, task
+        self._rank, self._world = replica_index(cluster, task)
+        self._chief = chief_rule(cluster, task) if is_chief is None else bool(is_chief)
+        self.aggregation = AggregationConfig(
+            mode=mode, total_num_replicas=self._world, replicas_to_aggregate=replicas_to_aggregate,
+            staleness=staleness, timeout=step_timeout)
+        if device_setter is not None:
+            ps_strategy = ps_strategy or device_setter.strategy
+            if partition_threshold_bytes is None:
+                partition_threshold_bytes = device_setter.partition_threshold_bytes
+            if device is None:
+                device = device_setter.worker_device  # no device type: this task's default
+        self._device = resolve_device(device)
+        self._credentials = credentials
+        self._ps_strategy = ps_strategy
+        self._threshold = partition_threshold_bytes
+        self._timeout, self._init_timeout = timeout, init_timeout
+        self._policy, self._prefetch = on_bad_gradient, prefetch
+        self._client: Any = None
+        self._model: nn.Module | None = None
+        self._pending: Future | None = None
+        self._needs_init = False
+        self._restore: tuple[list[np.ndarray], list[dict[str, np.ndarray]], int, int] | None = None
+        self._step = 0
+        self._meta: dict[str, Any] = {}
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def is_chief(self) -> bool:
+        return self._chief
+
+    @property
+    def model(self) -> nn.Module:
+        """The prepared model (its parameters are views of the flat buffers)."""
+        if self._model is None:
+            raise FailedPreconditionError(
+                "ParameterServer has no model yet; call prepare(model, optimizer) first."
+            )
+        return self._model
+
+    @property
+    def client(self) -> Any:
+        """The :class:`~towerflow.ps.client.PSClient` (after :meth:`prepare`)."""
+        if self._client is None:
+            raise FailedPreconditionError(
+                "ParameterServer has no model yet; call prepare(model, optimizer) first."
+            )
+        return self._client
+
+    # -- setup -----------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
+        """Place the parameters on the ps tasks; the chief initialises, others wait."""
+        from towerflow.ps import ps_pb2 as pb
+        from towerflow.ps.client import PSClient
+        from towerflow.ps.placement import plan_placement
+
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
+        model.to(self._device)
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        wrong = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]
+        if wrong:
+            raise InvalidArgumentError(
+                f"The parameter server keeps float32 parameters; {', '.join(wrong)} are not. "
+                "Call model.float() first (use autocast for lower precision compute)."
+            )
+        placement = plan_placement([(n, tuple(p.shape)) for n, p in params],
+                                   self.cluster.num_tasks("ps"), strategy=self._ps_strategy,
+                                   partition_threshold_bytes=self._threshold)
+        self._buffers = _FlatBuffers(placement, dict(params), self._device)
+        self._opt = optimizer
+        self._opt_spec = pb.OptimizerSpec(
+            name=optimizer.name, momentum=optimizer.momentum,
+            weight_decay=optimizer.weight_decay, beta1=optimizer.betas[0],
+            beta2=optimizer.betas[1], eps=optimizer.eps,
+            initial_accumulator_value=optimizer.initial_accumulator_value)
+        self._client = PSClient(
+            self.cluster, placement, worker_id=self._rank, credentials=self._credentials,
+            timeout=self._timeout, push_timeout=self.aggregation.timeout + self._timeout,
+            on_bad_gradient=self._policy)
+        self._model = model
+        if self._chief:
+            self._needs_init = True  # after a possible restore (load_state)
+        else:
+            self._step = self._client.wait_until_initialized(self._init_timeout)
+            self._pull()
+        return model
+
+    def _ensure_initialized(self) -> None:
+        if not self._needs_init:
+            return
+        buffers = self._buffers
+        if self._restore is not None:
+            params, slots, step, opt_step = self._restore
+        else:
+            params, slots, step, opt_step = buffers.host_params(), None, 0, 0
+        self.client.initialize(params, optimizer=self._opt_spec, aggregation=self.aggregation,
+                               step=step, slots=slots, optimizer_step=opt_step)
+        self._needs_init, self._restore, self._step = False, None, step
+        log.info("chief initialised %d ps task(s) at step %d (mode %s)",
+                 buffers.placement.num_shards, step, self.aggregation.mode)
+        self._pull()
+
+    def _pull(self) -> None:
+        self._step = self.client.pull(self._buffers.host_param_arrays)
+        self._buffers.params_to_device()
+
+    # -- steps ---------------------------------------------------------------------------------
+    def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
+        """Gradients of ``batch`` on this worker's device, pushed; fresh parameters back."""
+        if self._model is None:
+            raise FailedPreconditionError("ParameterServer.run_step before prepare(model, optimizer).")
+        self._ensure_initialized()
+        self._drain()
+        buffers = self._buffers
+        buffers.zero_grads()
+        loss = loss_fn(self._model, batch)
+        loss.backward()
+        rate = float(lr if lr is not None else self._opt.lr)
+        bad = buffers.nonfinite_gradient()
+        if bad is not None:
+            message = (f"Gradient of {bad!r} on worker {self._rank} contains NaN or inf; it was "
+                       "not pushed and the parameters are unchanged. Lower the learning rate "
+                       "or clip the gradients.")
+            if self._policy == "raise":
+                raise InvalidArgumentError(message)
+            log.warning("%s", message)
+            return StepResult(loss=loss.detach(), global_step=self._step, applied=False)
+        grads = buffers.grads_to_host()
+        if self._prefetch:
+            self._pending = self.client.push_async(grads, rate, pull_into=buffers.host_param_arrays)
+            return StepResult(loss=loss.detach(), global_step=self._step + 1)
+        result = self.client.push(grads, rate, pull_into=buffers.host_param_arrays)
+        return self._finish(loss, result)
+
+    def _finish(self, loss: torch.Tensor | None, result: Any) -> StepResult:
+        self._step = result.global_step
+        self._buffers.params_to_device()
+        empty = torch.zeros((), device=self._device)
+        return StepResult(loss=empty if loss is None else loss.detach(),
+                          global_step=result.global_step, applied=result.applied)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._finish(None, pending.result())
+
+    @property
+    def global_step(self) -> int:
+        if self._model is not None:
+            self._ensure_initialized()
+            self._drain()
+        return self._step
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The parameters and optimizer state pulled from the ps tasks, plus local buffers."""
+        self._ensure_initialized()
+        self._drain()
+        snaps = self.client.snapshot()
+        placement = self._buffers.placement
+        model_group = {name: _assemble(placement, snaps, name, "params") for name in placement.names()}
+        for name, tensor in self.model.state_dict().items():
+            model_group.setdefault(name, tensor.detach().cpu())
+        optimizer_group = {f"{name}/{slot}": _assemble(placement, snaps, name, slot)
+                           for slot in snaps[0].slots for name in placement.names()}
+        self._meta = {"global_step": snaps[0].step, "optimizer_step": snaps[0].optimizer_step,
+                      "optimizer": self._opt.name, "mode": self.aggregation.mode}
+        return {"model": model_group, "optimizer": optimizer_group}
+
+    def state_metadata(self) -> dict[str, Any]:
+        return dict(self._meta)
+
+    def load_state_dict(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        self.load_state(groups, None)
+
+    def load_state(self, groups: Mapping[str, Mapping[str, torch.Tensor]],
+                   metadata: Mapping[str, Any] | None = None) -> None:
+        """Restore a checkpoint: the chief sends it to the ps tasks; others keep local buffers."""
+        from towerflow.checkpoint import load_into_module
+
+        if self._model is None:
+            raise FailedPreconditionError("load_state before prepare(model, optimizer).")
+        model_group = groups.get("model")
+        if model_group is None:
+            raise InvalidArgumentError(
+                f"The checkpoint has no 'model' group (groups: {sorted(groups)})."
+            )
+        load_into_module(self._model, model_group)  # checks names, shapes, dtypes
+        if not self._chief:
+            return
+        metadata = dict(metadata or {})
+        placement = self._buffers.placement
+        params = _split(placement, lambda name: model_group[name])
+        optimizer_group = groups.get("optimizer", {})
+        slot_names = sorted({key.rsplit("/", 1)[1] for key in optimizer_group})
+        slots: list[dict[str, np.ndarray]] = [{} for _ in params]
+        if slot_names and metadata.get("optimizer") == self._opt.name:
+            for slot in slot_names:
+                per_shard = _split(placement, lambda name, s=slot: optimizer_group[f"{name}/{s}"])
+                for shard_slots, values in zip(slots, per_shard, strict=True):
+                    shard_slots[slot] = values
+        self._restore = (params, slots, int(metadata.get("global_step", 0)),
+                         int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
+        self._buffers.load_from(params)
+        self._needs_init = True
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish a pending push, tell the ps tasks this worker is done, close channels."""
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                pending.result()
+        finally:
+            client.close()
+
+
+def _assemble(placement: Any, snaps: list[Any], name: str, buffer: str) -> torch.Tensor:
+    parts = placement.segments_of(name)
+    var_shape = parts[0][1].var_shape
+    out = np.empty(int(np.prod(var_shape, dtype=np.int64)), np.float32)
+    for task, seg in parts:
+        source = snaps[task].params if buffer == "params" else snaps[task].slots[buffer]
+        out[seg.start:seg.start + seg.numel] = source[seg.offset:seg.offset + seg.numel]
+    return torch.from_numpy(out).reshape(var_shape)
+
+
+def _split(placement: Any, tensor_of: Any) -> list[np.ndarray]:
+    """Per-shard flat arrays from whole tensors (``tensor_of(name)``)."""
+    shards = [np.empty(s.numel, np.float32) for s in placement.shards]
+    for shard in placement.shards:
+        for seg in shard.segments:
+            flat = tensor_of(seg.name).detach().to("cpu", torch.float32).reshape(-1).numpy()
+            shards[shard.index][seg.offset:seg.offset + seg.numel] = flat[seg.start:seg.start + seg.numel]
+    return shards
+
+
+class _FlatBuffers:
+    """Per-shard flat parameter and gradient buffers with the model's tensors as views."""
+
+    def __init__(self, placement: Any, params: dict[str, nn.Parameter], device: torch.device) -> None:
+        self.placement = placement
+        self.device = device
+        self.params = params
+        self.flat = [torch.empty(s.numel, device=device) for s in placement.shards]
+        self.grad = [torch.zeros(s.numel, device=device) for s in placement.shards]
+        pin = device.type == "cuda"
+        if device.type == "cpu":
+            self.host_p, self.host_g = self.flat, self.grad
+        else:
+            self.host_p = [torch.empty(s.numel, pin_memory=pin) for s in placement.shards]
+            self.host_g = [torch.empty(s.numel, pin_memory=pin) for s in placement.shards]
+        self.host_param_arrays = [t.numpy() for t in self.host_p]
+        self._partitioned: list[tuple[str, int, Any]] = []
+        with torch.no_grad():
+            for shard in placement.shards:
+                for seg in shard.segments:
+                    param = params[seg.name]
+                    view = slice(seg.offset, seg.offset + seg.numel)
+                    self.flat[shard.index][view] = param.detach().reshape(-1)[seg.start:seg.start + seg.numel]
+                    if seg.num_parts == 1:
+                        param.data = self.flat[shard.index][view].view(param.shape)
+                        param.grad = self.grad[shard.index][view].view(param.shape)
+                    else:
+                        self._partitioned.append((seg.name, shard.index, seg))
+
+    def host_params(self) -> list[np.ndarray]:
+        """The current parameters, one flat host array per shard."""
+        with torch.no_grad():
+            for name, index, seg in self._partitioned:
+                values = self.params[name].detach().reshape(-1)[seg.start:seg.start + seg.numel]
+                self.flat[index][seg.offset:seg.offset + seg.numel] = values
+        if self.device.type != "cpu":
+            for host, flat in zip(self.host_p, self.flat, strict=True):
+                host.copy_(flat)
+        return self.host_param_arrays
+
+    def load_from(self, shards: list[np.ndarray]) -> None:
+        """Set the local parameters from per-shard flat arrays."""
+        for host, values in zip(self.host_param_arrays, shards, strict=True):
+            host[...] = values
+        self.params_to_device()
+
+    def zero_grads(self) -> None:
+        for grad in self.grad:
+            grad.zero_()
+        for name, _, _ in self._partitioned:
+            param = self.params[name]
+            if param.grad is not None:
+                param.grad.zero_()
+
+    def nonfinite_gradient(self) -> str | None:
+        """Name of a parameter whose gradient holds NaN / inf, or None (one sync)."""
+        self._gather_partitioned()
+        checks = [torch.isfinite(g).all() for g in self.grad if g.numel()]
+        if not checks or bool(torch.stack(checks).all()):
+            return None
+        for name, param in self.params.items():
+            if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+                return name
+        return "?"
+
+    def _gather_partitioned(self) -> None:
+        for name, index, seg in self._partitioned:
+            grad = self.params[name].grad
+            target = self.grad[index][seg.offset:seg.offset + seg.numel]
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad.reshape(-1)[seg.start:seg.start + seg.numel])
+
+    def grads_to_host(self) -> list[np.ndarray]:
+        if self.device.type != "cpu":
+            for host, grad in zip(self.host_g, self.grad, strict=True):
+                host.copy_(grad)
+        return [t.numpy() for t in self.host_g]
+
+    def params_to_device(self) -> None:
+        with torch.no_grad():
+            if self.device.type != "cpu":
+                for flat, host in zip(self.flat, self.host_p, strict=True):
+                    flat.copy_(host, non_blocking=True)
+            for name, index, seg in self._partitioned:
+                param = self.params[name]
+                param.data.reshape(-1)[seg.start:seg.start + seg.numel] = \
+                    self.flat[index][seg.offset:seg.offset + seg.numel]

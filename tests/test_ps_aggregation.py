@@ -1,0 +1,191 @@
+"""Aggregation modes of a ps shard (async, sync with backups, ssp), driven by threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from towerflow.errors import DeadlineExceededError, InvalidArgumentError
+from towerflow.ps.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.optimizers import make_optimizer
+from towerflow.ps.placement import plan_placement
+from towerflow.ps.shard import APPLIED, REFUSED, STALE, VOIDED, PushHeader, ShardState
+
+NUMEL = 6
+
+
+def make(mode: str, **cfg):
+    layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
+    state = ShardState(layout, np.zeros(NUMEL, np.float32), make_optimizer("sgd", NUMEL))
+    return state, make_aggregator(state, AggregationConfig(mode=mode, **cfg))
+
+
+class Worker:
+    """Pushes constant gradients with increasing sequence numbers."""
+
+    def __init__(self, state: ShardState, agg, worker_id: int) -> None:
+        self.state, self.agg, self.worker_id, self.seq = state, agg, worker_id, 0
+
+    def push(self, value: float, token: int | None = None, payload=None):
+        self.seq += 1
+        head = PushHeader(self.worker_id, self.seq, self.state.step if token is None else token,
+                          1.0, NUMEL, segments=self.state.layout.signature)
+        data = payload if payload is not None else [np.full(NUMEL, value, np.float32).tobytes()]
+        return self.agg.push(head, data)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"Unknown ps mode 'bulk'"):
+        AggregationConfig(mode="bulk")
+    with pytest.raises(InvalidArgumentError, match=r"replicas_to_aggregate=3 must be between 1"):
+        AggregationConfig(mode="sync", total_num_replicas=2, replicas_to_aggregate=3)
+
+
+def test_async_applies_every_push_from_concurrent_workers() -> None:
+    state, agg = make("async", total_num_replicas=2)
+    workers = [Worker(state, agg, w) for w in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(lambda w: [w.push(1.0) for _ in range(20)], workers))
+    steps = sorted(o.step for out in outcomes for o in out)
+    assert steps == list(range(1, 41))
+    np.testing.assert_allclose(state.params, -40.0)
+    assert state.stats.applied == 40
+
+
+def test_sync_averages_one_gradient_per_replica_and_applies_once() -> None:
+    state, agg = make("sync", total_num_replicas=2)
+    w0, w1 = Worker(state, agg, 0), Worker(state, agg, 1)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(w0.push, 2.0)
+        wait_until(lambda: agg._count == 1)
+        assert not pending.done() and state.step == 0  # waits for the other replica
+        second = w1.push(4.0)
+        first = pending.result(timeout=10)
+    assert first.status == second.status == APPLIED and first.step == second.step == 1
+    np.testing.assert_allclose(state.params, -3.0)  # mean of 2 and 4, lr 1
+    assert state.stats.updates == state.step == 1
+
+
+def test_sync_drops_and_counts_stale_gradients() -> None:
+    state, agg = make("sync", total_num_replicas=1)
+    worker = Worker(state, agg, 0)
+    for _ in range(3):
+        assert worker.push(1.0).status == APPLIED
+    stale = worker.push(1.0, token=1)
+    assert stale.status == STALE and "computed on step 1" in stale.message
+    assert state.stats.stale == 1
+    assert state.step == state.stats.updates == 3
+    np.testing.assert_allclose(state.params, -3.0)
+
+
+def test_sync_backup_worker_does_not_hold_the_step() -> None:
+    state, agg = make("sync", total_num_replicas=3, replicas_to_aggregate=2)
+    fast = [Worker(state, agg, 0), Worker(state, agg, 1)]
+    slow = Worker(state, agg, 2)
+    slow_token = state.step
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            outcomes = list(pool.map(lambda w: w.push(1.0), fast))
+            assert all(o.status == APPLIED for o in outcomes)
+    assert state.step == 3
+    late = slow.push(1.0, token=slow_token)
+    assert late.status == STALE and state.stats.stale == 1
+
+
+def test_sync_step_waits_up_to_deadline_then_names_missing_worker() -> None:
+    state, agg = make("sync", total_num_replicas=2, timeout=0.3)
+    with pytest.raises(DeadlineExceededError, match=r"received 1 \(from worker 0\); missing: /job:worker/task:1"):
+        Worker(state, agg, 0).push(1.0)
+    assert state.step == 0
+
+
+def test_sync_finished_worker_no_longer_holds_the_step() -> None:
+    state, agg = make("sync", total_num_replicas=2)
+    w0 = Worker(state, agg, 0)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(w0.push, 1.0)
+        wait_until(lambda: agg._count == 1)
+        agg.worker_done(1)
+        assert pending.result(timeout=10).status == APPLIED
+    assert state.step == 1
+
+
+def test_sync_refused_chunk_voids_partial_sum_and_parameters_stay() -> None:
+    state, agg = make("sync", total_num_replicas=2)
+    w0, w1 = Worker(state, agg, 0), Worker(state, agg, 1)
+    bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.nan, 1], np.float32).tobytes()]
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(w0.push, 1.0)
+        wait_until(lambda: agg._count == 1)
+        refused = w1.push(0.0, payload=bad)
+        voided = pending.result(timeout=10)
+    assert refused.status == REFUSED and "NaN or inf in variable 'w'" in refused.message
+    assert voided.status == VOIDED and state.step == 0
+    np.testing.assert_array_equal(state.params, 0.0)
+    # the step is computed again and applies cleanly
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(w0.push, 1.0)
+        assert w1.push(3.0).status == APPLIED
+        assert pending.result(timeout=10).status == APPLIED
+    np.testing.assert_allclose(state.params, -2.0)
+
+
+def test_ssp_bound_holds_with_a_slow_worker() -> None:
+    staleness = 2
+    state, agg = make("ssp", total_num_replicas=2, staleness=staleness)
+    fast, slow = Worker(state, agg, 0), Worker(state, agg, 1)
+    progress = []
+    stop = threading.Event()
+
+    def run_fast() -> None:
+        for _ in range(8):
+            fast.push(1.0)
+            progress.append(fast.seq)
+        stop.set()
+
+    thread = threading.Thread(target=run_fast)
+    thread.start()
+    try:
+        wait_until(lambda: len(progress) >= staleness)
+        # the fast worker is now blocked: it may not run further ahead of the slow one
+        wait_until(lambda: agg._clocks[0] == staleness + 1)
+        assert len(progress) == staleness and not stop.is_set()
+        for _ in range(8):
+            slow.push(1.0)
+            assert agg._clocks[0] - agg._clocks[1] <= staleness + 1
+        thread.join(10)
+        assert stop.is_set()
+    finally:
+        agg.worker_done(1)
+        thread.join(10)
+    assert state.stats.max_lead == staleness
+    assert state.step == 16
+
+
+def test_ssp_wait_for_slowest_has_a_deadline() -> None:
+    state, agg = make("ssp", total_num_replicas=2, staleness=0, timeout=0.3)
+    with pytest.raises(DeadlineExceededError, match=r"slowest workers \(1, at push 0\)"):
+        Worker(state, agg, 0).push(1.0)
+    assert state.step == 1  # applied, only the return was held
+
+
+def test_closing_a_replaced_shard_releases_waiting_pushes() -> None:
+    state, agg = make("sync", total_num_replicas=2)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(Worker(state, agg, 0).push, 1.0)
+        wait_until(lambda: agg._count == 1)
+        agg.close()
+        assert pending.result(timeout=10).status == VOIDED
+    assert state.step == 0

@@ -1,0 +1,268 @@
+"""The ps shard service and the worker client over real, authenticated gRPC on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from towerflow.cluster import ClusterSpec, Server
+from towerflow.cluster.transport import Credentials
+from towerflow.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
+from towerflow.ps import ps_pb2 as pb
+
+SECRET = Credentials(secret=b"test-secret")
+SHAPES = {"emb": (40, 5), "w": (5, 3), "b": (3,)}
+
+
+@pytest.fixture
+def ps_cluster(free_ports):
+    """Two ps tasks served in this process; yields (cluster, services)."""
+    ports = free_ports(3)
+    cluster = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
+                           "worker": [f"127.0.0.1:{ports[2]}"]})
+    servers, services = [], []
+    try:
+        for i in range(2):
+            service = PSService(i, chunk_bytes=64)
+            server = Server(cluster, "ps", i, credentials=SECRET, start=False)
+            server.add_handlers([service.handlers()])
+            server.start()
+            servers.append(server)
+            services.append(service)
+        yield cluster, services
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def placement():
+    return plan_placement(SHAPES, 2, partition_threshold_bytes=400)
+
+
+def client(cluster, worker_id=0, **kw) -> PSClient:
+    kw.setdefault("credentials", SECRET)
+    return PSClient(cluster, placement(), worker_id=worker_id, timeout=5.0, chunk_bytes=64, **kw)
+
+
+def initial(plan):
+    return [np.arange(s.numel, dtype=np.float32) for s in plan.shards]
+
+
+def init(c: PSClient, **kw) -> list[np.ndarray]:
+    values = initial(c.placement)
+    c.initialize(values, optimizer=pb.OptimizerSpec(name=kw.pop("opt", "sgd"), momentum=0.5),
+                 aggregation=AggregationConfig(**kw))
+    return values
+
+
+def test_pull_and_push_through_two_shards(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster) as c:
+        values = init(c)
+        into = [np.zeros_like(v) for v in values]
+        assert c.pull(into) == 0
+        for got, want in zip(into, values, strict=True):
+            np.testing.assert_array_equal(got, want)
+        ones = [np.ones_like(v) for v in values]
+        result = c.push(ones, lr=0.5)
+        assert result.applied and result.global_step == 1
+        c.pull(into)
+        for got, want in zip(into, values, strict=True):
+            np.testing.assert_allclose(got, want - 0.5)
+    assert [s.shard[0].stats.applied for s in services] == [1, 1]
+
+
+def test_push_and_pull_in_one_round_trip(ps_cluster) -> None:
+    cluster, _ = ps_cluster
+    with client(cluster) as c:
+        values = init(c)
+        fresh = [np.zeros_like(v) for v in values]
+        result = c.push([np.full_like(v, 2.0) for v in values], lr=0.25, pull_into=fresh)
+        assert result.global_step == 1
+        for got, want in zip(fresh, values, strict=True):
+            np.testing.assert_allclose(got, want - 0.5)
+        assert [s.version for s in c.shards] == [1, 1]
+
+
+def test_wrong_secret_is_refused_and_changes_nothing(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster) as c:
+        values = init(c)
+    intruder = client(cluster, credentials=Credentials(secret=b"wrong"))
+    try:
+        with pytest.raises(UnauthenticatedError, match=r"UNAUTHENTICATED.*wrong credentials"):
+            intruder.push([np.ones_like(v) for v in values], lr=1.0)
+    finally:
+        intruder.close(done=False)
+    state = services[0].shard[0]
+    np.testing.assert_array_equal(state.params, values[0])
+    assert state.step == 0 and state.stats.pushes == 0
+
+
+def test_bad_gradient_raises_by_default_and_is_counted(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster) as c:
+        values = init(c)
+        grads = [np.ones_like(v) for v in values]
+        grads[0][-1] = np.inf
+        with pytest.raises(InvalidArgumentError, match=r"NaN or inf in variable 'w' \(shape \[5, 3\]\)"):
+            c.push(grads, lr=1.0)
+        assert c.stats()[0]["refused"] == 1
+    np.testing.assert_array_equal(services[0].shard[0].params, values[0])
+
+
+def test_bad_gradient_skip_policy_returns_unapplied_result(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster, on_bad_gradient="skip") as c:
+        values = init(c)
+        grads = [np.ones_like(v) for v in values]
+        grads[1][0] = np.nan
+        result = c.push(grads, lr=1.0)
+    assert result.refused and not result.applied
+    np.testing.assert_array_equal(services[1].shard[0].params, values[1])
+
+
+def test_gradient_for_another_model_names_the_variable(ps_cluster) -> None:
+    cluster, _ = ps_cluster
+    with client(cluster) as c:
+        init(c)
+    other = plan_placement({"emb": (40, 5), "w": (5, 4), "b": (4,)}, 2,
+                           partition_threshold_bytes=400)
+    with PSClient(cluster, other, worker_id=1, credentials=SECRET, timeout=5.0) as c:
+        grads = [np.ones(s.numel, np.float32) for s in other.shards]
+        with pytest.raises(InvalidArgumentError,
+                           match=r"variable 'w' has shape \[5, 4\] but the parameter has shape \[5, 3\]"):
+            c.push(grads, lr=1.0)
+
+
+def test_retried_push_with_same_sequence_number_is_applied_once(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster, worker_id=1) as c:
+        values = init(c)
+        shard = c.shards[0]
+        grad = np.ones_like(values[0])
+        first = shard.push(grad, worker_id=1, incarnation=c.incarnation, seq=9, lr=1.0)
+        retry = shard.push(grad, worker_id=1, incarnation=c.incarnation, seq=9, lr=1.0)
+    assert first.status == retry.status == "applied" and retry.duplicate
+    state = services[0].shard[0]
+    assert state.step == 1 and state.stats.duplicates == 1
+    np.testing.assert_allclose(state.params, values[0] - 1.0)
+
+
+def test_non_chief_waits_until_the_chief_initialises(ps_cluster) -> None:
+    cluster, _ = ps_cluster
+    with client(cluster, worker_id=1) as waiter, client(cluster) as chief:
+        with pytest.raises(DeadlineExceededError, match=r"waited 0 s for the chief.*not initialised"):
+            waiter.wait_until_initialized(timeout=0.2, poll=0.05)
+        result: dict[str, int] = {}
+        thread = threading.Thread(
+            target=lambda: result.setdefault("step", waiter.wait_until_initialized(10, 0.05)))
+        thread.start()
+        try:
+            time.sleep(0.2)  # the waiter polls meanwhile; initialising later must release it
+            assert thread.is_alive()
+            chief.initialize(initial(chief.placement), optimizer=pb.OptimizerSpec(name="sgd"),
+                             aggregation=AggregationConfig(), step=7)
+        finally:
+            thread.join(10)
+        assert result == {"step": 7}
+
+
+def test_worker_with_another_model_refuses_to_start(ps_cluster) -> None:
+    cluster, _ = ps_cluster
+    with client(cluster) as c:
+        init(c)
+    other = plan_placement({"x": (3,)}, 2)
+    with PSClient(cluster, other, worker_id=1, credentials=SECRET, timeout=5.0) as c:
+        with pytest.raises(InvalidArgumentError, match=r"run the same model on every worker"):
+            c.wait_until_initialized(timeout=5)
+
+
+def test_push_before_initialisation_is_a_failed_precondition(ps_cluster) -> None:
+    cluster, _ = ps_cluster
+    with client(cluster) as c:
+        with pytest.raises(FailedPreconditionError, match=r"not initialised yet"):
+            c.pull([np.zeros(s.numel, np.float32) for s in c.placement.shards])
+
+
+def test_snapshot_and_restore_keep_optimizer_state(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster) as c:
+        values = init(c, opt="momentum")
+        c.push([np.ones_like(v) for v in values], lr=0.1)
+        snap = c.snapshot()
+        assert snap[0].step == 1 and snap[0].optimizer_step == 1
+        np.testing.assert_allclose(snap[0].slots["momentum_buffer"], 1.0)
+        c.initialize([s.params for s in snap], optimizer=pb.OptimizerSpec(name="momentum", momentum=0.5),
+                     aggregation=AggregationConfig(), step=snap[0].step,
+                     slots=[s.slots for s in snap], optimizer_step=snap[0].optimizer_step)
+        c.push([np.ones_like(v) for v in values], lr=0.1)
+    state = services[0].shard[0]
+    # momentum continued from the restored buffer: 0.5 * 1 + 1 = 1.5
+    np.testing.assert_allclose(state.optimizer.slots["momentum_buffer"], 1.5)
+    np.testing.assert_allclose(state.params, values[0] - 0.1 - 0.15, rtol=1e-6)
+    assert state.step == 2
+
+
+_PS_MAIN = """
+import sys
+from towerflow.cluster import ClusterSpec, TaskInfo
+from towerflow.cluster.transport import Credentials
+from towerflow.ps import run_ps_task
+sys.exit(run_ps_task(ClusterSpec.from_tf_config()[0], TaskInfo("ps", 0), Credentials(secret=b"s")))
+"""
+
+
+@pytest.mark.slow
+def test_dead_ps_gives_unavailable_within_the_deadline(free_ports, python, subprocess_env) -> None:
+    ports = free_ports(2)
+    spec = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]}
+    env = dict(subprocess_env, TF_CONFIG=json.dumps({"cluster": spec,
+                                                    "task": {"type": "ps", "index": 0}}))
+    proc = subprocess.Popen([python, "-c", _PS_MAIN], env=env, stderr=subprocess.PIPE, text=True)
+    plan = plan_placement({"w": (4,)}, 1)
+    c = PSClient(ClusterSpec(spec), plan, worker_id=0, credentials=Credentials(secret=b"s"),
+                 timeout=2.0)
+    try:
+        c.shards[0]._retrying(c.shards[0].status, 30)  # the ps is up
+        c.initialize([np.zeros(4, np.float32)], optimizer=pb.OptimizerSpec(name="sgd"),
+                     aggregation=AggregationConfig())
+        proc.kill()
+        proc.wait(10)
+        start = time.monotonic()
+        with pytest.raises(UnavailableError, match=r"UNAVAILABLE"):
+            c.push([np.ones(4, np.float32)], lr=1.0)
+        assert time.monotonic() - start < 10
+    finally:
+        c.close(done=False)
+        proc.kill()
+        proc.wait(10)
+
+
+def test_small_shards_push_and_pull_in_one_message_each_way(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with PSClient(cluster, placement(), worker_id=0, credentials=SECRET, timeout=5.0) as c:
+        assert all(s.layout.nbytes <= s.chunk_bytes for s in c.shards)  # the unary path
+        values = init(c)
+        fresh = [np.zeros_like(v) for v in values]
+        assert c.push([np.ones_like(v) for v in values], lr=1.0, pull_into=fresh).applied
+        for got, want in zip(fresh, values, strict=True):
+            np.testing.assert_allclose(got, want - 1.0)
+        bad = [np.ones_like(v) for v in values]
+        bad[1][2] = np.nan
+        with pytest.raises(InvalidArgumentError, match=r"NaN or inf in variable"):
+            c.push(bad, lr=1.0, pull_into=fresh)
+    assert services[1].shard[0].stats.refused == 1
+    np.testing.assert_allclose(services[1].shard[0].params, values[1] - 1.0)

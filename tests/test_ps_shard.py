@@ -1,0 +1,154 @@
+"""The ps shard state: server-side optimizers, validation of pushes, de-duplication."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from towerflow.errors import InvalidArgumentError
+from towerflow.ps.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.optimizers import make_optimizer
+from towerflow.ps.placement import plan_placement
+from towerflow.ps.shard import APPLIED, REFUSED, STALE, PushHeader, ShardState
+
+SHAPES = {"weight": (2, 3), "bias": (3,)}
+
+
+def make_shard(opt: str = "sgd", **opt_kw):
+    layout = plan_placement(SHAPES, 1).shards[0]
+    init = np.arange(layout.numel, dtype=np.float32)
+    state = ShardState(layout, init.copy(), make_optimizer(opt, layout.numel, **opt_kw))
+    return state, make_aggregator(state, AggregationConfig("async", total_num_replicas=2))
+
+
+def header(state, worker=0, seq=1, **kw) -> PushHeader:
+    fields = dict(worker_id=worker, seq=seq, token=state.step, lr=0.5,
+                  numel=state.layout.numel, segments=state.layout.signature)
+    fields.update(kw)
+    return PushHeader(**fields)
+
+
+def chunks(values: np.ndarray, pieces: int = 2) -> list[bytes]:
+    return [part.tobytes() for part in np.array_split(values.astype(np.float32), pieces)]
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "torch_opt"),
+    [
+        ("sgd", {"weight_decay": 0.01},
+         lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01)),
+        ("momentum", {"momentum": 0.9, "weight_decay": 0.01},
+         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01)),
+        ("adam", {"betas": (0.8, 0.99), "weight_decay": 0.01},
+         lambda p: torch.optim.Adam(p, lr=0.1, betas=(0.8, 0.99), weight_decay=0.01)),
+        ("adagrad", {"initial_accumulator_value": 0.1},
+         lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1)),
+    ],
+)
+def test_server_optimizer_matches_torch_optim(name, kw, torch_opt) -> None:
+    gen = torch.Generator().manual_seed(0)
+    n = 70_000  # more than one block of the blockwise update
+    start = torch.randn(n, generator=gen)
+    param = torch.nn.Parameter(start.clone())
+    reference = torch_opt([param])
+    flat = start.numpy().copy()
+    opt = make_optimizer(name, n, **kw)
+    for _ in range(4):
+        grad = torch.randn(n, generator=gen)
+        param.grad = grad.clone()
+        reference.step()
+        opt.apply(flat, grad.numpy().copy(), 0.1)
+    np.testing.assert_allclose(flat, param.detach().numpy(), atol=1e-5)
+    assert opt.step == 4
+
+
+def test_unknown_optimizer_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"Unknown optimizer 'rmsprop'"):
+        make_optimizer("rmsprop", 4)
+
+
+def test_push_applies_gradient_and_advances_step() -> None:
+    state, agg = make_shard()
+    before = state.params.copy()
+    outcome = agg.push(header(state), chunks(np.ones(9)))
+    assert outcome.status == APPLIED and outcome.step == 1
+    np.testing.assert_allclose(state.params, before - 0.5)
+    assert state.stats.applied == 1 and state.stats.updates == 1
+
+
+def test_wrong_shape_is_refused_naming_variable_and_shapes() -> None:
+    state, agg = make_shard()
+    before = state.params.copy()
+    bad = header(state, segments=(("weight", (3, 2)), ("bias", (3,))))
+    outcome = agg.push(bad, chunks(np.ones(9)))
+    assert outcome.status == REFUSED
+    assert "variable 'weight' has shape [3, 2] but the parameter has shape [2, 3]" in outcome.message
+    np.testing.assert_array_equal(state.params, before)
+    assert state.stats.refused == 1 and state.step == 0
+
+
+def test_wrong_dtype_and_size_are_refused() -> None:
+    state, agg = make_shard()
+    outcome = agg.push(header(state, dtype="float16"), chunks(np.ones(9)))
+    assert outcome.status == REFUSED and "dtype float16" in outcome.message
+    outcome = agg.push(header(state, seq=2, numel=8, segments=()), chunks(np.ones(8)))
+    assert outcome.status == REFUSED and "has 8 elements but the shard holds 9" in outcome.message
+    assert state.stats.refused == 2
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+def test_nonfinite_gradient_is_refused_and_parameters_unchanged(bad_value) -> None:
+    state, agg = make_shard()
+    before = state.params.copy()
+    grad = np.ones(9, np.float32)
+    grad[7] = bad_value  # an element of 'bias'
+    outcome = agg.push(header(state), chunks(grad))
+    assert outcome.status == REFUSED
+    assert "contains NaN or inf in variable 'bias' (shape [3])" in outcome.message
+    np.testing.assert_array_equal(state.params, before)
+    assert state.stats.refused == 1 and state.step == 0
+
+
+def test_truncated_payload_is_refused() -> None:
+    state, agg = make_shard()
+    outcome = agg.push(header(state), chunks(np.ones(5)))
+    assert outcome.status == REFUSED and "ended after 20 of 36 bytes" in outcome.message
+    outcome = agg.push(header(state, seq=2), [b"\x00" * 6])
+    assert outcome.status == REFUSED and "6-byte chunk" in outcome.message
+
+
+def test_duplicate_push_is_applied_once() -> None:
+    state, agg = make_shard()
+    before = state.params.copy()
+    first = agg.push(header(state, worker=1, seq=7), chunks(np.ones(9)))
+    again = agg.push(header(state, worker=1, seq=7, token=0), chunks(np.ones(9)))
+    assert first.status == again.status == APPLIED
+    assert again.duplicate and not first.duplicate
+    assert state.step == 1 and state.stats.duplicates == 1
+    np.testing.assert_allclose(state.params, before - 0.5)
+    older = agg.push(header(state, worker=1, seq=6), chunks(np.ones(9)))
+    assert older.status == STALE and older.duplicate and state.step == 1
+
+
+def test_restarted_worker_with_new_incarnation_is_not_a_duplicate() -> None:
+    state, agg = make_shard()
+    agg.push(header(state, worker=1, seq=1, incarnation=100), chunks(np.ones(9)))
+    outcome = agg.push(header(state, worker=1, seq=1, incarnation=200), chunks(np.ones(9)))
+    assert outcome.status == APPLIED and not outcome.duplicate and state.step == 2
+
+
+def test_read_chunks_returns_a_copy_of_the_buffer() -> None:
+    state, _ = make_shard(opt="momentum", momentum=0.9)
+    data = b"".join(state.read_chunks("params", chunk_bytes=8))
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), state.params)
+    slot = b"".join(state.read_chunks("momentum_buffer"))
+    assert len(slot) == 36
+    with pytest.raises(InvalidArgumentError, match=r"no buffer 'exp_avg'.*params, momentum_buffer"):
+        state.buffer("exp_avg")
+
+
+def test_initial_values_of_wrong_size_are_refused() -> None:
+    layout = plan_placement(SHAPES, 1).shards[0]
+    with pytest.raises(InvalidArgumentError, match=r"needs 9 float32 initial values.*got 4"):
+        ShardState(layout, np.zeros(4, np.float32), make_optimizer("sgd", 9))

@@ -1,0 +1,193 @@
+"""Supervisor: restore or initialise, periodic and final checkpoints, summaries, preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from towerflow.checkpoint import CheckpointManager
+from towerflow.cluster import ClusterSpec, Server
+from towerflow.cluster.transport import Credentials
+from towerflow.errors import InvalidArgumentError
+from towerflow.models.linear import LinearRegression, mse_loss, regression_data
+from towerflow.ps import PSService
+from towerflow.strategies import OptimizerConfig
+from towerflow.training.supervisor import Supervisor
+
+DATA = regression_data(32, noise=0.0)
+OPT = OptimizerConfig("sgd", lr=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster_env(monkeypatch) -> None:
+    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run(sv: Supervisor, steps: int, model=None, master=None) -> tuple[LinearRegression, int]:
+    model = model or LinearRegression(torch.Generator().manual_seed(0))
+    with sv.managed_session(master, model=model, optimizer=OPT) as sess:
+        while not sv.should_stop() and sess.global_step < steps:
+            result = sess.run_step(mse_loss, DATA)
+            sv.summary_computed(sess, {"loss": result.loss})
+        return model, sess.global_step
+
+
+def test_chief_saves_at_the_end_and_a_restart_resumes(tmp_path) -> None:
+    model, step = run(Supervisor(is_chief=True, logdir=tmp_path, save_model_secs=None), 5)
+    assert step == 5 and (tmp_path / "latest").read_text().strip() == "ckpt-00000005"
+    again = Supervisor(is_chief=True, logdir=tmp_path, save_model_secs=None)
+    fresh = LinearRegression(torch.Generator().manual_seed(42))
+    with again.managed_session(model=fresh, optimizer=OPT) as sess:
+        assert again.restored_from == 5 and sess.global_step == 5
+        assert torch.equal(fresh.weight.detach(), model.weight.detach())
+        sess.run_step(mse_loss, DATA)
+    assert CheckpointManager(tmp_path).restore().step == 6
+
+
+def test_init_fn_runs_only_without_a_checkpoint(tmp_path) -> None:
+    calls = []
+
+    def init_fn(model) -> None:
+        calls.append(1)
+        model.weight.fill_(3.0)
+
+    model, _ = run(Supervisor(logdir=tmp_path, init_fn=init_fn), 0)
+    assert calls == [1] and model.weight.item() == 3.0  # and saved at step 0
+    sv = Supervisor(logdir=tmp_path, init_fn=init_fn)
+    model, _ = run(sv, 1)
+    assert calls == [1] and sv.restored_from == 0  # restored: no second init
+
+
+def test_periodic_checkpoints_follow_save_model_secs(tmp_path) -> None:
+    sv = Supervisor(logdir=tmp_path, save_model_secs=1e-9, max_to_keep=1)
+    seen = []
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        for _ in range(3):
+            sess.run_step(mse_loss, DATA)
+            seen.append((tmp_path / "latest").read_text().strip())
+    assert seen == ["ckpt-00000001", "ckpt-00000002", "ckpt-00000003"]
+    assert [p.name for p in CheckpointManager(tmp_path).checkpoints()] == ["ckpt-00000003"]
+
+
+def test_manual_save_and_global_step_tensor(tmp_path) -> None:
+    step = torch.zeros((), dtype=torch.int64)
+    sv = Supervisor(logdir=tmp_path / "auto", save_model_secs=None, global_step=step)
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        sess.run_step(mse_loss, DATA)
+        sess.run_step(mse_loss, DATA)
+        assert int(step) == 2
+        path = sv.save(directory=tmp_path / "manual")
+    assert path == tmp_path / "manual" / "ckpt-00000002"
+    assert CheckpointManager(tmp_path / "manual").restore().step == 2
+
+
+def test_summaries_are_tensorboard_event_files(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sv = Supervisor(logdir=tmp_path, save_model_secs=None)
+    run(sv, 3)
+    sv.stop()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+
+
+def test_non_chief_writes_no_checkpoint_and_no_summary(tmp_path) -> None:
+    sv = Supervisor(is_chief=False, logdir=tmp_path, save_model_secs=1e-9)
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        sess.run_step(mse_loss, DATA)
+        sv.summary_computed(sess, {"loss": 1.0})
+        assert sv.save() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stop_is_requested_and_seen() -> None:
+    sv = Supervisor(logdir=None)
+    assert not sv.should_stop()
+    sv.request_stop()
+    assert sv.should_stop()
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"save_model_secs must be >= 0"):
+        Supervisor(save_model_secs=-1)
+    with pytest.raises(InvalidArgumentError, match=r"0-d integer tensor"):
+        Supervisor(global_step=torch.zeros(2))
+
+
+def test_on_a_ps_cluster_only_the_chief_saves(tmp_path, free_ports) -> None:
+    ports = free_ports(3)
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"],
+                        "worker": [f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}"]})
+    secret = Credentials(secret=b"sv")
+    service = PSService(0)
+    servers = [Server(spec, "ps", 0, credentials=secret, handlers=[service.handlers()])]
+    servers += [Server(spec, "worker", i, credentials=secret) for i in range(2)]
+    try:
+        dirs = [tmp_path / "w0", tmp_path / "w1"]
+        supervisors = [Supervisor(is_chief=(i == 0), logdir=dirs[i], save_model_secs=None)
+                       for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(run, supervisors[i], 30, None, servers[1 + i]) for i in range(2)]
+            steps = [r.result(timeout=120) for r in runs]
+        assert all(step >= 30 for _, step in steps)
+        assert not dirs[1].exists() or list(dirs[1].iterdir()) == []
+        ckpt = CheckpointManager(dirs[0]).restore()
+        assert ckpt.metadata["strategy"]["mode"] == "async"
+        assert ckpt.groups["model"]["weight"].tolist() == [service.shard[0].params[0]]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+_PREEMPTED = textwrap.dedent("""
+    import sys, torch
+    from towerflow.models.linear import LinearRegression, mse_loss, regression_data
+    from towerflow.strategies import OptimizerConfig
+    from towerflow.training.supervisor import Supervisor
+    data = regression_data(16)
+    sv = Supervisor(is_chief=True, logdir=sys.argv[1], save_model_secs=None)
+    with sv.managed_session(model=LinearRegression(), optimizer=OptimizerConfig()) as sess:
+        while not sv.should_stop():
+            sess.run_step(mse_loss, data)
+            if sess.global_step == 3:
+                print("training", flush=True)
+    print("stopped at", sess.global_step, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_sigterm_on_the_chief_checkpoints_and_exits_zero(tmp_path, python, subprocess_env) -> None:
+    proc = subprocess.Popen([python, "-c", _PREEMPTED, str(tmp_path)], env=subprocess_env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ready = threading.Event()
+        lines: list[str] = []
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("training"):
+                    ready.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert ready.wait(60), lines
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0
+        reader.join(10)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    stopped = int(next(line for line in lines if line.startswith("stopped at")).split()[-1])
+    ckpt = CheckpointManager(Path(tmp_path)).restore()
+    assert ckpt is not None and ckpt.step == stopped >= 3
