@@ -161,6 +161,20 @@ def test_retried_push_with_same_sequence_number_is_applied_once(ps_cluster) -> N
     np.testing.assert_allclose(state.params, values[0] - 1.0)
 
 
+def test_ledger_lists_the_applied_pushes_of_every_shard(ps_cluster) -> None:
+    cluster, _ = ps_cluster
+    with client(cluster, worker_id=1) as c:
+        init(c)
+        grads = [np.ones(s.numel, np.float32) for s in c.placement.shards]
+        c.push(grads, lr=0.1)
+        c.push(grads, lr=0.1)
+        for reply in c.ledger():
+            assert (reply.first, reply.total) == (0, 2)
+            assert [(e.worker_id, e.incarnation, e.seq, e.step) for e in reply.entries] == \
+                [(1, c.incarnation, 1, 1), (1, c.incarnation, 2, 2)]
+        assert [len(r.entries) for r in c.ledger(since=1)] == [1, 1]
+
+
 def test_non_chief_waits_until_the_chief_initialises(ps_cluster) -> None:
     cluster, _ = ps_cluster
     with client(cluster, worker_id=1) as waiter, client(cluster) as chief:
@@ -266,3 +280,15 @@ def test_small_shards_push_and_pull_in_one_message_each_way(ps_cluster) -> None:
             c.push(bad, lr=1.0, pull_into=fresh)
     assert services[1].shard[0].stats.refused == 1
     np.testing.assert_allclose(services[1].shard[0].params, values[1] - 1.0)
+
+
+def test_replica_task_maps_replicas_to_the_chief_and_the_workers() -> None:
+    from towerflow.ps.service import replica_task
+
+    with_chief = ClusterSpec({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"],
+                              "worker": ["127.0.0.1:3", "127.0.0.1:4"]})
+    assert [str(replica_task(with_chief, r)) for r in range(3)] == \
+        ["chief:0", "worker:0", "worker:1"]
+    assert replica_task(with_chief, 3) is None
+    without = ClusterSpec({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]})
+    assert replica_task(without, 0).device_name == "/job:worker/replica:0/task:0"

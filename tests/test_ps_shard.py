@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.ps import shard as shard_module
 from towerflow.ps.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import plan_placement
@@ -136,6 +137,25 @@ def test_restarted_worker_with_new_incarnation_is_not_a_duplicate() -> None:
     agg.push(header(state, worker=1, seq=1, incarnation=100), chunks(np.ones(9)))
     outcome = agg.push(header(state, worker=1, seq=1, incarnation=200), chunks(np.ones(9)))
     assert outcome.status == APPLIED and not outcome.duplicate and state.step == 2
+
+
+def test_ledger_records_each_applied_push_once_and_nothing_else() -> None:
+    state, agg = make_shard()
+    agg.push(header(state, worker=1, seq=1, incarnation=9), chunks(np.ones(9)))
+    agg.push(header(state, worker=1, seq=1, incarnation=9), chunks(np.ones(9)))  # a retry
+    agg.push(header(state, worker=0, seq=1), chunks(np.full(9, np.nan)))  # refused
+    agg.push(header(state, worker=0, seq=2), chunks(np.ones(9)))
+    assert list(state.ledger) == [(1, 9, 1, 1), (0, 0, 2, 2)]
+    assert state.ledger_since(1) == (1, [(0, 0, 2, 2)])
+
+
+def test_ledger_forgets_the_oldest_entries_beyond_its_capacity(monkeypatch) -> None:
+    monkeypatch.setattr(shard_module, "LEDGER_CAPACITY", 2)
+    state, agg = make_shard()
+    for seq in (1, 2, 3):
+        agg.push(header(state, worker=0, seq=seq), chunks(np.ones(9)))
+    assert state.ledger_total == 3
+    assert state.ledger_since(0) == (1, [(0, 0, 2, 2), (0, 0, 3, 3)])
 
 
 def test_read_chunks_returns_a_copy_of_the_buffer() -> None:

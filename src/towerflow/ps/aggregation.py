@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +111,8 @@ class Aggregator(abc.ABC):
     def __init__(self, state: ShardState, config: AggregationConfig) -> None:
         self.state = state
         self.config = config
+        #: names a worker (and, on a ps task with heartbeats, its health) in messages
+        self.describe_worker: Callable[[int], str] = _worker_label
         self._recv_lock = threading.Lock()  # one payload received at a time
         self._done: set[int] = set()
         self._closed = False
@@ -318,7 +320,7 @@ class _SyncAggregator(Aggregator):
         return (f"Step {header.token} of ps shard {state.layout.index} waited "
                 f"{self.config.timeout:.0f} s for {self.config.required} gradients but received "
                 f"{self._count} (from worker {', '.join(map(str, got)) or 'none'}); missing: "
-                f"{', '.join(f'/job:worker/task:{w}' for w in missing) or 'none'}. "
+                f"{', '.join(self.describe_worker(w) for w in missing) or 'none'}. "
                 "Restart the missing workers or add backup workers.")
 
     def worker_done(self, worker_id: int) -> None:
@@ -336,7 +338,19 @@ _KINDS: dict[str, type[Aggregator]] = {
 }
 
 
-def make_aggregator(state: ShardState, config: AggregationConfig) -> Aggregator:
-    """Return the aggregator of ``config.mode`` over ``state``."""
-    return _KINDS[config.mode](state, config)
+def make_aggregator(state: ShardState, config: AggregationConfig,
+                    describe_worker: Callable[[int], str] | None = None) -> Aggregator:
+    """Return the aggregator of ``config.mode`` over ``state``.
+
+    ``describe_worker(replica)`` names a worker in error messages (default
+    ``/job:worker/task:<replica>``).
+    """
+    aggregator = _KINDS[config.mode](state, config)
+    if describe_worker is not None:
+        aggregator.describe_worker = describe_worker
+    return aggregator
+
+
+def _worker_label(worker_id: int) -> str:
+    return f"/job:worker/task:{worker_id}"
 

@@ -265,6 +265,12 @@ class ShardClient:
         unary(self.channel, _M + "Done", pb.DoneRequest(worker_id=worker_id).SerializeToString(),
               timeout=self.timeout)
 
+    def ledger(self, since: int = 0) -> pb.LedgerReply:
+        """The pushes the shard applied, from ledger entry ``since`` on."""
+        data = unary(self.channel, _M + "Ledger",
+                     pb.LedgerRequest(since=since).SerializeToString(), timeout=self.timeout)
+        return parse_message(pb.LedgerReply, data, "LedgerReply")
+
 
 class PSClient:
     """A worker's connection to every ps task of the cluster.
@@ -416,6 +422,10 @@ class PSClient:
             return ShardSnapshot(int(head.step), int(head.optimizer_step), params, slots)
 
         return self._each(one)
+
+    def ledger(self, since: int = 0) -> list[pb.LedgerReply]:
+        """Each shard's ledger of applied pushes ``(worker_id, incarnation, seq, step)``."""
+        return self._each(lambda shard, i: shard.ledger(since))
 
     def stats(self) -> list[dict[str, int]]:
         """Each shard's counters (applied, stale, refused, duplicates, ...)."""

@@ -15,6 +15,8 @@ method         kind             messages
 ``PushPullSmall`` unary         ``PushPull`` in one message each way, for a
                                 shard that fits in one chunk (:func:`pack`)
 ``Done``       unary            ``DoneRequest`` -> ``Empty``
+``Ledger``     unary            ``LedgerRequest`` -> ``LedgerReply``: the applied
+                                pushes ``(worker, incarnation, seq, step)``
 =============  ===============  ===============================================
 
 Control messages are protobuf (``ps.proto``); tensors are raw float32 chunks
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -150,11 +152,15 @@ class PSService:
     Args:
         shard_index: this ps task's index (task 0 holds the global step).
         chunk_bytes: size of streamed reply chunks.
+        describe_worker: names a worker replica in messages (e.g. a sync step
+            that misses gradients), with its heartbeat state when known.
     """
 
-    def __init__(self, shard_index: int, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, shard_index: int, *, chunk_bytes: int = CHUNK_BYTES,
+                 describe_worker: Callable[[int], str] | None = None) -> None:
         self.shard_index = shard_index
         self.chunk_bytes = chunk_bytes
+        self.describe_worker = describe_worker
         self._lock = threading.Lock()
         self._shard: tuple[ShardState, Aggregator] | None = None
         self._generation = 0
@@ -171,6 +177,7 @@ class PSService:
             "PushPullSmall": ("unary_unary", self.push_pull_small),
             "Pull": ("unary_stream", self.pull),
             "Done": ("unary_unary", self.done),
+            "Ledger": ("unary_unary", self.ledger),
         })
 
     @property
@@ -221,7 +228,7 @@ class PSService:
                      on_chunk=lambda first, values: _scatter(buffers, first, values))
         optimizer.step = int(req.optimizer_step)
         state = ShardState(layout, params, optimizer, step=int(req.step))
-        aggregator = make_aggregator(state, config)
+        aggregator = make_aggregator(state, config, self.describe_worker)
         with self._lock:
             previous, self._shard = self._shard, (state, aggregator)
             self._generation += 1
@@ -305,26 +312,78 @@ class PSService:
         return pb.Empty().SerializeToString()
 
 
-def run_ps_task(cluster, task, credentials=None) -> int:  # noqa: ANN001 - cluster types
+    def ledger(self, request: bytes) -> bytes:
+        """The pushes the shard applied since it was initialised (an audit trail)."""
+        req = parse_message(pb.LedgerRequest, request, "LedgerRequest")
+        state, _ = self.shard
+        first, entries = state.ledger_since(req.since)
+        return pb.LedgerReply(first=first, total=state.ledger_total, entries=[
+            pb.LedgerEntry(worker_id=w, incarnation=i, seq=s, step=t) for w, i, s, t in entries
+        ]).SerializeToString()
+
+
+def replica_task(cluster, replica: int):  # noqa: ANN001, ANN201 - cluster types
+    """The ``TaskInfo`` of training replica ``replica`` (the chief is 0 when there is one)."""
+    from towerflow.cluster import TaskInfo
+
+    jobs = cluster.as_dict()
+    chiefs = len(jobs.get("chief", ()))
+    if replica < chiefs:
+        return TaskInfo("chief", replica)
+    if replica - chiefs < len(jobs.get("worker", ())):
+        return TaskInfo("worker", replica - chiefs)
+    return None
+
+
+def _worker_describer(cluster, monitor) -> Callable[[int], str]:  # noqa: ANN001
+    """``describe(replica)``: its task name, or its heartbeat state when it misses beats."""
+
+    def describe(replica: int) -> str:
+        task = replica_task(cluster, replica)
+        if task is None:
+            return f"replica {replica}"
+        if monitor is not None:
+            health = monitor.health(task.job_name, task.task_index)
+            if health.missed:
+                return health.describe()
+        return task.device_name
+
+    return describe
+
+
+def run_ps_task(cluster, task, credentials=None, *, heartbeat=None) -> int:  # noqa: ANN001
     """Serve the ps shard of ``task`` until stopped (SIGTERM / SIGINT); return 0.
 
     Args:
         cluster: the ``ClusterSpec`` (or its dict form).
         task: the ``TaskInfo`` of this ps task.
         credentials: the cluster's ``Credentials`` (default: from the environment).
+        heartbeat: ``HeartbeatOptions`` to watch the chief and workers (they must run
+            a ``Server``): a dead or suspended one is logged by name, and named with
+            its state when a sync step misses its gradient. None: no heartbeats.
     """
-    from towerflow.cluster import Server
+    from towerflow.cluster import ClusterSpec, Server
     from towerflow.cluster.server import stop_on_signals
 
+    cluster = ClusterSpec(cluster)
     service = PSService(task.task_index)
     server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
                     start=False)
     server.add_handlers([service.handlers()])
     server.start()
+    monitor = None
+    if heartbeat is not None:
+        from towerflow.cluster.heartbeat import HeartbeatMonitor
+
+        jobs = [job for job in ("chief", "worker") if job in cluster.jobs]
+        monitor = HeartbeatMonitor(server, jobs=jobs, options=heartbeat)
+    service.describe_worker = _worker_describer(cluster, monitor)
     logger.info("ps task %d serving at %s", task.task_index, server.target)
     try:
         with stop_on_signals(server):
             server.join()
     finally:
+        if monitor is not None:
+            monitor.stop()
         server.stop(grace=1.0)
     return 0

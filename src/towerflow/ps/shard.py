@@ -23,8 +23,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -48,6 +50,8 @@ __all__ = [
 
 #: bytes per streamed chunk (1-4 MiB measured fastest for Python gRPC)
 CHUNK_BYTES = 2 << 20
+#: applied pushes a shard's ledger remembers (the newest; about 13 MiB at most)
+LEDGER_CAPACITY = 1 << 16
 _ITEM = 4  # float32 only
 _CHECK_BLOCK = 1 << 16
 
@@ -163,6 +167,9 @@ class ShardState:
         #: guards params, step, stats and the push table; waiters wait on it
         self.cond = threading.Condition(threading.RLock())
         self._table: dict[int, _Entry] = {}
+        #: (worker_id, incarnation, seq, step) of each applied push, oldest first
+        self.ledger: deque[tuple[int, int, int, int]] = deque(maxlen=LEDGER_CAPACITY)
+        self.ledger_total = 0
         self._expected = layout.signature
         self._check_scratch = np.empty(min(layout.numel, _CHECK_BLOCK) or 1, np.bool_)
 
@@ -232,6 +239,9 @@ class ShardState:
                 entry.outcome = outcome
             if outcome.status == APPLIED:
                 self.stats.applied += 1
+                self.ledger.append((header.worker_id, header.incarnation, header.seq,
+                                    outcome.step))
+                self.ledger_total += 1
             elif outcome.status == REFUSED:
                 self.stats.refused += 1
                 self.stats.refusals = [*self.stats.refusals[-9:], outcome.message]
@@ -241,6 +251,17 @@ class ShardState:
                 self.stats.voided += 1
             self.cond.notify_all()
         return outcome
+
+    def ledger_since(self, since: int) -> tuple[int, list[tuple[int, int, int, int]]]:
+        """``(index of the first entry returned, entries)`` of the ledger from ``since`` on.
+
+        Entries older than the newest :data:`LEDGER_CAPACITY` are forgotten; the
+        returned index then exceeds ``since``.
+        """
+        with self.cond:
+            first = self.ledger_total - len(self.ledger)
+            start = max(first, since)
+            return start, list(itertools.islice(self.ledger, start - first, None))
 
     # -- validation ---------------------------------------------------------------
     def validate_header(self, header: PushHeader) -> None:

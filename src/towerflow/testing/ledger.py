@@ -1,0 +1,184 @@
+"""The update ledger of a chaos run: which pushes were applied, and how many times.
+
+With the ``ledger`` model of :mod:`towerflow.testing.task` every push is the
+one-hot gradient of its own parameter element (replica ``r``'s push ``n``
+owns element ``r * slots + n``) applied by SGD at rate 1, so after the run the
+parameters are minus the number of times each push was applied. Each worker
+journals ``push n`` before a push and ``applied n`` once the ps acknowledged
+it; a worker killed in between leaves a push *in flight*, which the ps may or
+may not have applied. Each incarnation of a worker starts its journal section
+with ``incarnation <id>``; its pushes then carry sequence numbers 1, 2, ...,
+which is how the ps's own ledger (``PSClient.ledger()``: the applied
+``(worker, incarnation, seq, step)``) is mapped back onto the pushes.
+:func:`audit_ledger` compares the parameters, the journals and the ps ledger.
+
+Example:
+    >>> import numpy as np
+    >>> audit = audit_ledger(np.array([-1.0, 0.0, 0.0, 0.0], np.float32),
+    ...                      {0: ["push 0", "applied 0", "push 1"]}, slots=4)
+    >>> (audit.acknowledged, audit.in_flight, audit.lost, audit.applied_twice)
+    (1, 1, 0, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Journal", "LedgerAudit", "audit_ledger", "read_journals"]
+
+
+class Journal:
+    """A worker's append-only record of its pushes (each line reaches the OS at once).
+
+    Args:
+        path: the journal file; an existing one is continued (a restarted worker).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        pushed = [int(line.split()[1]) for line in self.lines() if line.startswith("push ")]
+        self.next = max(pushed, default=-1) + 1
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def lines(self) -> list[str]:
+        """The journal's lines so far."""
+        try:
+            return self.path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+
+    def write(self, line: str) -> None:
+        """Append one line and hand it to the OS (it survives a SIGKILL)."""
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+def read_journals(directory: str | Path, replicas: Mapping[int, str]) -> dict[int, list[str]]:
+    """``{replica: lines}`` of the journals ``<directory>/<name>.journal``."""
+    out = {}
+    for replica, name in replicas.items():
+        path = Path(directory) / f"{name}.journal"
+        out[replica] = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerAudit:
+    """The comparison of the parameters with the workers' journals.
+
+    Attributes:
+        pushes: pushes the workers started.
+        acknowledged: pushes the ps answered as applied.
+        in_flight: pushes whose worker was killed before the answer.
+        in_flight_applied: those of them the ps had applied.
+        updates: updates in the parameters (the sum of the counts).
+        lost: acknowledged pushes missing from the parameters.
+        applied_twice: pushes applied more than once.
+        unexpected: elements changed by no push at all, or not by a whole number.
+        ledger_entries: entries of the ps ledger audited (-1: none given).
+        ledger_duplicates: pushes the ps ledger lists more than once.
+        ledger_unknown: ps ledger entries matching no journalled push.
+        replay_matches: replaying the ps ledger on the initial zeros gives the
+            final parameters exactly (None: no ledger given).
+    """
+
+    pushes: int
+    acknowledged: int
+    in_flight: int
+    in_flight_applied: int
+    updates: int
+    lost: int
+    applied_twice: int
+    unexpected: int
+    ledger_entries: int = -1
+    ledger_duplicates: int = 0
+    ledger_unknown: int = 0
+    replay_matches: bool | None = None
+
+    @property
+    def consistent(self) -> bool:
+        """None lost, none applied twice, nothing unexplained, the ledger replays."""
+        return not (self.lost or self.applied_twice or self.unexpected or self.ledger_duplicates
+                    or self.ledger_unknown or self.replay_matches is False) \
+            and self.updates == self.acknowledged + self.in_flight_applied
+
+
+def _push_slots(lines: Sequence[str]) -> dict[tuple[int, int], int]:
+    """``{(incarnation, seq): n}`` of the pushes journalled in ``lines``."""
+    out, incarnation, seq = {}, None, 0
+    for line in lines:
+        word, _, number = line.partition(" ")
+        if word == "incarnation":
+            incarnation, seq = int(number), 0
+        elif word == "push" and incarnation is not None:
+            seq += 1
+            out[(incarnation, seq)] = int(number)
+    return out
+
+
+def _audit_ps_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], slots: int,
+                     entries: Sequence[tuple[int, int, int, int]]) -> dict[str, int | bool]:
+    slot_of = {r: _push_slots(lines) for r, lines in journals.items()}
+    keys = [(w, i, s) for w, i, s, _ in entries]
+    replay = np.zeros(np.asarray(params).size, np.float32)
+    unknown = 0
+    for worker, incarnation, seq in keys:
+        n = slot_of.get(worker, {}).get((incarnation, seq))
+        if n is None:
+            unknown += 1
+        else:
+            replay[worker * slots + n] -= 1.0  # SGD at rate 1 of a one-hot gradient
+    return {"ledger_entries": len(keys), "ledger_duplicates": len(keys) - len(set(keys)),
+            "ledger_unknown": unknown,
+            "replay_matches": bool(np.array_equal(replay, np.asarray(params).reshape(-1)))}
+
+
+def audit_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], *,
+                 slots: int, ps_ledger: Sequence[tuple[int, int, int, int]] | None = None
+                 ) -> LedgerAudit:
+    """Audit the final ledger-model parameters against the workers' journals.
+
+    Args:
+        params: the final flat parameters (zeros initially, SGD at rate 1).
+        journals: each replica's journal lines.
+        slots: pushes per replica (the model's element stride).
+        ps_ledger: the ps's ledger ``(worker_id, incarnation, seq, step)``, to
+            replay on zeros and compare with ``params``.
+    """
+    counts = -np.asarray(params, np.float64).reshape(-1)
+    whole = np.round(counts)
+    unexpected = int(np.count_nonzero((whole != counts) | (whole < 0)))
+    counts = whole.astype(np.int64)
+    explained = np.zeros(counts.size, bool)
+    pushes = acknowledged = in_flight = in_flight_applied = lost = 0
+    for replica, lines in journals.items():
+        started, answered = set(), set()
+        for line in lines:
+            word, _, number = line.partition(" ")
+            if word == "push":
+                started.add(int(number))
+            elif word in ("applied", "unapplied"):
+                answered.add(int(number))
+                if word == "applied":
+                    acknowledged += 1
+                    lost += int(counts[replica * slots + int(number)] == 0)
+        pushes += len(started)
+        for n in started:
+            explained[replica * slots + n] = True
+        for n in started - answered:
+            in_flight += 1
+            in_flight_applied += int(counts[replica * slots + n] > 0)
+    unexpected += int(np.count_nonzero((counts != 0) & ~explained))
+    replayed = {} if ps_ledger is None else _audit_ps_ledger(params, journals, slots, ps_ledger)
+    return LedgerAudit(pushes=pushes, acknowledged=acknowledged, in_flight=in_flight,
+                       in_flight_applied=in_flight_applied, updates=int(counts.sum()),
+                       lost=lost, applied_twice=int(np.count_nonzero(counts > 1)),
+                       unexpected=unexpected, **replayed)

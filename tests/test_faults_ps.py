@@ -1,0 +1,85 @@
+"""ps faults with real processes: a killed ps, its restart from a checkpoint, duplicate pushes."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from towerflow.checkpoint import CheckpointManager, read_checkpoint
+from towerflow.ps import AggregationConfig, PSClient, plan_placement
+from towerflow.ps import ps_pb2 as pb
+from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster, wait_until
+from towerflow.testing.scenarios import STEP_LINE as STEP
+from towerflow.testing.scenarios import TASK_COMMAND as TASK
+
+
+@pytest.mark.slow
+def test_killed_ps_gives_workers_unavailable_within_the_deadline_and_a_restart_resumes(
+        subprocess_env, tmp_path):
+    logdir = tmp_path / "train"
+    args = ["--steps", "1000000", "--step-time", "0.01", "--logdir", str(logdir),
+            "--save-secs", "0.3", "--timeout", "2", "--step-timeout", "2", "--print-every", "1"]
+    with LocalCluster(loopback_cluster(1, 2), TASK + args, env=subprocess_env) as lc:
+        ps = lc.start("ps", 0)
+        workers = [lc.start("worker", i) for i in range(2)]
+        manager = CheckpointManager(logdir)
+        wait_until(lambda: logdir.exists() and len(manager.checkpoints()) >= 2, timeout=90,
+                   what="two checkpoints by the chief")
+        workers[1].wait_for_line(STEP, timeout=60)
+        ps.kill()
+        killed = time.monotonic()
+        latest = manager.latest()
+        assert latest is not None
+        for worker in workers:  # an error within the deadline, never a hang
+            assert worker.wait(timeout=60) == 3, worker.tail()
+            worker.wait_for_line(r"^error UnavailableError: call /towerflow\.ps\.PS/\w+ to "
+                                 r"127\.0\.0\.1:\d+ failed with UNAVAILABLE", timeout=5)
+        assert time.monotonic() - killed < 60
+        reached = max(w.last_number(STEP) for w in workers)
+        checkpointed = read_checkpoint(latest).step
+        assert 0 < checkpointed <= reached + 2  # one push in flight per worker
+        # restart the job: the chief restores the latest checkpoint on the new ps
+        ps.start()
+        target = ["--steps", str(checkpointed + 30)]
+        restarted = [lc.start("worker", i, extra_args=target) for i in range(2)]
+        ready = restarted[0].wait_for_line(r"^session ready at global step (\d+) \(restored "
+                                           r"from (\d+)\)$", timeout=90)
+        assert int(ready.group(2)) == checkpointed
+        for worker in restarted:
+            assert worker.wait(timeout=90) == 0, worker.tail()
+            worker.wait_for_line(r"^finished at global step \d+", timeout=5)
+    assert leftover_processes() == []
+
+
+@pytest.mark.slow
+def test_a_push_retried_after_a_lost_reply_is_applied_once_by_a_real_ps(subprocess_env):
+    spec = loopback_cluster(1, 1)
+    with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"],
+                      env=subprocess_env) as lc:
+        lc.start("ps", 0).wait_for_line(r"ps task 0 serving at", timeout=60)
+        client = PSClient(spec, plan_placement({"w": (4,)}, 1), worker_id=1,
+                          credentials=lc.credentials, timeout=10.0)
+        try:
+            client.initialize([np.zeros(4, np.float32)], optimizer=pb.OptimizerSpec(name="sgd"),
+                              aggregation=AggregationConfig())
+            shard = client.shards[0]
+            grad = np.ones(4, np.float32)
+            first = shard.push(grad, worker_id=1, incarnation=5, seq=1, lr=1.0)
+            retry = shard.push(grad, worker_id=1, incarnation=5, seq=1, lr=1.0)
+            assert (first.status, first.duplicate, retry.status, retry.duplicate) == \
+                ("applied", False, "applied", True)
+            assert retry.step == first.step == 1
+            # the same sequence number from a restarted worker (new incarnation) is new
+            fresh = shard.push(grad, worker_id=1, incarnation=6, seq=1, lr=1.0)
+            assert (fresh.status, fresh.duplicate, fresh.step) == ("applied", False, 2)
+            params = np.empty(4, np.float32)
+            client.pull([params])
+            np.testing.assert_array_equal(params, np.full(4, -2.0, np.float32))
+            stats = client.stats()[0]
+            assert (stats["applied"], stats["duplicates"], stats["updates"]) == (2, 1, 2)
+        finally:
+            client.close(done=False)
+    assert leftover_processes() == []
