@@ -25,6 +25,7 @@ from towerflow.errors import (
     DataLossError,
     DeadlineExceededError,
     InvalidArgumentError,
+    NanLossDuringTrainingError,
     NotFoundError,
     PlacementError,
     TowerflowError,
@@ -57,8 +58,11 @@ _LAZY: dict[str, str] = {
     "TaskInfo": "towerflow.cluster",
     "Credentials": "towerflow.cluster",
     "resolve_cluster": "towerflow.cluster",
+    "HeartbeatMonitor": "towerflow.cluster.heartbeat",
+    "HeartbeatOptions": "towerflow.cluster.heartbeat",
     # parameter server
     "replica_device_setter": "towerflow.ps",
+    "run_ps_task": "towerflow.ps",
     # strategies
     "SingleDevice": "towerflow.strategies",
     "Mirrored": "towerflow.strategies",
@@ -67,6 +71,8 @@ _LAZY: dict[str, str] = {
     # training
     "Trainer": "towerflow.training",
     "Supervisor": "towerflow.training",
+    "TrainConfig": "towerflow.training",
+    "run_training": "towerflow.training",
 }
 
 __all__ = [
@@ -80,6 +86,7 @@ __all__ = [
     "UnauthenticatedError",
     "DataLossError",
     "AbortedError",
+    "NanLossDuringTrainingError",
     *sorted(_LAZY),
 ]
 

@@ -25,6 +25,7 @@ __all__ = [
     "PermissionDeniedError",
     "DataLossError",
     "AbortedError",
+    "NanLossDuringTrainingError",
     "FailedPreconditionError",
     "ResourceExhaustedError",
     "InternalError",
@@ -96,6 +97,14 @@ class AbortedError(TowerflowError):
     """An operation was aborted, typically by a concurrent change (a stale step)."""
 
     grpc_code = "ABORTED"
+
+
+class NanLossDuringTrainingError(AbortedError):
+    """The loss (or a parameter) became NaN or infinite: the model diverged.
+
+    Like TensorFlow's ``tf.train.NanLossDuringTrainingError``; training stops and no
+    checkpoint of the diverged parameters is written.
+    """
 
 
 class FailedPreconditionError(TowerflowError):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from towerflow.errors import TowerflowError
+from towerflow.errors import NanLossDuringTrainingError
 
 if TYPE_CHECKING:
     from towerflow.checkpoint import CheckpointManager
@@ -45,12 +45,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("towerflow.training")
-
-
-class NanLossDuringTrainingError(TowerflowError):
-    """The loss (or a parameter) became NaN or infinite: the model diverged."""
-
-    grpc_code = "ABORTED"
 
 
 @dataclass(slots=True)
