@@ -1,10 +1,11 @@
 """Article 003: distributed linear regression with 1 ps and 2 workers on one machine.
 
-The ps holds the parameters and only serves; worker 0 is the chief: it
-initialises the parameters (or restores them from the latest checkpoint in
---logdir: stop the run half way and start it again), saves a checkpoint every
-5 seconds and writes summaries; worker 1 only computes. Training is
-asynchronous, so the global steps a worker sees are not consecutive.
+Every task starts a ``towerflow.Server``. The ps holds the parameters and
+only serves (``server.join()``); worker 0 is the chief: it initialises the
+parameters (or restores them from the latest checkpoint in --logdir: stop the
+run half way and start it again), saves a checkpoint every 5 seconds and
+writes summaries; worker 1 only computes. Training is asynchronous, so the
+global steps a worker sees are not consecutive.
 
 All three tasks at once (each gets its role through TF_CONFIG)::
 
@@ -20,14 +21,12 @@ TensorBoard: ``tensorboard --logdir /tmp/towerflow_linear``.
 """
 
 import argparse
-import sys
 
 import torch
 
 import towerflow
 from towerflow.cluster import TaskInfo, resolve_cluster
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
-from towerflow.ps import run_ps_task
 from towerflow.strategies import OptimizerConfig
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,35 +39,43 @@ parser.add_argument("--noise", type=float, default=0.3)
 parser.add_argument("--mode", default="async", choices=("async", "sync", "ssp"))
 args = parser.parse_args()
 
+
+def train(server: towerflow.Server, task: TaskInfo) -> None:
+    """A worker: variables on the ps (by the setter), computation here; worker 0 is the chief."""
+    setter = towerflow.replica_device_setter(worker_device=f"/job:worker/task:{task.task_index}",
+                                             cluster=server.cluster)
+    train_x, train_y = regression_data(100, noise=args.noise)
+    model = LinearRegression()  # weight ~ N(0, 1), bias 0; placed on the ps by the setter
+    global_step = torch.zeros((), dtype=torch.int64)
+    sv = towerflow.Supervisor(is_chief=(task.task_index == 0), logdir=args.logdir,
+                              save_model_secs=5, max_to_keep=1, global_step=global_step,
+                              mode=args.mode, device_setter=setter)
+    with sv.managed_session(server, model=model,
+                            optimizer=OptimizerConfig("sgd", lr=args.lr)) as sess:
+        print(f"sess ok; starting at global step {int(global_step)}", flush=True)
+        local_steps = 0
+        while not sv.should_stop() and int(global_step) < args.steps:
+            result = sess.run_step(mse_loss, (train_x, train_y))
+            local_steps += 1
+            sv.summary_computed(sess, {"loss_function": result.loss},
+                                global_step=result.global_step)
+            if local_steps % 100 == 0:
+                print(f"step {result.global_step}, loss = {float(result.loss):.4f}, "
+                      f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
+        print(f"finished: {local_steps} local steps, global step {int(global_step)}, "
+              f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
+        sv.save()  # a manual save still works next to the automatic ones
+    sv.stop()
+
+
 cluster, task = resolve_cluster()  # TF_CONFIG when started by `towerflow launch`
 if cluster is None or args.job_name is not None:
     cluster = towerflow.ClusterSpec({"ps": ["localhost:1681"],
                                      "worker": ["localhost:1682", "localhost:1683"]})
     task = TaskInfo(args.job_name or "worker", args.task_index)
-if task.job_name == "ps":  # the ps only serves the parameters: server.join()
-    sys.exit(run_ps_task(cluster, task))
 server = towerflow.Server(cluster, job_name=task.job_name, task_index=task.task_index)
-
-setter = towerflow.replica_device_setter(worker_device=f"/job:worker/task:{task.task_index}",
-                                         cluster=cluster)
-train_x, train_y = regression_data(100, noise=args.noise)
-model = LinearRegression()  # weight ~ N(0, 1), bias 0; placed on the ps by the setter
-global_step = torch.zeros((), dtype=torch.int64)
-sv = towerflow.Supervisor(is_chief=(task.task_index == 0), logdir=args.logdir, save_model_secs=5,
-                          max_to_keep=1, global_step=global_step, mode=args.mode,
-                          device_setter=setter)
-with sv.managed_session(server, model=model, optimizer=OptimizerConfig("sgd", lr=args.lr)) as sess:
-    print(f"sess ok; starting at global step {int(global_step)}", flush=True)
-    local_steps = 0
-    while not sv.should_stop() and int(global_step) < args.steps:
-        result = sess.run_step(mse_loss, (train_x, train_y))
-        local_steps += 1
-        sv.summary_computed(sess, {"loss_function": result.loss}, global_step=result.global_step)
-        if local_steps % 100 == 0:
-            print(f"step {result.global_step}, loss = {float(result.loss):.4f}, "
-                  f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
-    print(f"finished: {local_steps} local steps, global step {int(global_step)}, "
-          f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
-    sv.save()  # a manual save still works next to the automatic ones
-sv.stop()
+if task.job_name == "ps":
+    server.join()  # the ps serves the parameters until stopped; it computes nothing
+elif task.job_name == "worker":
+    train(server, task)
 server.stop()

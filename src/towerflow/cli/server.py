@@ -3,19 +3,23 @@
     towerflow server --cluster cluster.json --job ps --task 0
     TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' towerflow server
 
-A ps task hosts the parameter-server shard service; any other task serves the
-built-in control service. SIGTERM or Ctrl-C stops the server.
+A ps task hosts the parameter-server shard service (the services registered
+for its job); any other task serves the built-in control service. A ps task
+watches the chief and workers with heartbeats (every ``--heartbeat`` seconds,
+``0`` to turn them off; the workers answer through their own ``Server``): a
+dead or suspended worker is logged by name, and a sync step that misses its
+gradient names it. SIGTERM or Ctrl-C stops the server.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from towerflow.cluster.heartbeat import HeartbeatOptions
     from towerflow.cluster.transport import Credentials
 
 
@@ -41,6 +45,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="allow serving a non-loopback address without secret or mutual TLS (logs a warning)",
     )
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="ps: ping the chief and workers every SECONDS and name a dead or suspended one "
+        "(default 1; 0 turns heartbeats off)",
+    )
     return parser
 
 
@@ -65,10 +77,22 @@ def credentials_from_args(args: argparse.Namespace) -> Credentials:
     return replace(creds, insecure=bool(args.insecure))
 
 
+def heartbeat_from_args(args: argparse.Namespace) -> HeartbeatOptions | None:
+    """``--heartbeat SECONDS`` as heartbeat options (None for 0)."""
+    from towerflow.cluster.heartbeat import HeartbeatOptions
+    from towerflow.errors import InvalidArgumentError
+
+    if args.heartbeat < 0:
+        raise InvalidArgumentError(
+            f"--heartbeat {args.heartbeat:g} is negative; give seconds between beats, or 0 to "
+            "turn heartbeats off."
+        )
+    return HeartbeatOptions(interval=args.heartbeat) if args.heartbeat > 0 else None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM / SIGINT; a ps task runs the parameter-server shard service."""
-    from towerflow.cluster import Server, resolve_cluster
-    from towerflow.cluster.server import stop_on_signals
+    """Serve until SIGTERM / SIGINT; a ps task hosts the parameter-server shard service."""
+    from towerflow.cluster import Server, ServerOptions, resolve_cluster
     from towerflow.errors import InvalidArgumentError
 
     cluster, task = resolve_cluster(args.cluster, args.job, args.task)
@@ -77,13 +101,12 @@ def run(args: argparse.Namespace) -> int:
             "no cluster and task given; pass --cluster cluster.json --job ps --task 0 or set "
             "TF_CONFIG."
         )
-    credentials = credentials_from_args(args)
-    if task.job_name == "ps":
-        run_ps_task = getattr(importlib.import_module("towerflow.ps"), "run_ps_task", None)
-        if run_ps_task is not None:
-            return int(run_ps_task(cluster, task, credentials) or 0)
-    server = Server(cluster, task.job_name, task.task_index, credentials=credentials)
+    options = ServerOptions(heartbeat=heartbeat_from_args(args))
+    server = Server(cluster, task.job_name, task.task_index,
+                    credentials=credentials_from_args(args), options=options)
     print(f"serving {task.device_name} at {server.target}", flush=True)
-    with stop_on_signals(server):
-        server.join()
+    try:
+        server.join()  # SIGTERM / Ctrl-C end it
+    finally:
+        server.stop(grace=1.0)
     return 0

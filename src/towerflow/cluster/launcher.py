@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from towerflow._children import guarded_argv
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.cluster.transport import new_secret, write_secret_file
 from towerflow.errors import InvalidArgumentError
@@ -93,24 +93,15 @@ def _cluster_tasks(
     return ClusterSpec(jobs), tasks
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Ask Linux to SIGTERM this child if the launcher dies without cleaning up."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _spawn(command: Sequence[str], task: TaskInfo, env: dict[str, str], prefix: bool) -> _Child:
     pipe = subprocess.PIPE if prefix else None
     process = subprocess.Popen(
-        list(command),
+        guarded_argv(command),
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=pipe,
         stderr=subprocess.STDOUT if prefix else None,
         start_new_session=True,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     return _Child(task, process)
 

@@ -1,8 +1,10 @@
 """One gRPC server per task: ``towerflow.Server(cluster, job_name, task_index)``.
 
 Like ``tf.train.Server``, a :class:`Server` listens on its task's address from
-the cluster spec, serves the services given to it (the ps shard service on a
-ps task) plus a built-in, authenticated ``Ping``, and can wait for its peers:
+the cluster spec, serves the services registered for its job (on a ps task,
+the ps shard service: see :mod:`~towerflow.cluster.services`), the handlers
+given to it, and a built-in, authenticated ``Ping``; and it can wait for its
+peers. A ps task is just ``Server(cluster, "ps", 0).join()``:
 
     >>> cluster = ClusterSpec({"local": ["localhost:2998", "localhost:2999"]})
     >>> server = Server(cluster, "local", 0)                    # doctest: +SKIP
@@ -25,9 +27,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
+from towerflow.cluster.services import HostedService, ServiceFactory, factories_for, load_factory
 from towerflow.cluster.spec import ClusterSpec, TaskInfo, is_loopback_host, parse_address
 from towerflow.cluster.transport import (
     AuthInterceptor,
@@ -46,6 +50,9 @@ from towerflow.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+
+if TYPE_CHECKING:
+    from towerflow.cluster.heartbeat import HeartbeatOptions
 
 __all__ = ["Server", "ServerOptions", "PING_METHOD", "stop_on_signals"]
 
@@ -66,11 +73,15 @@ class ServerOptions:
             channels it opens to peers.
         auth_freshness: how many seconds an auth token's time may differ from
             this machine's clock.
+        heartbeat: how the hosted services watch their peers (a ps task
+            watches the chief and the workers, and names a dead or suspended
+            one); None: no heartbeats. ``towerflow server`` turns them on.
     """
 
     max_workers: int = 32
     channel: ChannelOptions = field(default_factory=ChannelOptions)
     auth_freshness: float = 300.0
+    heartbeat: HeartbeatOptions | None = None
 
 
 class Server:
@@ -85,11 +96,20 @@ class Server:
         start: start serving now (else call :meth:`start` after
             :meth:`add_handlers`).
         handlers: gRPC services to serve, e.g. from :func:`raw_handlers`.
-        options: thread pool, message size, keepalive.
+        options: thread pool, message size, keepalive, heartbeats.
+        services: the hosted services: True (default) those registered for
+            the job (:data:`~towerflow.cluster.services.JOB_SERVICES`; a ps
+            task hosts its shard), None or False none, or a sequence of
+            factories / ``"module:factory"`` strings. One whose gRPC service
+            is already in ``handlers`` is not hosted.
+
+    Attributes:
+        services: the hosted services (filled by :meth:`start`).
 
     Raises:
         InvalidArgumentError: the task is not in the cluster, or a non-loopback
             address would be served without authentication.
+        NotFoundError: a hosted service's factory cannot be imported (on start).
     """
 
     def __init__(
@@ -102,6 +122,7 @@ class Server:
         start: bool = True,
         handlers: Sequence[grpc.GenericRpcHandler] = (),
         options: ServerOptions | None = None,
+        services: bool | Sequence[str | ServiceFactory] | None = True,
     ) -> None:
         self.cluster = ClusterSpec(cluster)
         self.task = TaskInfo(job_name, task_index)
@@ -112,7 +133,10 @@ class Server:
         self._host, self._port = parse_address(self.address)
         self._bind = self._bind_address()
         self._handlers: list[grpc.GenericRpcHandler] = list(handlers)
+        self._factories = factories_for(job_name, services)
+        self.services: tuple[HostedService, ...] = ()
         self._server: grpc.Server | None = None
+        self._starting = threading.Lock()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -154,14 +178,19 @@ class Server:
         self._handlers.extend(handlers)
 
     def start(self) -> None:
-        """Bind the task's address and start serving (no-op when already started).
+        """Bind the task's address, start serving, then start the hosted services.
+
+        No-op when already started.
 
         Raises:
             UnavailableError: the address cannot be bound (port taken, host not local).
+            NotFoundError: a hosted service's factory cannot be imported.
         """
-        with self._lock:
+        with self._starting:
             if self._server is not None:
                 return
+            hosted = self._host_services()
+            handlers = [h for _, service_handlers in hosted for h in service_handlers]
             interceptors = []
             if self.credentials.secret:
                 interceptors.append(
@@ -174,11 +203,37 @@ class Server:
                 interceptors=interceptors,
                 options=self.options.channel.server_options(),
             )
-            server.add_generic_rpc_handlers((*self._handlers, self._control_handlers()))
+            server.add_generic_rpc_handlers(
+                (*self._handlers, *handlers, self._control_handlers())
+            )
             self._add_port(server)
             server.start()
-            self._server = server
+            with self._lock:
+                self._server = server
+                self.services = tuple(service for service, _ in hosted)
         logger.info("started %s at %s", self.task.device_name, self.target)
+        try:
+            for service in self.services:
+                service.start()
+        except BaseException:
+            self.stop(0)
+            raise
+
+    def _host_services(self) -> list[tuple[HostedService, list[grpc.GenericRpcHandler]]]:
+        """Build the hosted services, leaving out those the given handlers already serve."""
+        given = {_service_name(h) for h in self._handlers} - {None}
+        hosted = []
+        for factory in self._factories:
+            service = load_factory(factory)(self)
+            handlers = service.handlers()
+            handlers = [handlers] if isinstance(handlers, grpc.GenericRpcHandler) else list(handlers)
+            names = {_service_name(h) for h in handlers}
+            if names and names <= given:
+                logger.debug("%s: %s is served by the given handlers; not hosting %r",
+                             self.task.device_name, ", ".join(sorted(names)), service)
+                continue
+            hosted.append((service, handlers))
+        return hosted
 
     def _add_port(self, server: grpc.Server) -> None:
         tls = self.credentials.tls
@@ -196,13 +251,34 @@ class Server:
                 "change the cluster spec."
             )
 
-    def join(self) -> None:
-        """Block until :meth:`stop` is called (from another thread or a signal handler)."""
+    def join(self, *, handle_signals: bool = True) -> None:
+        """Block until :meth:`stop` is called (from another thread or a signal handler).
+
+        Args:
+            handle_signals: when called in the main thread, SIGTERM and SIGINT
+                (Ctrl-C) stop the server while it waits, so ``join`` returns and
+                the program ends cleanly; the previous handlers are restored.
+        """
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            with stop_on_signals(self):
+                self._wait_stopped()
+        else:
+            self._wait_stopped()
+
+    def _wait_stopped(self) -> None:
         while not self._stopped.wait(1.0):
             pass
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop serving (in-flight calls get ``grace`` seconds) and close peer channels."""
+        """Stop the hosted services, serving and the peer channels (idempotent).
+
+        In-flight calls get ``grace`` seconds.
+        """
+        for service in reversed(self.services):
+            try:
+                service.stop()
+            except Exception:  # noqa: BLE001 - the server must stop whatever a service does
+                logger.exception("stopping %r of %s failed", service, self.task.device_name)
         with self._lock:
             server, self._server = self._server, None
             channels, self._channels = self._channels, {}
@@ -314,6 +390,12 @@ class Server:
             {"job": self.task.job_name, "task": self.task.task_index, "pid": os.getpid()}
         ).encode()
         return raw_handlers(CONTROL_SERVICE, {"Ping": ("unary_unary", lambda _request: identity)})
+
+
+def _service_name(handler: grpc.GenericRpcHandler) -> str | None:
+    """The gRPC service a generic handler serves, when it says (grpc's dictionary handlers do)."""
+    name = getattr(handler, "service_name", None)
+    return name() if callable(name) else None
 
 
 @contextlib.contextmanager

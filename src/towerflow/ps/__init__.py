@@ -4,16 +4,25 @@
   (:mod:`~towerflow.ps.placement`).
 - :class:`ShardState` / :class:`AggregationConfig` — a ps shard's flat buffers,
   server-side optimizer and async / sync / ssp aggregation.
-- :class:`PSService` / :func:`run_ps_task` — the shard behind gRPC on a ps task.
+- :class:`PSService` — the shard behind gRPC; :class:`ShardHost` — that service
+  hosted by a ps task's ``Server`` (so ``Server(cluster, "ps", 0).join()`` is a
+  whole ps task, as in article 003); :func:`run_ps_task` — the same, until
+  SIGTERM / SIGINT.
 - :class:`PSClient` — a worker's pull / push / push-and-pull to every shard.
 
 Importing this package loads neither torch nor grpc; the service and client
 modules (which need grpc) are imported on first use of their names.
+
+Example (a ps task, as the article's ``server.join()``)::
+
+    server = towerflow.Server(cluster, "ps", 0)   # hosts ShardHost (JOB_SERVICES["ps"])
+    server.join()
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from towerflow.ps.aggregation import AggregationConfig
@@ -37,6 +46,7 @@ __all__ = [
     "PushOutcome",
     "AggregationConfig",
     "PSService",
+    "ShardHost",
     "run_ps_task",
     "PSClient",
     "ShardClient",
@@ -45,11 +55,93 @@ __all__ = [
 
 _LAZY = {
     "PSService": "towerflow.ps.service",
-    "run_ps_task": "towerflow.ps.service",
     "PSClient": "towerflow.ps.client",
     "ShardClient": "towerflow.ps.client",
     "PushResult": "towerflow.ps.client",
 }
+
+
+logger = logging.getLogger("towerflow.ps")
+
+
+class ShardHost:
+    """The ps shard service as a ``Server``'s hosted service (see ``towerflow.cluster.services``).
+
+    Built by ``Server(cluster, "ps", i)`` for its task: a :class:`PSService`
+    for shard ``i`` and, when ``server.options.heartbeat`` is set, a
+    ``HeartbeatMonitor`` watching the chief and the workers, so a sync step
+    that misses a gradient names the task and its heartbeat state, and a dead
+    or suspended task is logged by name.
+
+    Args:
+        server: the ps task's server (not started yet).
+
+    Attributes:
+        service: the :class:`PSService`.
+        monitor: the heartbeat monitor, or None.
+    """
+
+    __slots__ = ("server", "service", "monitor")
+
+    def __init__(self, server: Any) -> None:
+        from towerflow.ps.service import PSService, _worker_describer
+
+        self.server = server
+        self.monitor = None
+        jobs = [job for job in ("chief", "worker") if job in server.cluster.jobs]
+        if server.options.heartbeat is not None and jobs:
+            from towerflow.cluster.heartbeat import HeartbeatMonitor
+
+            self.monitor = HeartbeatMonitor(server, jobs=jobs, options=server.options.heartbeat,
+                                            start=False)
+        self.service = PSService(server.task.task_index,
+                                 describe_worker=_worker_describer(server.cluster, self.monitor))
+
+    def handlers(self) -> Any:
+        """The ``towerflow.ps.PS`` gRPC service."""
+        return self.service.handlers()
+
+    def start(self) -> None:
+        """Start watching the chief and workers (the server listens already)."""
+        if self.monitor is not None:
+            self.monitor.start()
+        logger.info("ps task %d serving at %s%s", self.server.task.task_index, self.server.target,
+                    "" if self.monitor is None
+                    else f" (heartbeat every {self.monitor.options.interval:g} s)")
+
+    def stop(self) -> None:
+        """Stop the heartbeats (before the server stops)."""
+        if self.monitor is not None:
+            self.monitor.stop()
+
+    def __repr__(self) -> str:
+        return f"ShardHost(shard {self.service.shard_index})"
+
+
+def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
+                heartbeat: Any = None) -> int:
+    """Serve the ps shard of ``task`` until SIGTERM / SIGINT; return 0.
+
+    The same as ``Server(cluster, "ps", i, options=ServerOptions(heartbeat=...)).join()``
+    (in the main thread, SIGTERM / SIGINT end the join).
+
+    Args:
+        cluster: the ``ClusterSpec`` (or its dict form).
+        task: the ``TaskInfo`` of this ps task.
+        credentials: the cluster's ``Credentials`` (default: from the environment).
+        heartbeat: ``HeartbeatOptions`` to watch the chief and workers (they must run
+            a ``Server``): a dead or suspended one is logged by name, and named with
+            its state when a sync step misses its gradient. None: no heartbeats.
+    """
+    from towerflow.cluster import Server, ServerOptions
+
+    server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
+                    options=ServerOptions(heartbeat=heartbeat))
+    try:
+        server.join()
+    finally:
+        server.stop(grace=1.0)
+    return 0
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,11 @@ every parameter's ``.data`` and ``.grad`` are views into them, so a push sends
 the gradient buffer without a gather and a pull lands in place. A push brings
 the fresh parameters back in the same round trip.
 
+A worker runs its task's :class:`~towerflow.cluster.Server` while it trains
+(its own, started by :meth:`~ParameterServer.prepare` and stopped by
+:meth:`~ParameterServer.shutdown`, or the one given as ``server=``), so the ps
+tasks' heartbeats reach it and a dead or suspended worker is named.
+
 Example (in a worker process of a cluster with a ps job)::
 
     strategy = ParameterServer(cluster, TaskInfo("worker", 1), mode="sync")
@@ -79,6 +84,12 @@ class ParameterServer(Strategy):
         is_chief: override the cluster's rule (the ``chief`` task, else worker 0).
         device_setter: a :func:`towerflow.replica_device_setter` result; its
             placement strategy, partition threshold and worker device are used.
+        server: this task's running ``Server`` (used, not stopped); True
+            (default): start one in :meth:`prepare` and stop it in
+            :meth:`shutdown` — if it cannot listen (the port is taken, or a
+            non-loopback address has no cluster secret) training goes on
+            without it and a warning says the heartbeats will miss this task;
+            False: no server.
     """
 
     name = "ps"
@@ -90,7 +101,7 @@ class ParameterServer(Strategy):
                  timeout: float = 30.0, step_timeout: float = 120.0,
                  init_timeout: float = 300.0, on_bad_gradient: str = "raise",
                  prefetch: bool = False, is_chief: bool | None = None,
-                 device_setter: Any = None) -> None:
+                 device_setter: Any = None, server: Any = True) -> None:
         from towerflow.cluster import is_chief as chief_rule
         from towerflow.cluster import resolve_cluster
         from towerflow.devices import resolve_device
@@ -126,6 +137,8 @@ class ParameterServer(Strategy):
         self._timeout, self._init_timeout = timeout, init_timeout
         self._policy, self._prefetch = on_bad_gradient, prefetch
         self._client: Any = None
+        self._server, self._owns_server = (None if isinstance(server, bool) else server), False
+        self._serve = server is True
         self._model: nn.Module | None = None
         self._pending: Future | None = None
         self._needs_init = False
@@ -195,6 +208,7 @@ class ParameterServer(Strategy):
             weight_decay=optimizer.weight_decay, beta1=optimizer.betas[0],
             beta2=optimizer.betas[1], eps=optimizer.eps,
             initial_accumulator_value=optimizer.initial_accumulator_value)
+        self._start_server()
         self._client = PSClient(
             self.cluster, placement, worker_id=self._rank, credentials=self._credentials,
             timeout=self._timeout, push_timeout=self.aggregation.timeout + self._timeout,
@@ -206,6 +220,27 @@ class ParameterServer(Strategy):
             self._step = self._client.wait_until_initialized(self._init_timeout)
             self._pull()
         return model
+
+    @property
+    def server(self) -> Any:
+        """This task's ``Server`` (given or started by :meth:`prepare`), or None."""
+        return self._server
+
+    def _start_server(self) -> None:
+        """Serve this task (so the ps tasks' heartbeats reach it), unless given one."""
+        from towerflow.cluster import Server
+        from towerflow.errors import UnavailableError
+
+        if not self._serve or self._server is not None:
+            return
+        try:
+            self._server = Server(self.cluster, self.task.job_name, self.task.task_index,
+                                  credentials=self._credentials)
+        except (InvalidArgumentError, UnavailableError) as exc:
+            log.warning("%s trains without a server, so the ps tasks' heartbeats will miss it: "
+                        "%s", self.task.device_name, exc)
+            return
+        self._owns_server = True
 
     def _ensure_initialized(self) -> None:
         if not self._needs_init:
@@ -328,16 +363,22 @@ class ParameterServer(Strategy):
 
     # -- lifetime ----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish a pending push, tell the ps tasks this worker is done, close channels."""
+        """Finish a pending push, tell the ps tasks this worker is done, close channels.
+
+        Then stop this task's server if :meth:`prepare` started it.
+        """
         client, self._client = self._client, None
-        if client is None:
-            return
         try:
             pending, self._pending = self._pending, None
-            if pending is not None:
+            if client is not None and pending is not None:
                 pending.result()
         finally:
-            client.close()
+            if client is not None:
+                client.close()
+            server, owned, self._owns_server = self._server, self._owns_server, False
+            if owned:
+                self._server = None
+                server.stop(grace=1.0)
 
 
 def _assemble(placement: Any, snaps: list[Any], name: str, buffer: str) -> torch.Tensor:

@@ -31,7 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from towerflow.cluster.launcher import _die_with_parent, free_ports
+from towerflow._children import guarded_argv
+from towerflow.cluster.launcher import free_ports
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.cluster.transport import Credentials, new_secret, write_secret_file
 from towerflow.errors import DeadlineExceededError, FailedPreconditionError
@@ -148,9 +149,8 @@ class TaskProcess:
         self.incarnation += 1
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                guarded_argv(self.argv), env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
         self.started_at = time.monotonic()
         return self
 

@@ -5,8 +5,11 @@ starts a local cluster (``towerflow launch``'s machinery): K ps tasks that
 keep the variables on the CPU and apply the updates, and one worker per GPU
 (or ``--replicas N`` CPU workers, or one worker) that computes the gradients.
 Each task runs this same command again with its ``TF_CONFIG``; inside a task,
-a ps serves its shard (:func:`towerflow.ps.run_ps_task`) and a worker or the
-chief runs the training loop with the :class:`ParameterServer` strategy.
+a ps serves its shard (:func:`towerflow.ps.run_ps_task`) and watches the
+workers with heartbeats, and a worker or the chief runs the training loop
+with the :class:`ParameterServer` strategy, which runs the task's ``Server``
+so the heartbeats reach it: in sync mode, a step that misses the gradient of
+a dead or suspended worker names it.
 
 On many machines, run the command on each with a ``TF_CONFIG`` naming a ``ps``
 job (a Kubeflow TFJob sets it), or use ``towerflow server`` for the ps tasks.
@@ -118,10 +121,11 @@ def run_ps_training(args: argparse.Namespace) -> int:
             "(or run without TF_CONFIG and pass --ps K)."
         )
     if task.job_name == "ps":
+        from towerflow.cluster.heartbeat import HeartbeatOptions
         from towerflow.cluster.transport import Credentials
         from towerflow.ps import run_ps_task
 
-        return run_ps_task(cluster, task, Credentials.from_env())
+        return run_ps_task(cluster, task, Credentials.from_env(), heartbeat=HeartbeatOptions())
     if task.job_name not in ("chief", "worker"):
         print(f"towerflow train: task {task} has nothing to do in parameter-server training",
               file=sys.stderr)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
+from towerflow._children import guarded_argv
 from towerflow.errors import InvalidArgumentError
 
 __all__ = ["spawn_replicas", "replica_env", "free_port", "exit_status"]
@@ -69,14 +70,6 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Ask Linux to SIGTERM this child when the parent dies (no orphans)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _pump(stream: IO[bytes], prefix: str) -> None:
     """Copy a replica's output to this process's stdout, each line prefixed."""
     for line in iter(stream.readline, b""):
@@ -89,9 +82,8 @@ def _start(argv: Sequence[str], rank: int, world: int, port: int,
            env: Mapping[str, str] | None) -> tuple[subprocess.Popen[bytes], threading.Thread | None]:
     piped = rank != 0
     proc = subprocess.Popen(
-        list(argv), env=replica_env(rank, world, port, env),
+        guarded_argv(argv), env=replica_env(rank, world, port, env),
         stdout=subprocess.PIPE if piped else None, stderr=subprocess.STDOUT if piped else None,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     if not piped:
         return proc, None

@@ -19,6 +19,8 @@ its next step with ``SystemExit(0)``)::
 
 The session's strategy is the cluster's :class:`~towerflow.strategies.ParameterServer`
 when the server's cluster has a ``ps`` job, else one device of this process.
+Given the task's ``Server``, the strategy uses it (the ps tasks' heartbeats
+reach the worker through it); given no master, it starts one itself.
 """
 
 from __future__ import annotations
@@ -226,18 +228,21 @@ class Supervisor:
     def _strategy_for(self, master: Any) -> Strategy:
         from towerflow.cluster import Server, resolve_cluster
 
-        credentials = None
+        credentials, server = None, True  # True: the strategy serves this task itself
         if isinstance(master, Server):
             cluster, task, credentials = master.cluster, master.task, master.credentials
+            server = master
         else:
             cluster, task = resolve_cluster()
             if isinstance(master, str) and cluster is not None:
                 task = _task_at(cluster, master) or task
+                server = False  # a target: this task's server runs elsewhere in the process
         if cluster is not None and task is not None and "ps" in cluster.jobs:
             from towerflow.strategies.parameter_server import ParameterServer
 
             options = dict(self.strategy_options)
             options.setdefault("is_chief", self.is_chief)
+            options.setdefault("server", server)
             return ParameterServer(cluster, task, credentials=credentials, **options)
         from towerflow.strategies.single import SingleDevice
 
