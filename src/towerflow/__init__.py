@@ -55,6 +55,7 @@ _LAZY: dict[str, str] = {
     # cluster
     "ClusterSpec": "towerflow.cluster",
     "Server": "towerflow.cluster",
+    "ServerOptions": "towerflow.cluster",
     "TaskInfo": "towerflow.cluster",
     "Credentials": "towerflow.cluster",
     "resolve_cluster": "towerflow.cluster",
