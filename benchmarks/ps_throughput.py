@@ -2,8 +2,11 @@
 
 Everything runs on this machine in one invocation, every task a real process:
 
-1. Raw loopback TCP: a server process receives a 100 MB buffer and sends it
-   back, over and over (1 and 2 clients): the ceiling of any transport here.
+1. Baselines on the same topology as the ps runs (one server process, 1 or 2
+   client processes, each sending the 100 MB model and receiving it back):
+   raw loopback TCP (the ceiling of any transport here), and bare Python gRPC
+   (1 MiB chunks streamed and echoed back as they are: what gRPC itself costs
+   before towerflow does anything).
 2. Parameter traffic: a ps task (``towerflow server``) holding a 100 MB fp32
    model with momentum, and 1 or 2 worker processes doing push-and-pull
    round trips (push 100 MB of gradients, receive 100 MB of parameters): GB/s
@@ -12,6 +15,7 @@ Everything runs on this machine in one invocation, every task a real process:
 3. Memory: the ps process's peak resident memory (VmHWM) against its parameter
    bytes, for each run (target <= 3x with momentum, whatever the number of
    workers), also net of the idle server's own memory.
+   The cost of authentication: 1 worker with and without the cluster secret.
 4. Article 003: linear regression with 1 ps and 2 workers: total steps/s.
 5. TensorFlow (when ``--tf-python`` names an interpreter with tensorflow-cpu):
    the same traffic and the same linear regression with ``tf.compat.v1``
@@ -89,6 +93,56 @@ def tcp_client(port: int, nbytes: int, iters: int, start_at: float) -> dict:
     return {"bytes": 2 * nbytes * iters, "start": start, "end": end}
 
 
+# ----------------------------------------------------------------------------- bare gRPC
+def grpc_echo_server(port: int, clients: int) -> None:
+    """Python gRPC with nothing on top: a stream of chunks in, the same chunks back."""
+    from concurrent import futures
+
+    import grpc
+
+    from towerflow.ps.shard import tune_malloc
+
+    tune_malloc(one_arena=True)
+
+    def echo(requests, context):  # noqa: ANN001, ANN202
+        yield from list(requests)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4 * clients), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "echo.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination(timeout=300)
+
+
+def grpc_echo_client(port: int, nbytes: int, iters: int, start_at: float) -> dict:
+    import grpc
+
+    from towerflow.ps.shard import CHUNK_BYTES, tune_malloc
+
+    tune_malloc()
+    data = np.random.default_rng(0).bytes(nbytes)
+    chunks = [data[i:i + CHUNK_BYTES] for i in range(0, nbytes, CHUNK_BYTES)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    echo = channel.stream_stream("/echo.Echo/Echo")
+    for _ in echo(iter(chunks)):  # warm up
+        pass
+    time.sleep(max(0.0, start_at - time.time()))
+    start = time.time()
+    for _ in range(iters):
+        got = sum(len(c) for c in echo(iter(chunks)))
+        if got != nbytes:
+            raise RuntimeError(f"echo returned {got} of {nbytes} bytes")
+    end = time.time()
+    channel.close()
+    return {"bytes": 2 * nbytes * iters, "start": start, "end": end}
+
+
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20)]
+
+
 # ----------------------------------------------------------------------------- towerflow traffic
 def placement_100mb(numel: int):
     from towerflow.ps import plan_placement
@@ -142,9 +196,13 @@ def linreg_worker(cluster_json: str, worker_id: int, steps: int, start_at: float
 
 
 # ----------------------------------------------------------------------------- processes
-def child_env(secret: str, tf_config: dict | None = None) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOWERFLOW_SECRET=secret)
-    env.pop("TF_CONFIG", None)
+def child_env(secret: str | None, tf_config: dict | None = None) -> dict[str, str]:
+    """The environment of a benchmark process; ``secret`` None: no authentication."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("TF_CONFIG", "TOWERFLOW_SECRET", "TOWERFLOW_SECRET_FILE"):
+        env.pop(key, None)
+    if secret is not None:
+        env["TOWERFLOW_SECRET"] = secret
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
     return env
@@ -187,24 +245,23 @@ def free_ports(n: int) -> list[int]:
 class PsTask:
     """A ps process (``towerflow server`` with TF_CONFIG) for one measurement."""
 
-    def __init__(self, secret: str, workers: int) -> None:
+    def __init__(self, secret: str | None, workers: int) -> None:
         ports = free_ports(1 + workers)
         self.cluster = {"ps": [f"127.0.0.1:{ports[0]}"],
                         "worker": [f"127.0.0.1:{p}" for p in ports[1:]]}
         tf_config = {"cluster": self.cluster, "task": {"type": "ps", "index": 0}}
         self.proc = subprocess.Popen([sys.executable, "-m", "towerflow", "server"],
                                      env=child_env(secret, tf_config),
-                                     stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.secret = secret
 
     def wait_ready(self) -> int:
         from towerflow.cluster import ClusterSpec
-        from towerflow.cluster.transport import Credentials
         from towerflow.ps import PSClient
 
         plan = placement_100mb(4)
         c = PSClient(ClusterSpec(self.cluster), plan, worker_id=0,
-                     credentials=Credentials(secret=self.secret.encode()), timeout=5.0)
+                     credentials=credentials(self.secret), timeout=5.0)
         try:
             c.shards[0]._retrying(c.shards[0].status, 60.0)
         finally:
@@ -222,15 +279,20 @@ class PsTask:
             self.proc.wait(10)
 
 
-def init_ps(cluster: dict, secret: str, numel: int, mode: str, workers: int) -> None:
-    from towerflow.cluster import ClusterSpec
+def credentials(secret: str | None):  # noqa: ANN201 - towerflow Credentials
     from towerflow.cluster.transport import Credentials
+
+    return Credentials(secret=None if secret is None else secret.encode())
+
+
+def init_ps(cluster: dict, secret: str | None, numel: int, mode: str, workers: int) -> None:
+    from towerflow.cluster import ClusterSpec
     from towerflow.ps import AggregationConfig, PSClient
     from towerflow.ps import ps_pb2 as pb
 
     plan = placement_100mb(numel)
-    with PSClient(ClusterSpec(cluster), plan, worker_id=0,
-                  credentials=Credentials(secret=secret.encode()), timeout=120.0) as c:
+    with PSClient(ClusterSpec(cluster), plan, worker_id=0, credentials=credentials(secret),
+                  timeout=120.0) as c:
         c.initialize([np.zeros(s.numel, np.float32) for s in plan.shards],
                      optimizer=pb.OptimizerSpec(name="momentum", momentum=0.9),
                      aggregation=AggregationConfig(mode=mode, total_num_replicas=workers))
@@ -249,8 +311,23 @@ def measure_tcp(numel: int, clients: int, iters: int) -> float:
     return total / seconds / 1e9
 
 
-def measure_traffic(numel: int, workers: int, iters: int, mode: str) -> dict:
-    secret = os.urandom(16).hex()
+def measure_grpc(numel: int, clients: int, iters: int) -> float:
+    port = free_ports(1)[0]
+    env = child_env(None)
+    server = run_role("grpc-server", env, port, clients)
+    try:
+        start_at = time.time() + 3.0
+        rows = results([run_role("grpc-client", env, port, numel * 4, iters, start_at)
+                        for _ in range(clients)])
+    finally:
+        server.terminate()
+        server.wait(30)
+    total, seconds = aggregate(rows)
+    return total / seconds / 1e9
+
+
+def measure_traffic(numel: int, workers: int, iters: int, mode: str, auth: bool = True) -> dict:
+    secret = os.urandom(16).hex() if auth else None
     ps = PsTask(secret, workers)
     try:
         idle = ps.wait_ready()
@@ -281,6 +358,19 @@ def measure_linreg(steps: int) -> float:
     return total / seconds
 
 
+def auth_seconds_per_call(calls: int = 5000) -> float:
+    """Seconds a client's auth token plus the server's check of it take, per call."""
+    from towerflow.cluster.transport import AuthInterceptor, _auth_token
+
+    secret, method = os.urandom(32).hex().encode(), "/towerflow.ps.PS/PushPull"
+    check = AuthInterceptor(secret)
+    start = time.perf_counter()
+    for _ in range(calls):
+        if check.check(method, _auth_token(secret, method)) is not None:
+            raise RuntimeError("a fresh auth token was refused")
+    return (time.perf_counter() - start) / calls
+
+
 def measure_tensorflow(tf_python: str, numel: int, iters: int, steps: int) -> dict:
     script = HERE.with_name("ps_throughput_tf.py")
     proc = subprocess.run([tf_python, str(script), "--numel", str(numel), "--iters", str(iters),
@@ -299,12 +389,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--linreg-steps", type=int, default=2000)
     parser.add_argument("--tf-python", default=None)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="interleaved rounds; each figure is the best of them")
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args()
     roles = {
         "tcp-server": lambda a: tcp_echo_server(int(a[0]), int(a[1]), int(a[2])),
         "tcp-client": lambda a: print(json.dumps(tcp_client(int(a[0]), int(a[1]), int(a[2]), float(a[3])))),
         "traffic-worker": lambda a: print(json.dumps(traffic_worker(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4])))),
+        "grpc-server": lambda a: grpc_echo_server(int(a[0]), int(a[1])),
+        "grpc-client": lambda a: print(json.dumps(grpc_echo_client(int(a[0]), int(a[1]), int(a[2]), float(a[3])))),
         "linreg-worker": lambda a: print(json.dumps(linreg_worker(a[0], int(a[1]), int(a[2]), float(a[3])))),
     }
     if args.role != "main":
@@ -312,32 +406,78 @@ def main() -> None:
         return
     numel = args.model_mb * MB // 4
     print(f"model: {numel * 4 / MB:.0f} MB fp32, momentum on the ps; {args.iters} push+pull "
-          f"round trips per worker; {os.cpu_count()} CPU cores")
-    rows = []
-    for workers in (1, 2):
-        tcp = measure_tcp(numel, workers, args.iters)
-        modes = ("async",) if workers == 1 else ("async", "sync")
-        for mode in modes:
-            r = measure_traffic(numel, workers, args.iters, mode)
-            rows.append((workers, mode, r, tcp))
-            print(f"{workers} worker(s) {mode:5s}: towerflow {r['gbps']:.2f} GB/s, raw TCP "
-                  f"{tcp:.2f} GB/s, ratio {r['gbps'] / tcp:.2f}x (target >= 0.5x); ps peak RSS "
-                  f"{r['peak_rss'] / MB:.0f} MB = {r['ratio']:.2f}x params "
-                  f"({r['net_ratio']:.2f}x net of the idle server's {r['idle_rss'] / MB:.0f} MB; "
-                  "target <= 3x)", flush=True)
-    steps_per_sec = measure_linreg(args.linreg_steps)
-    print(f"article 003 linear regression, 1 ps + 2 workers: {steps_per_sec:.0f} steps/s total",
-          flush=True)
-    if args.tf_python:
-        tf = measure_tensorflow(args.tf_python, numel, args.iters, args.linreg_steps)
-        mine = rows[0][2]["gbps"]
-        print(f"TensorFlow {tf['version']} ps runtime, 1 worker: {tf['gbps']:.2f} GB/s -> towerflow "
-              f"{mine / tf['gbps']:.2f}x (target >= 2x)")
-        print(f"TensorFlow linear regression, 1 ps + 2 workers: {tf['steps_per_sec']:.0f} steps/s "
-              f"-> towerflow {steps_per_sec / tf['steps_per_sec']:.2f}x (target >= 2x)")
-    else:
-        print("TensorFlow comparison skipped (pass --tf-python PATH to a python with tensorflow-cpu)")
+          f"round trips per worker; {os.cpu_count()} CPU cores; every figure is the best of "
+          f"{args.repeats} interleaved rounds (peak memory: the worst)", flush=True)
+    rounds = [run_round(args, numel, r) for r in range(args.repeats)]
+    report(rounds, args)
 
+
+CASES = (("tcp", 1), ("tcp", 2), ("grpc", 1), ("grpc", 2), ("async", 1), ("async", 2),
+         ("sync", 2), ("async-noauth", 1))
+
+
+def run_round(args: argparse.Namespace, numel: int, index: int) -> dict:
+    """Every measurement once; a line per figure so a slow run shows its progress."""
+    out: dict = {}
+    for kind, n in CASES:
+        if kind == "tcp":
+            out[kind, n] = measure_tcp(numel, n, args.iters)
+        elif kind == "grpc":
+            out[kind, n] = measure_grpc(numel, n, args.iters)
+        else:
+            mode, _, plain = kind.partition("-")
+            out[kind, n] = measure_traffic(numel, n, args.iters, mode, auth=not plain)
+        value = out[kind, n] if isinstance(out[kind, n], float) else out[kind, n]["gbps"]
+        print(f"  round {index + 1}: {kind} x{n}: {value:.2f} GB/s", flush=True)
+    out["linreg"] = measure_linreg(args.linreg_steps)
+    print(f"  round {index + 1}: linear regression {out['linreg']:.0f} steps/s", flush=True)
+    if args.tf_python:
+        out["tf"] = measure_tensorflow(args.tf_python, numel, args.iters, args.linreg_steps)
+        print(f"  round {index + 1}: TensorFlow {out['tf']['gbps']:.2f} GB/s, "
+              f"{out['tf']['steps_per_sec']:.0f} steps/s", flush=True)
+    return out
+
+
+def report(rounds: list[dict], args: argparse.Namespace) -> None:
+    def best(key) -> float:  # noqa: ANN001
+        values = [r[key] if isinstance(r[key], float) else r[key]["gbps"] for r in rounds]
+        return max(values)
+
+    def worst(key, field: str) -> float:  # noqa: ANN001
+        return max(r[key][field] for r in rounds)
+
+    print("baselines, same topology as the ps runs (1 server process, N client processes, each "
+          "sending the model and receiving it back):")
+    for n in (1, 2):
+        print(f"  {n} client(s): raw loopback TCP {best(('tcp', n)):.2f} GB/s; bare Python gRPC "
+              f"(1 MiB chunks echoed back, no copy, no work) {best(('grpc', n)):.2f} GB/s")
+    for kind, n in (("async", 1), ("async", 2), ("sync", 2)):
+        gbps = best((kind, n))
+        print(f"{n} worker(s) {kind:5s}: towerflow {gbps:.2f} GB/s = "
+              f"{gbps / best(('tcp', n)):.2f}x raw TCP (target >= 0.5x), "
+              f"{gbps / best(('grpc', n)):.2f}x bare gRPC; ps peak RSS "
+              f"{worst((kind, n), 'peak_rss') / MB:.0f} MB = {worst((kind, n), 'ratio'):.2f}x "
+              f"params, {worst((kind, n), 'net_ratio'):.2f}x net of the idle server's "
+              f"{worst((kind, n), 'idle_rss') / MB:.0f} MB (target <= 3x)")
+    auth, plain = best(("async", 1)), best(("async-noauth", 1))
+    per_call = auth_seconds_per_call()
+    round_trip = 2 * args.model_mb * MB / (auth * 1e9)
+    print(f"authentication: 1 worker async {auth:.2f} GB/s with the cluster secret, {plain:.2f} "
+          f"GB/s without -> cost {100 * (1 - auth / plain):.1f}% (target < 5%); the check itself "
+          f"(token + HMAC verify + nonce) takes {per_call * 1e6:.1f} us per call = "
+          f"{100 * per_call / round_trip:.4f}% of a {round_trip * 1e3:.0f} ms push+pull call")
+    linreg = max(r["linreg"] for r in rounds)
+    print(f"article 003 linear regression, 1 ps + 2 workers: {linreg:.0f} steps/s total")
+    if not args.tf_python:
+        print("TensorFlow comparison skipped (pass --tf-python PATH to a python with tensorflow-cpu)")
+        return
+    tf_gbps = max(r["tf"]["gbps"] for r in rounds)
+    tf_steps = max(r["tf"]["steps_per_sec"] for r in rounds)
+    print(f"TensorFlow {rounds[0]['tf']['version']} ps runtime, 1 worker: {tf_gbps:.2f} GB/s -> "
+          f"towerflow (authenticated) {auth / tf_gbps:.2f}x (target >= 2x; TensorFlow has no "
+          f"authentication, towerflow without it: {plain / tf_gbps:.2f}x)")
+    print(f"TensorFlow linear regression, 1 ps + 2 workers: {tf_steps:.0f} steps/s -> towerflow "
+          f"{linreg / tf_steps:.2f}x (target >= 2x)")
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -189,3 +190,73 @@ def test_closing_a_replaced_shard_releases_waiting_pushes() -> None:
         agg.close()
         assert pending.result(timeout=10).status == VOIDED
     assert state.step == 0
+
+
+def streamed(state: ShardState, worker: int, seq: int = 1, incarnation: int = 0) -> PushHeader:
+    """The header of a push whose sender vouched that it is finite (applied as it arrives)."""
+    return PushHeader(worker, seq, state.step, 1.0, NUMEL, incarnation=incarnation,
+                      segments=state.layout.signature, finite=True)
+
+
+def halves(value: float, first_done: threading.Event | None = None,
+           release: threading.Event | None = None, fail: bool = False):
+    """Yield a gradient in two chunks, optionally pausing (or failing) between them."""
+    yield np.full(NUMEL // 2, value, np.float32).tobytes()
+    if first_done is not None:
+        first_done.set()
+    if release is not None:
+        assert release.wait(10)
+    if fail:
+        raise ConnectionResetError("the worker went away")
+    yield np.full(NUMEL // 2, value, np.float32).tobytes()
+
+
+def test_streamed_pushes_apply_on_arrival_and_interleave() -> None:
+    state, agg = make("async", total_num_replicas=2)
+    first_done, release = threading.Event(), threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(agg.push, streamed(state, 0), halves(1.0, first_done, release))
+        assert first_done.wait(10)
+        wait_until(lambda: state.params[0] == -1.0)  # applied before the push is complete
+        assert state.step == 0 and list(state.ledger) == []
+        other = agg.push(streamed(state, 1), halves(2.0))  # not held by the unfinished push
+        assert other.status == APPLIED and other.step == 1
+        release.set()
+        assert slow.result(timeout=10).step == 2
+    np.testing.assert_array_equal(state.params, -3.0)
+    assert sorted(w for w, *_ in state.ledger) == [0, 1] and state.optimizer.step == 2
+
+
+def test_streamed_push_cut_off_part_way_is_resumed_by_its_retry_not_applied_twice() -> None:
+    state, agg = make("async", total_num_replicas=1)
+    with pytest.raises(ConnectionResetError):
+        agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0, fail=True))
+    np.testing.assert_array_equal(state.params, [-1, -1, -1, 0, 0, 0])
+    assert state.step == 0 and list(state.ledger) == []
+    retry = agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0))
+    assert retry.status == APPLIED and retry.step == 1
+    np.testing.assert_array_equal(state.params, -1.0)
+    assert list(state.ledger) == [(0, 7, 4, 1)] and state.optimizer.step == 1
+    again = agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0))
+    assert again.duplicate and state.step == 1
+
+
+def test_streamed_push_with_nan_in_a_later_chunk_says_what_was_applied() -> None:
+    state, agg = make("async", total_num_replicas=1)
+    bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.nan, 1], np.float32).tobytes()]
+    outcome = agg.push(streamed(state, 0), bad)
+    assert outcome.status == REFUSED
+    assert re.search(r"NaN or inf in variable 'w'.*its first 3 of 6 elements, declared finite "
+                     r"by the worker, were already applied", outcome.message)
+    np.testing.assert_array_equal(state.params, [-1, -1, -1, 0, 0, 0])  # never a NaN
+    assert state.step == 0 and list(state.ledger) == []
+
+
+def test_unvouched_push_with_nan_in_a_later_chunk_leaves_parameters_unchanged() -> None:
+    state, agg = make("async", total_num_replicas=1)
+    bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.inf, 1], np.float32).tobytes()]
+    head = PushHeader(0, 1, 0, 1.0, NUMEL, segments=state.layout.signature)
+    outcome = agg.push(head, bad)
+    assert outcome.status == REFUSED and "the parameters are unchanged" in outcome.message
+    np.testing.assert_array_equal(state.params, 0.0)
+    assert state.optimizer.step == 0

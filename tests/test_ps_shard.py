@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,15 @@ from towerflow.ps import shard as shard_module
 from towerflow.ps.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.shard import APPLIED, REFUSED, STALE, PushHeader, ShardState
+from towerflow.ps.shard import (
+    APPLIED,
+    REFUSED,
+    STALE,
+    PushHeader,
+    ShardState,
+    all_finite,
+    tune_malloc,
+)
 
 SHAPES = {"weight": (2, 3), "bias": (3,)}
 
@@ -172,3 +182,40 @@ def test_initial_values_of_wrong_size_are_refused() -> None:
     layout = plan_placement(SHAPES, 1).shards[0]
     with pytest.raises(InvalidArgumentError, match=r"needs 9 float32 initial values.*got 4"):
         ShardState(layout, np.zeros(4, np.float32), make_optimizer("sgd", 9))
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad"])
+def test_update_applied_range_by_range_equals_the_whole_update(name) -> None:
+    rng = np.random.default_rng(0)
+    n = 150_000  # ranges that cut blocks of the blockwise update
+    start = rng.standard_normal(n).astype(np.float32)
+    whole, ranged = start.copy(), start.copy()
+    opts = [make_optimizer(name, n, momentum=0.9, weight_decay=0.01) for _ in range(2)]
+    for _ in range(3):
+        grad = rng.standard_normal(n).astype(np.float32)
+        grad.flags.writeable = False  # a view of received bytes is read-only
+        opts[0].apply(whole, grad, 0.1)
+        update = opts[1].begin()
+        for lo, hi in ((100_000, n), (0, 70_001), (70_001, 100_000)):
+            opts[1].apply_range(ranged, lo, grad[lo:hi], 0.1, update)
+    np.testing.assert_array_equal(ranged, whole)
+    for key, slot in opts[0].slots.items():
+        np.testing.assert_array_equal(opts[1].slots[key], slot)
+
+
+def test_finiteness_checks_find_nan_and_inf_and_accept_huge_finite_values() -> None:
+    state, _ = make_shard()
+    values = np.full(200_000, 3e38, np.float32)  # huge but finite: no false alarm
+    assert all_finite(values) and state.find_nonfinite(values) is None
+    values[150_001] = -np.inf
+    assert not all_finite(values)
+    assert state.find_nonfinite(values, base=5) == 150_006
+    values[150_001], values[7] = 0.0, np.nan
+    assert not all_finite(values) and state.find_nonfinite(values) == 7
+
+
+def test_malloc_tuning_is_applied_once_per_process() -> None:
+    first = tune_malloc()
+    assert tune_malloc(one_arena=True) is first
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert first

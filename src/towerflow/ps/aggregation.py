@@ -15,9 +15,21 @@
             pushes ahead of the slowest live worker.
 ==========  =================================================================
 
-Memory does not grow with the number of workers: async and ssp receive into
-one buffer per shard (pushes are received one at a time), sync sums every
-gradient straight into one accumulator per shard. A sync push refused part
+Memory does not grow with the number of workers. In async and ssp mode a
+push whose sender declares it finite (``PushHeader.finite``: the
+:class:`~towerflow.ps.client.PSClient` checks before it sends) is applied
+chunk by chunk as it arrives, straight into the parameters, with no receive
+buffer: concurrent pushes interleave chunk by chunk (each chunk is applied
+under the shard's apply lock, each push counts one step, one ledger entry and
+one optimizer update when its last chunk is in). Each chunk is still checked;
+a NaN / inf, a truncated payload or a worker dying part way leaves the chunks
+before it applied (as TensorFlow's ps applies each variable's update on its
+own) and the push is refused or, when its sender retries it with the same
+``(worker, incarnation, seq)``, resumed where it stopped, never applied twice.
+Any other push is staged: its received chunks are kept (not copied, one
+staged push at a time) until the last is in and all are checked, so a refused
+push leaves the parameters unchanged. Sync mode sums every gradient straight
+into one accumulator per shard, one push at a time; a sync push refused part
 way through (NaN / inf in a later chunk, or a worker dying mid-push) voids the
 step's partial sum: the workers that contributed to it are told ``voided``
 and compute again, so the parameters never see a refused gradient.
@@ -113,7 +125,7 @@ class Aggregator(abc.ABC):
         self.config = config
         #: names a worker (and, on a ps task with heartbeats, its health) in messages
         self.describe_worker: Callable[[int], str] = _worker_label
-        self._recv_lock = threading.Lock()  # one payload received at a time
+        self._recv_lock = threading.Lock()  # sync: one payload summed at a time
         self._done: set[int] = set()
         self._closed = False
 
@@ -171,30 +183,69 @@ class Aggregator(abc.ABC):
     def _who(self, header: PushHeader) -> str:
         return f"worker {header.worker_id}"
 
-    def _receive_checked(self, target: np.ndarray, header: PushHeader,
-                         chunks: Iterable[bytes | memoryview]) -> None:
-        receive_into(target, chunks, header.numel, who=self._who(header))
-        bad = self.state.find_nonfinite(target)
-        if bad is not None:
-            raise InvalidArgumentError(self.state.nonfinite_message(header, bad))
-
 
 class _AsyncAggregator(Aggregator):
     """Applies every gradient on arrival."""
 
     def __init__(self, state: ShardState, config: AggregationConfig) -> None:
         super().__init__(state, config)
-        self._rbuf = np.empty(state.layout.numel, np.float32)  # pages touched on first use
+        self._stage_lock = threading.Lock()  # one staged payload at a time
 
     def _accept(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
-        with self._recv_lock:
-            self._receive_checked(self._rbuf, header, chunks)
+        if header.finite:
+            return self._stream(header, chunks)
+        return self._staged(header, chunks)
+
+    def _staged(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+        """Keep every chunk (the received bytes, not a copy) until all are checked, then apply."""
+        state = self.state
+        done, update = state.resume_point(header)
+        with self._stage_lock:
+            parts: list[tuple[int, np.ndarray]] = []
+
+            def keep(first: int, values: np.ndarray) -> None:
+                bad = state.find_nonfinite(values, base=first)
+                if bad is not None:
+                    raise InvalidArgumentError(state.nonfinite_message(header, bad))
+                parts.append(_unapplied(first, values, done))
+
+            receive_into(None, chunks, header.numel, who=self._who(header), on_chunk=keep)
+            if not update:
+                self._before_apply(header)
+                update = state.begin_update()
+            for first, values in parts:
+                state.apply_range(first, values, header.lr, update)
+            parts.clear()
+        return PushOutcome(APPLIED, state.commit_update())
+
+    def _stream(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+        """Apply each chunk as it arrives (the worker checked that the gradient is finite)."""
+        state = self.state
+        done, update = state.resume_point(header)
+
+        def apply(first: int, values: np.ndarray) -> None:
+            nonlocal done, update
+            first, values = _unapplied(first, values, done)
+            if not values.size:
+                return
+            bad = state.find_nonfinite(values, base=first)
+            if bad is not None:
+                raise InvalidArgumentError(state.nonfinite_message(header, bad, applied=done))
+            if not update:
+                self._before_apply(header)
+                update = state.begin_update()
+            state.apply_range(first, values, header.lr, update)
+            done = first + values.size
+            state.note_progress(header, done, update)
+
+        receive_into(None, chunks, header.numel, who=self._who(header), on_chunk=apply)
+        if not update:  # an empty shard
             self._before_apply(header)
-            step = self.state.apply(self._rbuf, header.lr)
-        return PushOutcome(APPLIED, step)
+            state.begin_update()
+        return PushOutcome(APPLIED, state.commit_update())
 
     def _before_apply(self, header: PushHeader) -> None:
-        """Hook run just before a gradient is applied (ssp records the lead)."""
+        """Hook run once per push before it changes the parameters (ssp records the lead)."""
 
 
 class _SSPAggregator(_AsyncAggregator):
@@ -349,6 +400,12 @@ def make_aggregator(state: ShardState, config: AggregationConfig,
     if describe_worker is not None:
         aggregator.describe_worker = describe_worker
     return aggregator
+
+
+def _unapplied(first: int, values: np.ndarray, done: int) -> tuple[int, np.ndarray]:
+    """The part of chunk ``values`` (elements ``first..``) from element ``done`` on."""
+    skip = min(max(done - first, 0), values.size)
+    return first + skip, values[skip:]
 
 
 def _worker_label(worker_id: int) -> str:

@@ -8,6 +8,13 @@ back in the same call; shards are reached in parallel by a thread pool. Every
 push carries ``(worker_id, incarnation, seq)``, so a push retried after a lost
 reply is applied once.
 
+Before streaming a gradient larger than one chunk the client checks that it is
+finite (one read pass, no allocation) and says so in the push header: the ps
+then applies each chunk as it arrives instead of staging the whole gradient. A
+gradient with a NaN / inf is sent unmarked, so the ps refuses it whole and
+counts it. A client also tunes its process's malloc for the chunk-sized
+``bytes`` gRPC Python sends and receives (``tune_malloc=False`` to opt out).
+
 Example (with a running ps task)::
 
     client = PSClient(cluster, placement, worker_id=1)
@@ -48,7 +55,8 @@ from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.aggregation import AggregationConfig
 from towerflow.ps.placement import Placement, ShardLayout
 from towerflow.ps.service import SERVICE_NAME, layout_to_proto, pack, parse_message, unpack
-from towerflow.ps.shard import APPLIED, CHUNK_BYTES, REFUSED
+from towerflow.ps.shard import APPLIED, CHUNK_BYTES, REFUSED, all_finite
+from towerflow.ps.shard import tune_malloc as _tune_malloc
 
 __all__ = ["ShardClient", "PSClient", "PushResult", "ShardSnapshot"]
 
@@ -136,7 +144,9 @@ class ShardClient:
         self.push_timeout = push_timeout or timeout
         self.chunk_bytes = chunk_bytes
         self.version = 0  # the shard step of the last parameters received
-        self._signature = [pb.SegmentSignature(name=n, shape=s) for n, s in layout.signature]
+        self._signature_bytes = pb.PushRequest(segments=[
+            pb.SegmentSignature(name=n, shape=s) for n, s in layout.signature
+        ]).SerializeToString()
 
     @property
     def address(self) -> str:
@@ -211,16 +221,22 @@ class ShardClient:
         """Push ``grad``; with ``pull_into``, receive the fresh parameters in the same call."""
         req = pb.PushRequest(
             worker_id=worker_id, incarnation=incarnation, seq=seq, token=self.version, lr=lr,
-            dtype=str(grad.dtype), numel=grad.size, segments=self._signature,
+            dtype="float32" if grad.dtype == np.float32 else str(grad.dtype), numel=grad.size,
             want_params=pull_into is not None)
+        small = self.layout.nbytes <= self.chunk_bytes  # one message each way
+        if not small and grad.dtype == np.float32:
+            req.finite = all_finite(grad)  # lets the ps apply chunks as they arrive
+        # serialised protobuf messages concatenate into their merge: the variable
+        # signature, the same for every push, is serialised once
+        head = self._signature_bytes + req.SerializeToString()
 
         def messages() -> Iterator[bytes]:
-            yield req.SerializeToString()
+            yield head
             yield from _chunks(grad, self.chunk_bytes)
 
         def call() -> pb.PushReply:
-            if self.layout.nbytes <= self.chunk_bytes:  # one message each way
-                return self._push_pull_small(req, grad, pull_into)
+            if small:
+                return self._push_pull_small(head, grad, pull_into)
             if pull_into is None:
                 data = stream_unary(self.channel, _M + "Push", messages(),
                                     timeout=self.push_timeout)
@@ -232,10 +248,10 @@ class ShardClient:
             self.version = reply.step
         return reply
 
-    def _push_pull_small(self, req: pb.PushRequest, grad: np.ndarray,
+    def _push_pull_small(self, head: bytes, grad: np.ndarray,
                          into: np.ndarray | None) -> pb.PushReply:
         payload = memoryview(np.ascontiguousarray(grad)).cast("B")
-        data = unary(self.channel, _M + "PushPullSmall", pack(req.SerializeToString(), payload),
+        data = unary(self.channel, _M + "PushPullSmall", pack(head, payload),
                      timeout=self.push_timeout)
         head, params = unpack(data)
         reply = parse_message(pb.PushReply, head, "PushReply")
@@ -284,12 +300,16 @@ class PSClient:
         push_timeout: deadline of a push (default: ``timeout``).
         on_bad_gradient: ``"raise"`` an InvalidArgumentError when the ps refuses a
             gradient, or ``"skip"`` it with a warning.
+        chunk_bytes: size of streamed chunks.
+        tune_malloc: let glibc's malloc reuse chunk-sized blocks in this process
+            (:func:`towerflow.ps.shard.tune_malloc`): streamed chunks then cost no
+            page faults, which roughly doubles the traffic a worker moves.
     """
 
     def __init__(self, cluster: Any, placement: Placement, *, worker_id: int,
                  credentials: Credentials | None = None, timeout: float = 30.0,
                  push_timeout: float | None = None, on_bad_gradient: str = "raise",
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, tune_malloc: bool = True) -> None:
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(
                 f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'."
@@ -301,6 +321,8 @@ class PSClient:
                 "ps tasks; place the variables with this cluster's replica_device_setter."
             )
         credentials = Credentials.from_env() if credentials is None else credentials
+        if tune_malloc:
+            _tune_malloc()
         self.placement = placement
         self.worker_id = worker_id
         self.incarnation = time.time_ns() & ((1 << 63) - 1)

@@ -3,9 +3,10 @@
 Each optimizer updates a float32 parameter buffer in place from a gradient
 buffer with exactly the arithmetic of the matching ``torch.optim`` class
 (``SGD`` with or without momentum, ``Adam``, ``Adagrad``; L2 weight decay added
-to the gradient). The work is done block by block with one small scratch
-buffer, so an update allocates nothing as large as the parameters. The
-gradient buffer is consumed (overwritten).
+to the gradient). The work is done block by block with small scratch buffers
+(in-place ufuncs with ``out=``), so an update allocates nothing; the gradient
+is only read, so it may be a read-only view of received bytes, and a gradient
+may be applied range by range as it arrives (:meth:`ServerOptimizer.apply_range`).
 
 numpy only: a ps task needs neither torch nor a GPU.
 
@@ -48,7 +49,7 @@ class ServerOptimizer:
     """
 
     __slots__ = ("name", "numel", "momentum", "weight_decay", "beta1", "beta2", "eps",
-                 "initial_accumulator_value", "slots", "step", "_scratch")
+                 "initial_accumulator_value", "slots", "step", "_scratch", "_decayed")
 
     def __init__(self, name: str, numel: int, *, momentum: float = 0.0,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
@@ -68,6 +69,7 @@ class ServerOptimizer:
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.step = 0
         self._scratch = np.empty(min(numel, _BLOCK), np.float32)
+        self._decayed = np.empty(min(numel, _BLOCK) if weight_decay else 0, np.float32)
         self.slots: dict[str, np.ndarray] = {}
         if name == "momentum":
             self.slots["momentum_buffer"] = np.zeros(numel, np.float32)
@@ -91,27 +93,48 @@ class ServerOptimizer:
             buf[...] = value.reshape(-1)
         self.step = int(step)
 
-    def apply(self, params: np.ndarray, grad: np.ndarray, lr: float) -> None:
-        """Update ``params`` in place from ``grad`` (consumed) with rate ``lr``."""
+    def begin(self) -> int:
+        """Count one more update and return its number (Adam's bias correction uses it).
+
+        A gradient applied in pieces (:meth:`apply_range`) takes its number once.
+        """
         self.step += 1
+        return self.step
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, lr: float) -> None:
+        """Update ``params`` in place from ``grad`` (left unchanged) with rate ``lr``."""
+        self.apply_range(params, 0, grad, lr, self.begin())
+
+    def apply_range(self, params: np.ndarray, first: int, grad: np.ndarray, lr: float,
+                    step: int) -> None:
+        """Update ``params[first:first + grad.size]`` (and the state) from ``grad``.
+
+        ``grad`` may be read-only (a view of received bytes); ``step`` is the
+        update's number from :meth:`begin`. Not thread-safe: one caller at a time
+        (the shard holds its apply lock).
+        """
         method = getattr(self, f"_apply_{self.name}")
-        for block in _blocks(self.numel):
-            p, g = params[block], grad[block]
-            tmp = self._scratch[: p.size]
-            if self.weight_decay:
-                np.multiply(p, self.weight_decay, out=tmp)
-                g += tmp
-            method(block, p, g, tmp, lr)
+        decay = self.weight_decay
+        for start in range(0, grad.size, _BLOCK):
+            g = grad[start:start + _BLOCK]
+            block = slice(first + start, first + start + g.size)
+            p = params[block]
+            tmp = self._scratch[: g.size]
+            if decay:
+                np.multiply(p, decay, out=tmp)
+                tmp += g
+                g, tmp = tmp, self._decayed[: g.size]
+            method(block, p, g, tmp, lr, step)
 
     def _apply_sgd(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
-                   lr: float) -> None:
+                   lr: float, step: int) -> None:
         np.multiply(g, lr, out=tmp)
         p -= tmp
 
     def _apply_momentum(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
-                        lr: float) -> None:
+                        lr: float, step: int) -> None:
         buf = self.slots["momentum_buffer"][block]
-        if self.step == 1:
+        if step == 1:
             buf[...] = g
         else:
             buf *= self.momentum
@@ -120,7 +143,7 @@ class ServerOptimizer:
         p -= tmp
 
     def _apply_adam(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
-                    lr: float) -> None:
+                    lr: float, step: int) -> None:
         m, v = self.slots["exp_avg"][block], self.slots["exp_avg_sq"][block]
         b1, b2 = self.beta1, self.beta2
         # exp_avg.lerp_(grad, 1 - beta1)
@@ -132,8 +155,8 @@ class ServerOptimizer:
         np.multiply(g, g, out=tmp)
         tmp *= 1.0 - b2
         v += tmp
-        bias1 = 1.0 - b1 ** self.step
-        bias2_sqrt = math.sqrt(1.0 - b2 ** self.step)
+        bias1 = 1.0 - b1 ** step
+        bias2_sqrt = math.sqrt(1.0 - b2 ** step)
         # denom = sqrt(v) / sqrt(bias2) + eps ; p -= lr / bias1 * m / denom
         np.sqrt(v, out=tmp)
         tmp /= bias2_sqrt
@@ -143,7 +166,7 @@ class ServerOptimizer:
         p -= tmp
 
     def _apply_adagrad(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
-                       lr: float) -> None:
+                       lr: float, step: int) -> None:
         acc = self.slots["sum"][block]
         np.multiply(g, g, out=tmp)
         acc += tmp

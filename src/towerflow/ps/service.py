@@ -22,6 +22,11 @@ method         kind             messages
 Control messages are protobuf (``ps.proto``); tensors are raw float32 chunks
 whose total size the header announces and the shard checks. Nothing is
 unpickled. A ps task imports neither torch nor a GPU runtime.
+
+Data path: a pushed chunk is used where gRPC left it (a read-only view of the
+received ``bytes``, applied into the flat parameter buffer or summed into the
+sync accumulator: see :mod:`~towerflow.ps.aggregation`); a pulled chunk is one
+copy of its range of the flat buffer, taken under the shard's apply lock.
 """
 
 from __future__ import annotations
@@ -44,7 +49,15 @@ from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.aggregation import AggregationConfig, Aggregator, make_aggregator
 from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import ShardLayout
-from towerflow.ps.shard import CHUNK_BYTES, REFUSED, PushHeader, ShardState, receive_into
+from towerflow.ps.shard import (
+    CHUNK_BYTES,
+    REFUSED,
+    PushHeader,
+    ShardState,
+    receive_into,
+    release_free_memory,
+    tune_malloc,
+)
 
 __all__ = ["PSService", "SERVICE_NAME", "run_ps_task", "parse_message", "pack", "unpack"]
 
@@ -154,10 +167,15 @@ class PSService:
         chunk_bytes: size of streamed reply chunks.
         describe_worker: names a worker replica in messages (e.g. a sync step
             that misses gradients), with its heartbeat state when known.
+
+    Creating one tunes this process's malloc for streamed chunks
+    (:func:`~towerflow.ps.shard.tune_malloc` with one arena): a ps task then
+    moves about twice the traffic and keeps no per-thread free heap.
     """
 
     def __init__(self, shard_index: int, *, chunk_bytes: int = CHUNK_BYTES,
                  describe_worker: Callable[[int], str] | None = None) -> None:
+        tune_malloc(one_arena=True)
         self.shard_index = shard_index
         self.chunk_bytes = chunk_bytes
         self.describe_worker = describe_worker
@@ -234,6 +252,8 @@ class PSService:
             self._generation += 1
         if previous is not None:
             previous[1].close()
+        del previous
+        release_free_memory()  # the Init chunks
         logger.info("ps shard %d initialised: %d variables, %.1f MiB, step %d, mode %s",
                     self.shard_index, len(layout.segments), layout.nbytes / 2**20, state.step,
                     config.mode)
@@ -260,7 +280,7 @@ class PSService:
         header = PushHeader(
             worker_id=req.worker_id, seq=req.seq, token=req.token, lr=req.lr, numel=req.numel,
             dtype=req.dtype or "float32", incarnation=req.incarnation,
-            segments=tuple((s.name, tuple(s.shape)) for s in req.segments))
+            segments=tuple((s.name, tuple(s.shape)) for s in req.segments), finite=req.finite)
         outcome = aggregator.push(header, _Counted(chunks, state))
         reply = pb.PushReply(status=outcome.status, step=outcome.step, message=outcome.message,
                              duplicate=outcome.duplicate)

@@ -23,7 +23,10 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import math
+import platform
 import threading
 import time
 from collections import deque
@@ -46,14 +49,23 @@ __all__ = [
     "REFUSED",
     "VOIDED",
     "CHUNK_BYTES",
+    "all_finite",
+    "tune_malloc",
 ]
 
 #: bytes per streamed chunk (1-4 MiB measured fastest for Python gRPC)
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 1 << 20
 #: applied pushes a shard's ledger remembers (the newest; about 13 MiB at most)
 LEDGER_CAPACITY = 1 << 16
 _ITEM = 4  # float32 only
 _CHECK_BLOCK = 1 << 16
+
+#: allocations below this come from malloc's reused heap (see :func:`tune_malloc`)
+_MMAP_THRESHOLD = 32 << 20
+#: free heap kept for reuse before malloc returns it to the system
+_TRIM_THRESHOLD = 16 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_tuned: bool | None = None
 
 APPLIED = "applied"      # the gradient changed the parameters
 STALE = "stale"          # sync: computed on an older step; dropped and counted
@@ -74,6 +86,8 @@ class PushHeader:
         dtype: dtype name of the payload (``float32``).
         numel: number of elements in the payload.
         segments: ``(name, shape)`` of each variable part, in buffer order.
+        finite: the sender checked that every value is finite, so the shard
+            may apply the payload chunk by chunk as it arrives (async / ssp).
     """
 
     worker_id: int
@@ -84,6 +98,7 @@ class PushHeader:
     dtype: str = "float32"
     incarnation: int = 0
     segments: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    finite: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +150,10 @@ class _Entry:
     incarnation: int
     seq: int
     outcome: PushOutcome | None = None
+    #: a streamed push cut off part way: elements already applied and its update number
+    applied: int = 0
+    update: int = 0
+    interrupted: bool = False
 
 
 class ShardState:
@@ -164,20 +183,41 @@ class ShardState:
         self.optimizer = optimizer
         self.step = int(step)
         self.stats = ShardStats()
-        #: guards params, step, stats and the push table; waiters wait on it
+        #: guards step, stats and the push table; waiters wait on it
         self.cond = threading.Condition(threading.RLock())
+        #: guards the values of params and the optimizer state (held per chunk)
+        self.apply_lock = threading.Lock()
         self._table: dict[int, _Entry] = {}
         #: (worker_id, incarnation, seq, step) of each applied push, oldest first
         self.ledger: deque[tuple[int, int, int, int]] = deque(maxlen=LEDGER_CAPACITY)
         self.ledger_total = 0
         self._expected = layout.signature
-        self._check_scratch = np.empty(min(layout.numel, _CHECK_BLOCK) or 1, np.bool_)
+        self._zeros = np.zeros(min(layout.numel, _CHECK_BLOCK) or 1, np.float32)
 
     # -- updates ----------------------------------------------------------------
     def apply(self, grad: np.ndarray, lr: float) -> int:
-        """Apply ``grad`` (consumed) with rate ``lr``; return the new step."""
-        with self.cond:
+        """Apply the whole gradient ``grad`` with rate ``lr``; return the new step."""
+        with self.apply_lock:
             self.optimizer.apply(self.params, grad, lr)
+        return self.commit_update()
+
+    def begin_update(self) -> int:
+        """Number the next update of the optimizer (see :meth:`apply_range`)."""
+        with self.apply_lock:
+            return self.optimizer.begin()
+
+    def apply_range(self, first: int, grad: np.ndarray, lr: float, update: int) -> None:
+        """Apply ``grad`` to elements ``first..`` as part of update number ``update``.
+
+        Each range is applied under the apply lock, so concurrent pushes
+        interleave range by range and a pull never reads a half-updated range.
+        """
+        with self.apply_lock:
+            self.optimizer.apply_range(self.params, first, grad, lr, update)
+
+    def commit_update(self) -> int:
+        """Count one applied update; return the new step (waking waiters)."""
+        with self.cond:
             self.step += 1
             self.stats.updates += 1
             self.cond.notify_all()
@@ -189,7 +229,9 @@ class ShardState:
 
         Returns:
             The earlier outcome when ``(worker, seq)`` was already pushed (a
-            retry: the gradient is not applied twice), else ``None``.
+            retry: the gradient is not applied twice), else ``None``. A retry of
+            a streamed push that was cut off part way resumes it: see
+            :meth:`resume_point`.
 
         Raises:
             InvalidArgumentError: wrong dtype, size or variable shapes
@@ -199,6 +241,10 @@ class ShardState:
             entry = self._table.get(header.worker_id)
             if entry is not None and entry.incarnation == header.incarnation \
                     and header.seq <= entry.seq:
+                if entry.interrupted and header.seq == entry.seq:
+                    entry.interrupted = False
+                    self.stats.duplicates += 1
+                    return None
                 self.stats.duplicates += 1
                 outcome = self._wait_outcome(entry, header, timeout)
                 return replace(outcome, duplicate=True)
@@ -206,6 +252,24 @@ class ShardState:
             self.stats.pushes += 1
         self.validate_header(header)
         return None
+
+    def resume_point(self, header: PushHeader) -> tuple[int, int]:
+        """``(elements already applied, update number)`` of ``header``'s push.
+
+        ``(0, 0)`` for a fresh push; for the retry of a streamed push cut off
+        part way, the part applied before, which the retry skips.
+        """
+        with self.cond:
+            entry = self._table.get(header.worker_id)
+            if entry is None or entry.seq != header.seq:
+                return 0, 0
+            return entry.applied, entry.update
+
+    def note_progress(self, header: PushHeader, applied: int, update: int) -> None:
+        """Record that ``applied`` elements of a streamed push are in the parameters."""
+        entry = self._table.get(header.worker_id)
+        if entry is not None and entry.seq == header.seq:
+            entry.applied, entry.update = applied, update
 
     def _wait_outcome(self, entry: _Entry, header: PushHeader, timeout: float) -> PushOutcome:
         if header.seq < entry.seq:
@@ -223,11 +287,18 @@ class ShardState:
         return entry.outcome
 
     def forget_push(self, header: PushHeader) -> None:
-        """Drop the record of an interrupted push so that its retry is handled afresh."""
+        """An interrupted push: drop its record so that its retry is handled afresh.
+
+        A streamed push that already changed part of the parameters is kept
+        instead, so that its retry applies only the rest.
+        """
         with self.cond:
             entry = self._table.get(header.worker_id)
             if entry is not None and entry.seq == header.seq and entry.outcome is None:
-                del self._table[header.worker_id]
+                if entry.applied:
+                    entry.interrupted = True
+                else:
+                    del self._table[header.worker_id]
             self.cond.notify_all()
 
     def finish_push(self, header: PushHeader, outcome: PushOutcome) -> PushOutcome:
@@ -311,24 +382,30 @@ class ShardState:
     def find_nonfinite(self, values: np.ndarray, base: int = 0) -> int | None:
         """Index (in the shard buffer) of the first NaN / inf of ``values``, else None.
 
-        ``values`` holds the buffer's elements from ``base`` on.
+        ``values`` holds the buffer's elements from ``base`` on. The scan is a
+        dot product with zeros (``x * 0`` is 0 for every finite ``x`` and NaN
+        otherwise), which reads the values once and writes nothing.
         """
-        scratch = self._check_scratch
-        for start in range(0, values.size, scratch.size):
-            block = values[start:start + scratch.size]
-            out = scratch[: block.size]
-            np.isfinite(block, out=out)
-            if not out.all():
-                return base + start + int(np.argmin(out))
+        zeros = self._zeros
+        with np.errstate(invalid="ignore"):
+            for start in range(0, values.size, zeros.size):
+                block = values[start:start + zeros.size]
+                if not math.isfinite(float(np.dot(block, zeros[: block.size]))):
+                    return base + start + int(np.argmin(np.isfinite(block)))
         return None
 
-    def nonfinite_message(self, header: PushHeader, index: int) -> str:
-        """The refusal message for a NaN / inf at buffer ``index``."""
+    def nonfinite_message(self, header: PushHeader, index: int, applied: int = 0) -> str:
+        """The refusal message for a NaN / inf at buffer ``index``.
+
+        ``applied``: elements of the push already applied (a streamed push).
+        """
         seg = self.layout.segment_at(index)
+        fate = "the parameters are unchanged" if not applied else (
+            f"its first {applied} of {header.numel} elements, declared finite by the worker, "
+            "were already applied")
         return (f"Gradient pushed by worker {header.worker_id} to ps shard {self.layout.index} "
                 f"contains NaN or inf in variable {seg.label!r} (shape {list(seg.shape)}); it "
-                "was refused and the parameters are unchanged. Lower the learning rate or "
-                "clip the gradients.")
+                f"was refused and {fate}. Lower the learning rate or clip the gradients.")
 
     # -- reads ----------------------------------------------------------------------
     def buffer(self, name: str) -> np.ndarray:
@@ -344,23 +421,31 @@ class ShardState:
         return slot
 
     def read_chunks(self, name: str = "params", chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-        """Yield a copy of buffer ``name`` in chunks (each read under the lock)."""
+        """Yield a copy of buffer ``name`` in chunks, each copied under the apply lock.
+
+        The ``bytes`` of a chunk are the one copy a reply needs (gRPC sends
+        ``bytes``): each is a consistent snapshot of its range.
+        """
         raw = self.buffer(name).view(np.uint8)
-        for start in range(0, raw.size, chunk_bytes):
+        sent = 0
+        try:
+            for start in range(0, raw.size, chunk_bytes):
+                with self.apply_lock:
+                    data = raw[start:start + chunk_bytes].tobytes()
+                sent += len(data)
+                yield data
+        finally:
             with self.cond:
-                data = raw[start:start + chunk_bytes].tobytes()
-                self.stats.bytes_out += len(data)
-            yield data
-        with self.cond:
-            self.stats.pulls += 1
+                self.stats.bytes_out += sent
+                self.stats.pulls += sent == raw.size
 
-
-def receive_into(target: np.ndarray, chunks: Iterable[bytes | memoryview], numel: int,
+def receive_into(target: np.ndarray | None, chunks: Iterable[bytes | memoryview], numel: int,
                  *, who: str, on_chunk=None) -> int:
     """Copy a payload of ``numel`` float32 elements from ``chunks`` into ``target``.
 
     ``on_chunk(offset, values)`` (when given) handles each chunk instead of the
-    copy. Returns the number of bytes received.
+    copy (``values`` is a read-only view of the chunk; ``target`` may then be
+    None). Returns the number of bytes received.
 
     Raises:
         DataLossError: a chunk not a whole number of elements, or a payload
@@ -378,7 +463,7 @@ def receive_into(target: np.ndarray, chunks: Iterable[bytes | memoryview], numel
         values = np.frombuffer(chunk, dtype=np.float32)
         first = received // _ITEM
         if on_chunk is None:
-            target[first:first + values.size] = values
+            target[first:first + values.size] = values  # type: ignore[index]
         else:
             on_chunk(first, values)
         received += size
@@ -388,3 +473,51 @@ def receive_into(target: np.ndarray, chunks: Iterable[bytes | memoryview], numel
             "refused."
         )
     return received
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """True when no element of the float32 array ``values`` is NaN or inf (one read pass)."""
+    flat = values.reshape(-1)
+    zeros = np.zeros(min(flat.size, _CHECK_BLOCK) or 1, np.float32)
+    with np.errstate(invalid="ignore"):
+        for start in range(0, flat.size, zeros.size):
+            block = flat[start:start + zeros.size]
+            if not math.isfinite(float(np.dot(block, zeros[: block.size]))):
+                return False
+    return True
+
+
+def tune_malloc(*, one_arena: bool = False) -> bool:
+    """Make glibc's malloc reuse chunk-sized blocks instead of mapping fresh pages.
+
+    Every streamed chunk is a new ``bytes`` object (gRPC Python sends and
+    receives ``bytes``). glibc serves blocks above its mmap threshold with
+    fresh zeroed pages and unmaps them on free, so each chunk costs page
+    faults that take longer than copying it; the dynamic threshold only partly
+    avoids that. Fixing the mmap threshold at 32 MiB and the trim threshold at
+    16 MiB keeps chunk-sized blocks on the heap for reuse (at most 16 MiB of
+    free heap at its top is kept); the large flat buffers are still mapped. With
+    ``one_arena`` (a ps task) every thread allocates from one arena, so the
+    free heap kept is bounded once, not once per gRPC handler thread.
+    Process-wide and idempotent; does nothing (returns False) where malloc is
+    not glibc's.
+    """
+    global _tuned
+    if _tuned is None:
+        _tuned = False
+        if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+            try:
+                mallopt = ctypes.CDLL(None).mallopt
+            except (OSError, AttributeError):
+                return False
+            _tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)) and \
+                bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    if _tuned and one_arena:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
+    return _tuned
+
+
+def release_free_memory() -> None:
+    """Return malloc's free heap to the system (``malloc_trim``; after :func:`tune_malloc`)."""
+    if _tuned:
+        ctypes.CDLL(None).malloc_trim(0)
