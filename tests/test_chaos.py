@@ -36,6 +36,22 @@ def test_the_ps_ledger_is_replayed_through_the_journals_onto_the_parameters():
     assert (unknown.ledger_unknown, unknown.consistent) == (1, False)
 
 
+def test_partial_ps_ledger_entries_replay_only_the_range_they_applied():
+    journals = {0: ["incarnation 7", "push 0", "applied 0", "push 1"],
+                1: ["incarnation 3", "push 0", "applied 0", "incarnation 4", "push 1"]}
+    params = np.array([-1, 0, 0, 0, -1, -1, 0, 0], np.float32)
+    # worker 0's push 1 (element 1) was cut off after element 0; worker 1's push 1
+    # (element 5) after elements 0-6: only the second changed its element
+    ledger = [(0, 7, 1, 1, False, 0, 8), (1, 3, 1, 2, False, 0, 8), (0, 7, 2, 2, True, 0, 1),
+              (1, 4, 1, 2, True, 0, 7)]
+    audit = audit_ledger(params, journals, slots=4, ps_ledger=ledger)
+    assert audit.replay_matches and audit.consistent
+    assert (audit.ledger_entries, audit.ledger_partial, audit.ledger_updates) == (4, 2, 3)
+    assert audit.ledger_updates == audit.updates
+    wider = [*ledger[:2], (0, 7, 2, 2, True, 0, 2), ledger[3]]  # it would have changed element 1
+    assert audit_ledger(params, journals, slots=4, ps_ledger=wider).replay_matches is False
+
+
 @pytest.mark.slow
 def test_random_worker_kills_and_restarts_lose_no_update_and_apply_none_twice(
         tmp_path, subprocess_env):
@@ -53,7 +69,7 @@ def test_random_worker_kills_and_restarts_lose_no_update_and_apply_none_twice(
     assert audit.in_flight <= report.kills and audit.in_flight_applied <= audit.in_flight
     assert report.global_step == report.ps_applied == audit.updates >= 600, summary
     # the ps's own ledger lists each applied push once and replays onto the parameters
-    assert audit.ledger_entries == audit.updates and audit.ledger_duplicates == 0, summary
+    assert audit.ledger_updates == audit.updates and audit.ledger_duplicates == 0, summary
     assert audit.ledger_unknown == 0 and audit.replay_matches is True, summary
     assert audit.consistent
     assert leftover_processes() == []

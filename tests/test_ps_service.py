@@ -175,6 +175,53 @@ def test_ledger_lists_the_applied_pushes_of_every_shard(ps_cluster) -> None:
         assert [len(r.entries) for r in c.ledger(since=1)] == [1, 1]
 
 
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_push_cancelled_mid_stream_is_ledgered_partial_and_its_retry_completes_it(
+        ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster, worker_id=1) as c:
+        values = init(c)
+        shard, state = c.shards[0], services[0].shard[0]
+        grad = (np.arange(state.layout.numel) % 7 + 1).astype(np.float32)  # 16-element chunks
+        head = pb.PushRequest(worker_id=1, incarnation=c.incarnation, seq=5, lr=0.5,
+                              dtype="float32", numel=grad.size, finite=True)
+        release = threading.Event()
+
+        def three_chunks_then_stall():
+            yield head.SerializeToString()
+            for start in (0, 16, 32):
+                yield grad[start:start + 16].tobytes()
+            release.wait(10)
+
+        call = shard.channel.stream_unary("/towerflow.ps.PS/Push").future(
+            three_chunks_then_stall(), timeout=10)
+        try:
+            wait_until(lambda: state.params[47] == values[0][47] - 0.5 * grad[47])
+            call.cancel()  # the worker goes away part way through its push
+        finally:
+            release.set()
+        wait_until(lambda: len(c.ledger()[0].entries) == 1)
+        (entry,) = c.ledger()[0].entries
+        assert (entry.worker_id, entry.seq, entry.step, entry.partial) == (1, 5, 0, True)
+        assert (entry.applied_start, entry.applied_stop) == (0, 48)
+        assert state.step == 0 and c.stats()[0]["partial"] == 1
+        retry = shard.push(grad, worker_id=1, incarnation=c.incarnation, seq=5, lr=0.5)
+        assert retry.status == "applied" and retry.step == 1
+        reply = c.ledger()[0]
+        assert reply.total == 1
+        (entry,) = reply.entries
+        assert (entry.seq, entry.step, entry.partial) == (5, 1, False)
+        assert (entry.applied_start, entry.applied_stop) == (0, grad.size)
+        assert c.stats()[0]["partial"] == 0
+    np.testing.assert_array_equal(state.params, values[0] - 0.5 * grad)  # the replay
+
+
 def test_non_chief_waits_until_the_chief_initialises(ps_cluster) -> None:
     cluster, _ = ps_cluster
     with client(cluster, worker_id=1) as waiter, client(cluster) as chief:

@@ -26,6 +26,10 @@ a NaN / inf, a truncated payload or a worker dying part way leaves the chunks
 before it applied (as TensorFlow's ps applies each variable's update on its
 own) and the push is refused or, when its sender retries it with the same
 ``(worker, incarnation, seq)``, resumed where it stopped, never applied twice.
+Such a push is in the shard's ledger as *partial*, with the range of elements
+it applied (:class:`~towerflow.ps.shard.LedgerRecord`); the retry that
+completes it makes the same entry complete, so the ledger replays exactly
+onto the parameters.
 Any other push is staged: its received chunks are kept (not copied, one
 staged push at a time) until the last is in and all are checked, so a refused
 push leaves the parameters unchanged. Sync mode sums every gradient straight

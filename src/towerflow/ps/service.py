@@ -16,7 +16,9 @@ method         kind             messages
                                 shard that fits in one chunk (:func:`pack`)
 ``Done``       unary            ``DoneRequest`` -> ``Empty``
 ``Ledger``     unary            ``LedgerRequest`` -> ``LedgerReply``: the applied
-                                pushes ``(worker, incarnation, seq, step)``
+                                pushes ``(worker, incarnation, seq, step)``, a
+                                streamed push cut off part way marked partial
+                                with the element range it applied
 =============  ===============  ===============================================
 
 Control messages are protobuf (``ps.proto``); tensors are raw float32 chunks
@@ -333,12 +335,16 @@ class PSService:
 
 
     def ledger(self, request: bytes) -> bytes:
-        """The pushes the shard applied since it was initialised (an audit trail)."""
+        """The pushes the shard applied since it was initialised (an audit trail).
+
+        A streamed push cut off part way is listed as partial, with the range
+        of elements it applied (:class:`~towerflow.ps.shard.LedgerRecord`).
+        """
         req = parse_message(pb.LedgerRequest, request, "LedgerRequest")
         state, _ = self.shard
         first, entries = state.ledger_since(req.since)
         return pb.LedgerReply(first=first, total=state.ledger_total, entries=[
-            pb.LedgerEntry(worker_id=w, incarnation=i, seq=s, step=t) for w, i, s, t in entries
+            pb.LedgerEntry(**record._asdict()) for record in entries
         ]).SerializeToString()
 
 

@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from towerflow.ps.optimizers import ServerOptimizer
 from towerflow.ps.placement import ShardLayout
 
 __all__ = [
+    "LedgerRecord",
     "PushHeader",
     "PushOutcome",
     "ShardStats",
@@ -134,6 +136,8 @@ class ShardStats:
     refused: int = 0
     duplicates: int = 0
     voided: int = 0
+    #: ledger records of streamed pushes cut off part way and not completed
+    partial: int = 0
     max_lead: int = 0
     pulls: int = 0
     bytes_in: int = 0
@@ -145,6 +149,27 @@ class ShardStats:
         return {k: getattr(self, k) for k in self.__slots__ if k != "refusals"}
 
 
+class LedgerRecord(NamedTuple):
+    """One entry of a shard's ledger: a push whose gradient is in the parameters.
+
+    A streamed push cut off part way (its stream broken or cancelled, its
+    worker dead, a NaN / inf in a later chunk) is recorded ``partial``: its
+    elements ``applied_start .. applied_stop - 1`` (of the shard's flat buffer)
+    were applied, the others were not, and no step was counted (``step`` is the
+    shard's step when it was cut off). When a retry of the same ``(worker,
+    incarnation, seq)`` completes it, the same entry becomes complete, in
+    place. A complete entry's range is the whole buffer.
+    """
+
+    worker_id: int
+    incarnation: int
+    seq: int
+    step: int
+    partial: bool = False
+    applied_start: int = 0
+    applied_stop: int = 0
+
+
 @dataclass(slots=True)
 class _Entry:
     incarnation: int
@@ -154,6 +179,8 @@ class _Entry:
     applied: int = 0
     update: int = 0
     interrupted: bool = False
+    #: absolute index of its ledger record once it has one (a partial push), else -1
+    ledger_index: int = -1
 
 
 class ShardState:
@@ -188,8 +215,9 @@ class ShardState:
         #: guards the values of params and the optimizer state (held per chunk)
         self.apply_lock = threading.Lock()
         self._table: dict[int, _Entry] = {}
-        #: (worker_id, incarnation, seq, step) of each applied push, oldest first
-        self.ledger: deque[tuple[int, int, int, int]] = deque(maxlen=LEDGER_CAPACITY)
+        #: the newest ledger records, oldest first (see :meth:`ledger_since`)
+        self._records: deque[LedgerRecord] = deque(maxlen=LEDGER_CAPACITY)
+        #: records ever made (the absolute index of the next one)
         self.ledger_total = 0
         self._expected = layout.signature
         self._zeros = np.zeros(min(layout.numel, _CHECK_BLOCK) or 1, np.float32)
@@ -297,6 +325,7 @@ class ShardState:
             if entry is not None and entry.seq == header.seq and entry.outcome is None:
                 if entry.applied:
                     entry.interrupted = True
+                    self._record_partial(header, entry)
                 else:
                     del self._table[header.worker_id]
             self.cond.notify_all()
@@ -308,12 +337,18 @@ class ShardState:
             if entry is not None and entry.seq == header.seq \
                     and entry.incarnation == header.incarnation:
                 entry.outcome = outcome
+            else:
+                entry = None
             if outcome.status == APPLIED:
                 self.stats.applied += 1
-                self.ledger.append((header.worker_id, header.incarnation, header.seq,
-                                    outcome.step))
-                self.ledger_total += 1
+                if entry is not None and entry.ledger_index >= 0:
+                    self.stats.partial -= 1  # a retry completed it
+                self._ledger_put(entry, LedgerRecord(
+                    header.worker_id, header.incarnation, header.seq, outcome.step,
+                    applied_stop=self.layout.numel))
             elif outcome.status == REFUSED:
+                if entry is not None and entry.applied:
+                    self._record_partial(header, entry)
                 self.stats.refused += 1
                 self.stats.refusals = [*self.stats.refusals[-9:], outcome.message]
             elif outcome.status == STALE:
@@ -323,16 +358,48 @@ class ShardState:
             self.cond.notify_all()
         return outcome
 
-    def ledger_since(self, since: int) -> tuple[int, list[tuple[int, int, int, int]]]:
-        """``(index of the first entry returned, entries)`` of the ledger from ``since`` on.
+    def _record_partial(self, header: PushHeader, entry: _Entry) -> None:
+        """Ledger the part of ``entry``'s streamed push already applied (caller holds cond)."""
+        if entry.ledger_index < 0:
+            self.stats.partial += 1
+        self._ledger_put(entry, LedgerRecord(
+            header.worker_id, header.incarnation, header.seq, self.step, partial=True,
+            applied_stop=entry.applied))
 
-        Entries older than the newest :data:`LEDGER_CAPACITY` are forgotten; the
-        returned index then exceeds ``since``.
+    def _ledger_put(self, entry: _Entry | None, record: LedgerRecord) -> None:
+        """Append ``record``, or replace ``entry``'s earlier (partial) record in place."""
+        first = self.ledger_total - len(self._records)
+        if entry is not None and entry.ledger_index >= first:
+            self._records[entry.ledger_index - first] = record
+            return
+        self._records.append(record)
+        if entry is not None:
+            entry.ledger_index = self.ledger_total
+        self.ledger_total += 1
+
+    @property
+    def ledger(self) -> list[tuple[int, int, int, int]]:
+        """``(worker_id, incarnation, seq, step)`` of each push applied whole, oldest first.
+
+        Of the newest :data:`LEDGER_CAPACITY` records; :meth:`ledger_since`
+        also returns the partial ones.
         """
         with self.cond:
-            first = self.ledger_total - len(self.ledger)
+            return [(r.worker_id, r.incarnation, r.seq, r.step) for r in self._records
+                    if not r.partial]
+
+    def ledger_since(self, since: int) -> tuple[int, list[LedgerRecord]]:
+        """``(index of the first record returned, records)`` of the ledger from ``since`` on.
+
+        Records are in the order the pushes were first applied to (a partial
+        record completed by a retry keeps its place). Records older than the
+        newest :data:`LEDGER_CAPACITY` are forgotten; the returned index then
+        exceeds ``since``.
+        """
+        with self.cond:
+            first = self.ledger_total - len(self._records)
             start = max(first, since)
-            return start, list(itertools.islice(self.ledger, start - first, None))
+            return start, list(itertools.islice(self._records, start - first, None))
 
     # -- validation ---------------------------------------------------------------
     def validate_header(self, header: PushHeader) -> None:

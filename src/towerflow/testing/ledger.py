@@ -9,8 +9,11 @@ it; a worker killed in between leaves a push *in flight*, which the ps may or
 may not have applied. Each incarnation of a worker starts its journal section
 with ``incarnation <id>``; its pushes then carry sequence numbers 1, 2, ...,
 which is how the ps's own ledger (``PSClient.ledger()``: the applied
-``(worker, incarnation, seq, step)``) is mapped back onto the pushes.
-:func:`audit_ledger` compares the parameters, the journals and the ps ledger.
+``(worker, incarnation, seq, step)``) is mapped back onto the pushes. A push
+cut off part way (its worker killed mid-stream) is in the ps ledger as partial
+with the range of elements it applied: replayed, it changes its own element
+only when that element lies in the range. :func:`audit_ledger` compares the
+parameters, the journals and the ps ledger.
 
 Example:
     >>> import numpy as np
@@ -84,6 +87,9 @@ class LedgerAudit:
         applied_twice: pushes applied more than once.
         unexpected: elements changed by no push at all, or not by a whole number.
         ledger_entries: entries of the ps ledger audited (-1: none given).
+        ledger_partial: of them, pushes cut off part way (a range applied).
+        ledger_updates: updates the replay of the ps ledger made (its complete
+            entries and the partial ones whose range holds their push's element).
         ledger_duplicates: pushes the ps ledger lists more than once.
         ledger_unknown: ps ledger entries matching no journalled push.
         replay_matches: replaying the ps ledger on the initial zeros gives the
@@ -99,6 +105,8 @@ class LedgerAudit:
     applied_twice: int
     unexpected: int
     ledger_entries: int = -1
+    ledger_partial: int = 0
+    ledger_updates: int = 0
     ledger_duplicates: int = 0
     ledger_unknown: int = 0
     replay_matches: bool | None = None
@@ -125,24 +133,31 @@ def _push_slots(lines: Sequence[str]) -> dict[tuple[int, int], int]:
 
 
 def _audit_ps_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], slots: int,
-                     entries: Sequence[tuple[int, int, int, int]]) -> dict[str, int | bool]:
+                     entries: Sequence[Sequence[int]]) -> dict[str, int | bool]:
+    """Replay ``entries`` (``LedgerRecord``-like tuples) on zeros; compare with ``params``."""
     slot_of = {r: _push_slots(lines) for r, lines in journals.items()}
-    keys = [(w, i, s) for w, i, s, _ in entries]
+    keys = [tuple(entry[:3]) for entry in entries]
     replay = np.zeros(np.asarray(params).size, np.float32)
-    unknown = 0
-    for worker, incarnation, seq in keys:
+    unknown = partial = updates = 0
+    for entry in entries:
+        worker, incarnation, seq = entry[:3]
         n = slot_of.get(worker, {}).get((incarnation, seq))
         if n is None:
             unknown += 1
-        else:
-            replay[worker * slots + n] -= 1.0  # SGD at rate 1 of a one-hot gradient
-    return {"ledger_entries": len(keys), "ledger_duplicates": len(keys) - len(set(keys)),
-            "ledger_unknown": unknown,
+            continue
+        element = worker * slots + n
+        cut = len(entry) > 4 and bool(entry[4])
+        partial += cut
+        if not cut or entry[5] <= element < entry[6]:
+            replay[element] -= 1.0  # SGD at rate 1 of a one-hot gradient
+            updates += 1
+    return {"ledger_entries": len(keys), "ledger_partial": partial, "ledger_updates": updates,
+            "ledger_duplicates": len(keys) - len(set(keys)), "ledger_unknown": unknown,
             "replay_matches": bool(np.array_equal(replay, np.asarray(params).reshape(-1)))}
 
 
 def audit_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], *,
-                 slots: int, ps_ledger: Sequence[tuple[int, int, int, int]] | None = None
+                 slots: int, ps_ledger: Sequence[Sequence[int]] | None = None
                  ) -> LedgerAudit:
     """Audit the final ledger-model parameters against the workers' journals.
 
@@ -150,8 +165,10 @@ def audit_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], *,
         params: the final flat parameters (zeros initially, SGD at rate 1).
         journals: each replica's journal lines.
         slots: pushes per replica (the model's element stride).
-        ps_ledger: the ps's ledger ``(worker_id, incarnation, seq, step)``, to
-            replay on zeros and compare with ``params``.
+        ps_ledger: the ps's ledger ``(worker_id, incarnation, seq, step)``, each
+            optionally followed by ``(partial, applied_start, applied_stop)``
+            (a :class:`~towerflow.ps.shard.LedgerRecord`), to replay on zeros and
+            compare with ``params``.
     """
     counts = -np.asarray(params, np.float64).reshape(-1)
     whole = np.round(counts)

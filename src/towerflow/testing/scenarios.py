@@ -104,7 +104,8 @@ def chaos_run(workdir: str | Path, *, kills: int = 4, workers: int = 3, steps: i
             f"the ps ledger forgot its first {reply.first} entries; run fewer steps than its "
             "capacity."
         )
-    entries = [(e.worker_id, e.incarnation, e.seq, e.step) for e in reply.entries]
+    entries = [(e.worker_id, e.incarnation, e.seq, e.step, e.partial, e.applied_start,
+                e.applied_stop) for e in reply.entries]
     journals = read_journals(workdir, {i: f"worker-{i}" for i in range(workers)})
     audit = audit_ledger(params, journals, slots=slots, ps_ledger=entries)
     survived = kills if all(c == 0 for c in codes) else 0
