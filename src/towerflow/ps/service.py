@@ -1,4 +1,4 @@
-"""The ps shard service on the cluster transport, and ``run_ps_task``.
+"""The ps shard service on the cluster transport (hosted by ``towerflow.ps.ShardHost``).
 
 Service ``towerflow.ps.PS`` (raw-bytes handlers of
 :func:`towerflow.cluster.transport.raw_handlers`, so every call is
@@ -61,7 +61,7 @@ from towerflow.ps.shard import (
     tune_malloc,
 )
 
-__all__ = ["PSService", "SERVICE_NAME", "run_ps_task", "parse_message", "pack", "unpack"]
+__all__ = ["PSService", "SERVICE_NAME", "parse_message", "pack", "unpack"]
 
 logger = logging.getLogger("towerflow.ps")
 
@@ -375,41 +375,3 @@ def _worker_describer(cluster, monitor) -> Callable[[int], str]:  # noqa: ANN001
         return task.device_name
 
     return describe
-
-
-def run_ps_task(cluster, task, credentials=None, *, heartbeat=None) -> int:  # noqa: ANN001
-    """Serve the ps shard of ``task`` until stopped (SIGTERM / SIGINT); return 0.
-
-    Args:
-        cluster: the ``ClusterSpec`` (or its dict form).
-        task: the ``TaskInfo`` of this ps task.
-        credentials: the cluster's ``Credentials`` (default: from the environment).
-        heartbeat: ``HeartbeatOptions`` to watch the chief and workers (they must run
-            a ``Server``): a dead or suspended one is logged by name, and named with
-            its state when a sync step misses its gradient. None: no heartbeats.
-    """
-    from towerflow.cluster import ClusterSpec, Server
-    from towerflow.cluster.server import stop_on_signals
-
-    cluster = ClusterSpec(cluster)
-    service = PSService(task.task_index)
-    server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
-                    start=False)
-    server.add_handlers([service.handlers()])
-    server.start()
-    monitor = None
-    if heartbeat is not None:
-        from towerflow.cluster.heartbeat import HeartbeatMonitor
-
-        jobs = [job for job in ("chief", "worker") if job in cluster.jobs]
-        monitor = HeartbeatMonitor(server, jobs=jobs, options=heartbeat)
-    service.describe_worker = _worker_describer(cluster, monitor)
-    logger.info("ps task %d serving at %s", task.task_index, server.target)
-    try:
-        with stop_on_signals(server):
-            server.join()
-    finally:
-        if monitor is not None:
-            monitor.stop()
-        server.stop(grace=1.0)
-    return 0
