@@ -202,3 +202,25 @@ def test_after_shutdown_no_thread_of_servers_monitor_or_ps_client_is_left():
         ps.stop()
     wait_until(lambda: not [t for t in threading.enumerate() if t not in before], timeout=10,
                what="every thread of the servers, the monitor and the ps client ending")
+
+
+def test_a_peer_marked_finished_is_never_reported_dead(free_ports):
+    ports = free_ports(3)
+    cluster = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"],
+                           "worker": [f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}"]})
+    with Server(cluster, "ps", 0, credentials=SECRET) as watcher, \
+            Server(cluster, "worker", 0, credentials=SECRET) as done_worker, \
+            Server(cluster, "worker", 1, credentials=SECRET) as lost_worker, \
+            HeartbeatMonitor(watcher, options=FAST) as beats:
+        beats.wait_for("worker", 0, alive=True, timeout=10)
+        beats.wait_for("worker", 1, alive=True, timeout=10)
+        beats.mark_finished("worker", 0)
+        done_worker.stop()
+        lost_worker.stop()
+        # by the time the lost worker is declared dead, the finished one has had as long
+        beats.wait_for("worker", 1, alive=False, timeout=10)
+        assert [h.task for h in beats.dead()] == [TaskInfo("worker", 1)]
+        assert beats.health("worker", 0).alive
+        beats.check([TaskInfo("worker", 0)])  # the finished task raises nothing
+        with pytest.raises(InvalidArgumentError, match=r"not watched by the heartbeat monitor"):
+            beats.mark_finished("worker", 7)

@@ -339,3 +339,27 @@ def test_replica_task_maps_replicas_to_the_chief_and_the_workers() -> None:
     assert replica_task(with_chief, 3) is None
     without = ClusterSpec({"ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]})
     assert replica_task(without, 0).device_name == "/job:worker/replica:0/task:0"
+
+
+def test_closing_client_tells_every_shard_its_worker_is_done(free_ports) -> None:
+    ports = free_ports(3)
+    cluster = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
+                           "worker": [f"127.0.0.1:{ports[2]}"]})
+    finished: list[tuple[int, int]] = []
+    servers = []
+    try:
+        for i in range(2):
+            service = PSService(i, chunk_bytes=64,
+                                on_worker_done=lambda w, i=i: finished.append((i, w)))
+            server = Server(cluster, "ps", i, credentials=SECRET, start=False)
+            server.add_handlers([service.handlers()])
+            server.start()
+            servers.append(server)
+        c = client(cluster, worker_id=3)
+        init(c)
+        assert finished == []
+        c.close()
+        assert sorted(finished) == [(0, 3), (1, 3)]
+    finally:
+        for server in servers:
+            server.stop()

@@ -192,6 +192,7 @@ class HeartbeatMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._finished: set[TaskInfo] = set()
         now = time.monotonic()
         self._peers = {task: _Peer(task, server.cluster.task_address(task.job_name,
                                                                       task.task_index), now)
@@ -235,6 +236,24 @@ class HeartbeatMonitor:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
+    def mark_finished(self, job_name: str, task_index: int) -> None:
+        """Stop watching a peer that finished its work on purpose.
+
+        A task that is done (a worker that reached its last step) stops its
+        server; without this it would be declared dead. Its last state stays
+        queryable, and it is never reported dead afterwards.
+
+        Raises:
+            InvalidArgumentError: the task is not watched by this monitor.
+        """
+        task = TaskInfo(job_name, task_index)
+        self.health(job_name, task_index)  # validates that it is watched
+        with self._lock:
+            if task in self._finished:
+                return
+            self._finished.add(task)
+        logger.info("task %s finished; no longer watched", task.device_name)
+
     def __enter__(self) -> HeartbeatMonitor:
         self.start()
         return self
@@ -266,8 +285,10 @@ class HeartbeatMonitor:
             return [peer.snapshot() for peer in self._peers.values()]
 
     def dead(self) -> list[PeerHealth]:
-        """The peers declared dead (missed ``max_missed`` beats in a row)."""
-        return [h for h in self.peers() if not h.alive]
+        """The peers declared dead (missed ``max_missed`` beats in a row), finished ones aside."""
+        with self._lock:
+            finished = set(self._finished)
+        return [h for h in self.peers() if not h.alive and h.task not in finished]
 
     def is_alive(self, job_name: str, task_index: int) -> bool:
         """Whether the peer is alive (False once declared dead)."""
@@ -312,7 +333,7 @@ class HeartbeatMonitor:
     # -- beating --------------------------------------------------------------------------
     def _beat(self, task: TaskInfo) -> None:
         interval = self.options.interval
-        while not self._stop.is_set() and not self.server.stopped:
+        while not self._stop.is_set() and not self.server.stopped and task not in self._finished:
             started = time.monotonic()
             pid, reason = self._ping(task)
             self._record(task, pid, reason)
@@ -339,7 +360,7 @@ class HeartbeatMonitor:
     def _record(self, task: TaskInfo, pid: int | None, reason: str) -> None:
         event: tuple[Callback | None, PeerHealth] | None = None
         with self._lock:
-            if self._stop.is_set():
+            if self._stop.is_set() or task in self._finished:
                 return
             peer = self._peers[task]
             now = time.monotonic()

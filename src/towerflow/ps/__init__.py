@@ -95,7 +95,16 @@ class ShardHost:
             self.monitor = HeartbeatMonitor(server, jobs=jobs, options=server.options.heartbeat,
                                             start=False)
         self.service = PSService(server.task.task_index,
-                                 describe_worker=_worker_describer(server.cluster, self.monitor))
+                                 describe_worker=_worker_describer(server.cluster, self.monitor),
+                                 on_worker_done=self._worker_done)
+
+    def _worker_done(self, replica: int) -> None:
+        """A worker said it finished: stop its heartbeats so it is not reported dead."""
+        from towerflow.ps.service import replica_task
+
+        task = replica_task(self.server.cluster, replica)
+        if self.monitor is not None and task is not None:
+            self.monitor.mark_finished(task.job_name, task.task_index)
 
     def handlers(self) -> Any:
         """The ``towerflow.ps.PS`` gRPC service."""

@@ -176,11 +176,13 @@ class PSService:
     """
 
     def __init__(self, shard_index: int, *, chunk_bytes: int = CHUNK_BYTES,
-                 describe_worker: Callable[[int], str] | None = None) -> None:
+                 describe_worker: Callable[[int], str] | None = None,
+                 on_worker_done: Callable[[int], None] | None = None) -> None:
         tune_malloc(one_arena=True)
         self.shard_index = shard_index
         self.chunk_bytes = chunk_bytes
         self.describe_worker = describe_worker
+        self.on_worker_done = on_worker_done
         self._lock = threading.Lock()
         self._shard: tuple[ShardState, Aggregator] | None = None
         self._generation = 0
@@ -331,6 +333,8 @@ class PSService:
         current = self._shard
         if current is not None:
             current[1].worker_done(req.worker_id)
+        if self.on_worker_done is not None:
+            self.on_worker_done(req.worker_id)
         return pb.Empty().SerializeToString()
 
 
