@@ -300,6 +300,8 @@ def test_dead_ps_gives_unavailable_within_the_deadline(free_ports, python, subpr
         c.shards[0]._retrying(c.shards[0].status, 30)  # the ps is up
         c.initialize([np.zeros(4, np.float32)], optimizer=pb.OptimizerSpec(name="sgd"),
                      aggregation=AggregationConfig())
+        assert c.push([np.ones(4, np.float32)], lr=1.0).applied
+        assert c.shards[0]._stream is not None  # the push stream is open when the ps dies
         proc.kill()
         proc.wait(10)
         start = time.monotonic()
@@ -363,3 +365,69 @@ def test_closing_client_tells_every_shard_its_worker_is_done(free_ports) -> None
     finally:
         for server in servers:
             server.stop()
+
+
+def small_client(cluster, **kw) -> PSClient:
+    """A client whose shards all fit in one message: pushes go over the push stream."""
+    c = PSClient(cluster, placement(), worker_id=0, credentials=SECRET, timeout=5.0, **kw)
+    assert all(s.layout.nbytes <= s.chunk_bytes for s in c.shards)
+    return c
+
+
+def test_small_pushes_reuse_one_stream_across_steps(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with small_client(cluster) as c:
+        values = init(c)
+        fresh = [np.zeros_like(v) for v in values]
+        assert c.push([np.ones_like(v) for v in values], lr=1.0, pull_into=fresh).applied
+        streams = [s._stream for s in c.shards]
+        assert all(streams)
+        for _ in range(3):
+            assert c.push([np.ones_like(v) for v in values], lr=1.0, pull_into=fresh).applied
+        assert [s._stream for s in c.shards] == streams
+        for got, service in zip(fresh, services, strict=True):
+            np.testing.assert_array_equal(got, service.shard[0].params)
+        assert [r.total for r in c.ledger()] == [4, 4]
+    assert all(s._stream is None for s in c.shards)  # close() ended the streams
+
+
+def test_refused_small_push_raises_and_the_stream_carries_later_pushes(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with small_client(cluster) as c:
+        values = init(c)
+        fresh = [np.zeros_like(v) for v in values]
+        assert c.push([np.ones_like(v) for v in values], lr=1.0, pull_into=fresh).applied
+        streams = [s._stream for s in c.shards]
+        bad = [np.ones_like(v) for v in values]
+        bad[0][1] = np.inf
+        with pytest.raises(InvalidArgumentError, match=r"NaN or inf in variable"):
+            c.push(bad, lr=1.0, pull_into=fresh)
+        assert [s._stream for s in c.shards] == streams
+        assert c.push([np.ones_like(v) for v in values], lr=1.0, pull_into=fresh).applied
+    assert services[0].shard[0].stats.refused == 1
+    assert [s.shard[0].step for s in services] == [2, 3]  # only shard 0 refused it
+
+
+def test_small_push_failing_on_the_stream_raises_its_error_and_reopens(ps_cluster) -> None:
+    cluster, _ = ps_cluster
+    with small_client(cluster) as c:
+        with pytest.raises(FailedPreconditionError, match=r"not initialised yet"):
+            c.push([np.ones(s.layout.numel, np.float32) for s in c.shards], lr=1.0)
+        assert c.shards[0]._stream is None  # the failed call ended the stream
+        values = init(c)
+        assert c.push([np.ones_like(v) for v in values], lr=1.0).applied
+
+
+def test_small_push_retried_on_a_fresh_stream_is_applied_once(ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with small_client(cluster) as c:
+        values = init(c)
+        shard = c.shards[0]
+        grad = np.ones_like(values[0])
+        first = shard.push(grad, worker_id=0, incarnation=c.incarnation, seq=5, lr=1.0)
+        shard.close_stream()  # the stream broke after the ps applied the push
+        retry = shard.push(grad, worker_id=0, incarnation=c.incarnation, seq=5, lr=1.0)
+    assert first.status == retry.status == "applied" and retry.duplicate
+    state = services[0].shard[0]
+    assert state.step == 1 and state.stats.duplicates == 1
+    np.testing.assert_allclose(state.params, values[0] - 1.0)

@@ -67,8 +67,11 @@ class ServerOptions:
     """Tuning of a :class:`Server`.
 
     Attributes:
-        max_workers: handler threads (blocking handlers, e.g. a sync-mode ps
-            waiting for gradients, each hold one).
+        max_workers: most handler threads (created on demand). Blocking
+            handlers each hold one while they run: a sync-mode ps waiting for
+            gradients, and each worker's open push-and-pull stream to a ps
+            (one per worker and ps task), so it bounds the workers a ps can
+            serve at once.
         channel: message size and keepalive options of the server and of the
             channels it opens to peers.
         auth_freshness: how many seconds an auth token's time may differ from
@@ -78,7 +81,7 @@ class ServerOptions:
             one); None: no heartbeats. ``towerflow server`` turns them on.
     """
 
-    max_workers: int = 32
+    max_workers: int = 256
     channel: ChannelOptions = field(default_factory=ChannelOptions)
     auth_freshness: float = 300.0
     heartbeat: HeartbeatOptions | None = None

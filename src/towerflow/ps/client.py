@@ -26,6 +26,8 @@ Example (with a running ps task)::
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -90,6 +92,43 @@ def _receive(into: np.ndarray, chunks: Iterator[bytes], numel: int, what: str) -
         raise DataLossError(f"{what} ended after {pos} of {raw.size} bytes.")
 
 
+class _SmallStream:
+    """One long-lived ``PushPullSmallStream`` call: a push-and-pull per message pair.
+
+    The call's own deadline is ``push_timeout`` plus a reuse window; a round
+    trip is only started while at least ``push_timeout`` of it is left, so no
+    push is cut short and a stalled ps is noticed within 1.25 push timeouts.
+    """
+
+    __slots__ = ("_call", "_requests", "_replies", "_usable_until")
+
+    def __init__(self, channel: grpc.Channel, push_timeout: float) -> None:
+        window = push_timeout / 4
+        self._requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._call = channel.stream_stream(_M + "PushPullSmallStream")(
+            iter(self._requests.get, None), timeout=push_timeout + window)
+        self._replies = iter(self._call)
+        self._usable_until = time.monotonic() + window
+
+    @property
+    def fresh(self) -> bool:
+        """Whether a round trip started now has a whole push timeout left."""
+        return time.monotonic() < self._usable_until
+
+    def round_trip(self, request: bytes) -> bytes:
+        """Send ``request``, return its reply (``grpc.RpcError`` when the call ends)."""
+        self._requests.put(request)
+        reply = next(self._replies, None)
+        if reply is None:
+            raise DataLossError("the ps ended a push stream without replying; it will reopen.")
+        return reply
+
+    def close(self) -> None:
+        """End the call (its request thread ends with the request queue)."""
+        self._requests.put(None)
+        self._call.cancel()
+
+
 @dataclass(frozen=True, slots=True)
 class PushResult:
     """The outcome of one push to every shard.
@@ -144,6 +183,8 @@ class ShardClient:
         self.push_timeout = push_timeout or timeout
         self.chunk_bytes = chunk_bytes
         self.version = 0  # the shard step of the last parameters received
+        self._stream: _SmallStream | None = None
+        self._stream_lock = threading.Lock()
         self._signature_bytes = pb.PushRequest(segments=[
             pb.SegmentSignature(name=n, shape=s) for n, s in layout.signature
         ]).SerializeToString()
@@ -251,13 +292,40 @@ class ShardClient:
     def _push_pull_small(self, head: bytes, grad: np.ndarray,
                          into: np.ndarray | None) -> pb.PushReply:
         payload = memoryview(np.ascontiguousarray(grad)).cast("B")
-        data = unary(self.channel, _M + "PushPullSmall", pack(head, payload),
-                     timeout=self.push_timeout)
+        request = pack(head, payload)
+        if self._stream_lock.acquire(blocking=False):
+            try:
+                data = self._stream_round_trip(request)
+            finally:
+                self._stream_lock.release()
+        else:  # another thread's push holds the stream
+            data = unary(self.channel, _M + "PushPullSmall", request, timeout=self.push_timeout)
         head, params = unpack(data)
         reply = parse_message(pb.PushReply, head, "PushReply")
         if reply.numel and into is not None:
             _receive(into, iter((params,)), reply.numel, f"ps shard {self.layout.index}")
         return reply
+
+    def _stream_round_trip(self, request: bytes) -> bytes:
+        """One push-and-pull on the long-lived stream (reopened when old or broken)."""
+        if self._stream is not None and not self._stream.fresh:
+            self.close_stream()
+        if self._stream is None:
+            self._stream = _SmallStream(self.channel, self.push_timeout)
+        try:
+            return self._stream.round_trip(request)
+        except grpc.RpcError as exc:
+            self.close_stream()
+            raise map_rpc_error(exc, _M + "PushPullSmallStream", self.address) from None
+        except DataLossError:
+            self.close_stream()
+            raise
+
+    def close_stream(self) -> None:
+        """End the push stream, if one is open (the next small push opens another)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
     def _push_pull(self, messages: Iterator[bytes], into: np.ndarray) -> pb.PushReply:
         method = _M + "PushPull"
@@ -467,6 +535,7 @@ class PSClient:
                     logger.debug("done to ps %d failed: %s", shard.layout.index, exc)
         self._pool.shutdown(wait=True)
         for shard in self.shards:
+            shard.close_stream()
             shard.channel.close()
 
     def __enter__(self) -> PSClient:

@@ -38,6 +38,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
+import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -197,6 +198,7 @@ class PSService:
             "Push": ("stream_unary", self.push),
             "PushPull": ("stream_stream", self.push_pull),
             "PushPullSmall": ("unary_unary", self.push_pull_small),
+            "PushPullSmallStream": ("stream_stream", self.push_pull_small_stream),
             "Pull": ("unary_stream", self.pull),
             "Done": ("unary_unary", self.done),
             "Ledger": ("unary_unary", self.ledger),
@@ -314,6 +316,20 @@ class PSService:
             reply.numel = state.layout.numel
             params = b"".join(state.read_chunks("params", max(state.layout.nbytes, 1)))
         return pack(reply.SerializeToString(), params)
+
+    def push_pull_small_stream(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+        """Many ``PushPullSmall`` round trips on one long-lived call, one reply per request.
+
+        A failure ends the call with its status, as it ends a unary call; the
+        worker then opens another.
+        """
+        replies = iter(requests)
+        while True:
+            try:
+                request = next(replies)
+            except (StopIteration, grpc.RpcError):  # the worker closed or dropped the stream
+                return
+            yield self.push_pull_small(request)
 
     def pull(self, request: bytes) -> Iterator[bytes]:
         """Stream the parameters (or an optimizer slot buffer)."""
