@@ -106,8 +106,10 @@ def test_async_two_workers_fit_the_true_weights_with_non_consecutive_steps(clust
     two = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:2]})
     chief, other = worker(two, 0), worker(two, 1)
     models = [LinearRegression(torch.Generator().manual_seed(i)) for i in range(2)]
+    start = threading.Barrier(2, timeout=60)  # both step at once: neither finishes alone
     with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(train, s, 300, m) for s, m in zip((chief, other), models, strict=True)]
+        runs = [pool.submit(train, s, 300, m, start=start)
+                for s, m in zip((chief, other), models, strict=True)]
         seen = [r.result(timeout=120) for r in runs]
     state = service.shard[0]
     weight, bias = state.params.tolist()
