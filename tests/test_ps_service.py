@@ -212,7 +212,7 @@ def test_push_cancelled_mid_stream_is_ledgered_partial_and_its_retry_completes_i
         assert (entry.applied_start, entry.applied_stop) == (0, 48)
         assert state.step == 0 and c.stats()[0]["partial"] == 1
         retry = shard.push(grad, worker_id=1, incarnation=c.incarnation, seq=5, lr=0.5)
-        assert retry.status == "applied" and retry.step == 1
+        assert retry.status == "applied" and retry.step == 1, retry.message
         reply = c.ledger()[0]
         assert reply.total == 1
         (entry,) = reply.entries

@@ -286,3 +286,24 @@ def test_malloc_tuning_is_applied_once_per_process() -> None:
     assert tune_malloc(one_arena=True) is first
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert first
+
+
+def test_streamed_push_whose_payload_just_ends_early_is_resumed_by_its_retry() -> None:
+    """A cancelled stream may end quietly instead of raising: that is a cut, not a refusal."""
+    from towerflow.ps.shard import PayloadCutOff
+
+    state, agg = make_shard()
+    initial = state.params.copy()
+    grad = np.arange(1, 10, dtype=np.float32)
+    mine = header(state, worker=0, seq=1, finite=True)
+    first_three = [grad[i:i + 2].tobytes() for i in (0, 2, 4)]  # 6 of 9 elements, then nothing
+    with pytest.raises(PayloadCutOff, match=r"ended after 24 of 36 bytes"):
+        agg.push(mine, first_three)
+    assert state.ledger_since(0)[1] == [LedgerRecord(0, 0, 1, 0, True, 0, 6)]
+    assert state.stats.refused == 0 and state.step == 0
+    outcome = agg.push(mine, cut(grad, 2))
+    assert outcome.status == APPLIED and not outcome.duplicate and outcome.step == 1
+    np.testing.assert_array_equal(state.params, initial - 0.5 * grad)  # each element once
+    # a streamed push that ends early before changing anything is refused as before
+    empty_cut = agg.push(header(state, worker=1, seq=1, finite=True), [])
+    assert empty_cut.status == REFUSED and "ended after 0 of 36 bytes" in empty_cut.message

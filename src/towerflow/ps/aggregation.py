@@ -59,6 +59,7 @@ from towerflow.ps.shard import (
     REFUSED,
     STALE,
     VOIDED,
+    PayloadCutOff,
     PushHeader,
     PushOutcome,
     ShardState,
@@ -150,6 +151,11 @@ class Aggregator(abc.ABC):
             self._done.discard(header.worker_id)
         try:
             outcome = self._accept(header, chunks)
+        except PayloadCutOff as exc:
+            if state.resume_point(header)[0]:  # a streamed push cut off part way:
+                state.forget_push(header)      # ledgered partial; its retry completes it
+                raise
+            outcome = PushOutcome(REFUSED, state.step, str(exc))
         except (InvalidArgumentError, DataLossError) as exc:
             outcome = PushOutcome(REFUSED, state.step, str(exc))
         except DeadlineExceededError:

@@ -506,6 +506,10 @@ class ShardState:
                 self.stats.bytes_out += sent
                 self.stats.pulls += sent == raw.size
 
+class PayloadCutOff(DataLossError):
+    """A push's payload ended before the size its header announced (the sender went away)."""
+
+
 def receive_into(target: np.ndarray | None, chunks: Iterable[bytes | memoryview], numel: int,
                  *, who: str, on_chunk=None) -> int:
     """Copy a payload of ``numel`` float32 elements from ``chunks`` into ``target``.
@@ -535,7 +539,7 @@ def receive_into(target: np.ndarray | None, chunks: Iterable[bytes | memoryview]
             on_chunk(first, values)
         received += size
     if received != expected:
-        raise DataLossError(
+        raise PayloadCutOff(
             f"Payload from {who} ended after {received} of {expected} bytes; the push was "
             "refused."
         )
