@@ -25,7 +25,9 @@ def launch(python: str, env: dict[str, str], logdir: Path, steps: int) -> str:
 
 @pytest.mark.slow
 def test_article_003_trains_async_saves_and_resumes(tmp_path, python, subprocess_env) -> None:
-    out = launch(python, subprocess_env, tmp_path, 300)
+    # long enough that the second worker, which waits for the chief to initialise the ps,
+    # joins while the chief is still training (a run of ~2 s at this machine's step rate)
+    out = launch(python, subprocess_env, tmp_path, 4000)
     finished = {int(m[0]): m for m in FINISHED.findall(out)}
     assert set(finished) == {0, 1}, out
     for _, local, final, weight, bias in finished.values():
