@@ -4,11 +4,12 @@ Every error towerflow raises for a user's mistake or a cluster fault is a
 :class:`TowerflowError`. The subclasses mirror TensorFlow's
 ``tf.errors`` codes so that code written against the articles reads the same,
 and the gRPC status codes of the cluster transport map onto them
-(:func:`from_grpc_code`, :func:`to_grpc_code`).
+(:func:`from_grpc_code`; each class names its code in ``grpc_code``).
 
 A message is one sentence that names the offending value and the way out::
 
-    >>> raise InvalidArgumentError("device string '/gpu:x' ... use '/gpu:0'")
+    raise InvalidArgumentError(
+        "Device string '/gpu:x' has a non-integer index; use a form such as '/gpu:0'.")
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ __all__ = [
     "ResourceExhaustedError",
     "InternalError",
     "from_grpc_code",
-    "to_grpc_code",
 ]
 
 
@@ -152,15 +152,3 @@ def from_grpc_code(code_name: str) -> type[TowerflowError]:
         'UnavailableError'
     """
     return _BY_CODE.get(code_name, TowerflowError)
-
-
-def to_grpc_code(error: BaseException) -> str:
-    """Return the gRPC status code name for an exception.
-
-    Example:
-        >>> to_grpc_code(NotFoundError("x"))
-        'NOT_FOUND'
-    """
-    if isinstance(error, TowerflowError):
-        return error.grpc_code
-    return "UNKNOWN"
