@@ -62,6 +62,14 @@ def test_max_to_keep_must_be_positive(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, max_to_keep=0)
 
 
+@pytest.mark.parametrize("step", [-1, True, "7"])
+def test_bad_step_is_refused_before_anything_is_written(tmp_path: Path, step: object) -> None:
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(InvalidArgumentError, match=r"step .* is not a non-negative integer"):
+        mgr.save(step, _groups(1))  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == []
+
+
 def test_empty_directory_has_no_checkpoint(tmp_path: Path) -> None:
     mgr = CheckpointManager(tmp_path / "new")
     assert mgr.latest() is None

@@ -195,6 +195,32 @@ def test_log_turned_off_removes_the_mode_and_hooks() -> None:
     assert not torch.nn.modules.module._global_forward_pre_hooks
 
 
+def test_scope_with_the_log_off_does_no_naming_or_logging_work() -> None:
+    from towerflow.devices import log as placement_log_module
+    from towerflow.devices import placer
+
+    logger = logging.getLogger("towerflow.placement")
+    handler = _ListHandler()
+    handler.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    saved_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        top = placement_log_module._frames.stack[0]
+        top.counts.clear()
+        with device("/cpu:0"):
+            assert _placer_installed()
+            out = SmallNet()(torch.ones(1, 1, 4, 4))
+            torch.add(out, out).sum().backward()
+        assert handler.lines == []
+        assert top.counts == {}  # no op was given a log name
+        assert len(placement_log_module._frames.stack) == 1  # no module hooks ran
+        assert torch.add in placer._KINDS  # each op kind classified once, then looked up
+    finally:
+        logger.setLevel(saved_level)
+        logger.removeHandler(handler)
+
+
 def test_training_step_inside_a_scope_matches_plain_pytorch() -> None:
     def step(model: nn.Module) -> list[torch.Tensor]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -66,6 +66,16 @@ def test_state_and_load_state_resume_the_exact_same_batches() -> None:
     assert resumed.state() == {"epoch": 3, "offset": 2}
 
 
+def test_an_offset_past_the_epoch_continues_in_the_following_epochs() -> None:
+    reference = ShardedBatches(20, 3, rank=1, world_size=2, seed=9)  # 3 batches per epoch
+    expected = _take(reference, 9)[7:]
+    jumped = ShardedBatches(20, 3, rank=1, world_size=2, seed=9)
+    jumped.load_state({"epoch": 0, "offset": 7})
+    assert jumped.state() == {"epoch": 2, "offset": 1}
+    for a, b in zip(expected, _take(jumped, 2), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_invalid_arguments_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match=r"rank=2 must be in 0\.\.1"):
         ShardedBatches(10, 2, rank=2, world_size=2)

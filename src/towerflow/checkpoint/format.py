@@ -41,6 +41,7 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from towerflow.checkpoint.atomic import fsync_dir, remove_tree, temp_dir, write_bytes_durable
+from towerflow.devices.placer import resolve_device
 from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "dtype_name",
     "read_checkpoint",
     "read_manifest",
-    "resolve_device",
     "verify_checkpoint",
     "write_checkpoint_dir",
 ]
@@ -113,36 +113,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """Turn a user's device (``"/gpu:0"``, ``"cuda:1"``, ``"cpu"``, None) into a torch.device.
-
-    Goes through :func:`towerflow.devices.resolve_device` (validation, soft
-    placement), the one place device strings are interpreted.
-
-    Example:
-        >>> resolve_device("/cpu:0")
-        device(type='cpu')
-    """
-    import towerflow.devices as devices
-
-    resolve = getattr(devices, "resolve_device", None)
-    if resolve is not None:
-        return resolve(device)
-    if device is None:
-        return torch.device("cpu")
-    if isinstance(device, torch.device):
-        return device
-    spec_type = getattr(devices, "DeviceSpec", None)
-    try:
-        if spec_type is not None:
-            return spec_type.from_string(device).to_torch()
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidArgumentError(
-            f"Device {device!r} is not a device name; use e.g. 'cpu', '/gpu:0' or 'cuda:0'."
-        ) from exc
-
-
 def check_group_name(group: str) -> None:
     """Refuse a group name that is not a plain file stem."""
     if not isinstance(group, str) or not _GROUP_RE.match(group):
@@ -150,6 +120,12 @@ def check_group_name(group: str) -> None:
             f"Checkpoint group name {group!r} is not allowed; use letters, digits, '_', '.' or '-' "
             "(e.g. 'model', 'optimizer')."
         )
+
+
+def check_step(step: int) -> None:
+    """Refuse a step that is not a non-negative integer."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidArgumentError(f"Checkpoint step {step!r} is not a non-negative integer.")
 
 
 def _prepare(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -226,8 +202,7 @@ def write_checkpoint_dir(
         ``target`` as a Path.
     """
     target = Path(target)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidArgumentError(f"Checkpoint step {step!r} is not a non-negative integer.")
+    check_step(step)
     meta = _metadata_json(metadata)
     if not groups:
         raise InvalidArgumentError("A checkpoint needs at least one group of tensors, got none.")

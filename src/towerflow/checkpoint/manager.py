@@ -40,6 +40,7 @@ import torch
 from towerflow.checkpoint.atomic import remove_stale_temps, remove_tree, write_file_atomic
 from towerflow.checkpoint.format import (
     Checkpoint,
+    check_step,
     read_checkpoint,
     verify_checkpoint,
     write_checkpoint_dir,
@@ -194,8 +195,7 @@ class CheckpointManager:
             The new checkpoint directory.
         """
         self._cleanup()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise InvalidArgumentError(f"Checkpoint step {step!r} is not a non-negative integer.")
+        check_step(step)
         name = checkpoint_name(step)
         path = write_checkpoint_dir(self.directory / name, step, groups, metadata)
         write_file_atomic(self.directory / LATEST_NAME, name + "\n")

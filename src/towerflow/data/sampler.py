@@ -135,9 +135,8 @@ class ShardedBatches:
         self._normalise()
 
     def _normalise(self) -> None:
-        while self._offset >= self.batches_per_epoch:
-            self._offset -= self.batches_per_epoch
-            self._epoch += 1
+        epochs, self._offset = divmod(self._offset, self.batches_per_epoch)
+        self._epoch += epochs
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         """Yield batches forever from the current position (which advances)."""
