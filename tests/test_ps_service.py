@@ -21,30 +21,46 @@ from towerflow.errors import (
 )
 from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
 from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.shard import CHUNK_BYTES
 
 SECRET = Credentials(secret=b"test-secret")
 SHAPES = {"emb": (40, 5), "w": (5, 3), "b": (3,)}
 
 
 @pytest.fixture
-def ps_cluster(free_ports):
-    """Two ps tasks served in this process; yields (cluster, services)."""
-    ports = free_ports(3)
-    cluster = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                           "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers, services = [], []
-    try:
+def serve_ps(free_ports):
+    """``serve_ps(options_of)``: two ps tasks served in this process -> (cluster, services).
+
+    ``options_of(i)`` gives shard ``i``'s extra ``PSService`` options. Every
+    server started is stopped at the end of the test.
+    """
+    servers = []
+
+    def serve(options_of=lambda i: {}):
+        ports = free_ports(3)
+        cluster = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
+                               "worker": [f"127.0.0.1:{ports[2]}"]})
+        services = []
         for i in range(2):
-            service = PSService(i, chunk_bytes=64)
+            service = PSService(i, chunk_bytes=64, **options_of(i))
             server = Server(cluster, "ps", i, credentials=SECRET, start=False)
             server.add_handlers([service.handlers()])
             server.start()
             servers.append(server)
             services.append(service)
-        yield cluster, services
+        return cluster, services
+
+    try:
+        yield serve
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.fixture
+def ps_cluster(serve_ps):
+    """Two ps tasks served in this process; yields (cluster, services)."""
+    return serve_ps()
 
 
 def placement():
@@ -53,7 +69,8 @@ def placement():
 
 def client(cluster, worker_id=0, **kw) -> PSClient:
     kw.setdefault("credentials", SECRET)
-    return PSClient(cluster, placement(), worker_id=worker_id, timeout=5.0, chunk_bytes=64, **kw)
+    kw.setdefault("chunk_bytes", 64)
+    return PSClient(cluster, placement(), worker_id=worker_id, timeout=5.0, **kw)
 
 
 def initial(plan):
@@ -343,33 +360,19 @@ def test_replica_task_maps_replicas_to_the_chief_and_the_workers() -> None:
     assert replica_task(without, 0).device_name == "/job:worker/replica:0/task:0"
 
 
-def test_closing_client_tells_every_shard_its_worker_is_done(free_ports) -> None:
-    ports = free_ports(3)
-    cluster = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                           "worker": [f"127.0.0.1:{ports[2]}"]})
+def test_closing_client_tells_every_shard_its_worker_is_done(serve_ps) -> None:
     finished: list[tuple[int, int]] = []
-    servers = []
-    try:
-        for i in range(2):
-            service = PSService(i, chunk_bytes=64,
-                                on_worker_done=lambda w, i=i: finished.append((i, w)))
-            server = Server(cluster, "ps", i, credentials=SECRET, start=False)
-            server.add_handlers([service.handlers()])
-            server.start()
-            servers.append(server)
-        c = client(cluster, worker_id=3)
-        init(c)
-        assert finished == []
-        c.close()
-        assert sorted(finished) == [(0, 3), (1, 3)]
-    finally:
-        for server in servers:
-            server.stop()
+    cluster, _ = serve_ps(lambda i: {"on_worker_done": lambda w: finished.append((i, w))})
+    c = client(cluster, worker_id=3)
+    init(c)
+    assert finished == []
+    c.close()
+    assert sorted(finished) == [(0, 3), (1, 3)]
 
 
 def small_client(cluster, **kw) -> PSClient:
     """A client whose shards all fit in one message: pushes go over the push stream."""
-    c = PSClient(cluster, placement(), worker_id=0, credentials=SECRET, timeout=5.0, **kw)
+    c = client(cluster, chunk_bytes=CHUNK_BYTES, **kw)
     assert all(s.layout.nbytes <= s.chunk_bytes for s in c.shards)
     return c
 

@@ -21,29 +21,21 @@ Running the same command again resumes from the latest checkpoint in
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
-import sys
 from typing import Any
+
+from towerflow.training.invocation import (
+    build_config,
+    build_data_options,
+    replica_argv,
+    require_gpus,
+)
 
 __all__ = ["add_parser", "add_train_arguments", "build_config", "build_data_options",
            "replica_argv", "require_gpus", "run"]
 
 _MODELS = ("cifar10", "digits")
-
-# (flag, dest) of the options that replicas receive again when the command spawns them
-_VALUE_FLAGS = (
-    ("--train-dir", "train_dir"), ("--max-steps", "max_steps"), ("--batch-size", "batch_size"),
-    ("--data-dir", "data_dir"), ("--data", "data"), ("--synthetic-examples", "synthetic_examples"),
-    ("--log-every", "log_every"), ("--summary-every", "summary_every"),
-    ("--checkpoint-every", "checkpoint_every"), ("--max-to-keep", "max_to_keep"),
-    ("--lr", "lr"), ("--lr-decay-factor", "lr_decay_factor"),
-    ("--epochs-per-decay", "epochs_per_decay"), ("--ema-decay", "ema_decay"), ("--seed", "seed"),
-    ("--num-gpus", "num_gpus"), ("--replicas", "replicas"),
-)
-_BOOL_FLAGS = (("--log-device-placement", "log_device_placement"),
-               ("--no-download", "no_download"), ("--no-progress", "no_progress"))
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -94,20 +86,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return add_train_arguments(parser)
 
 
-def replica_argv(args: argparse.Namespace) -> list[str]:
-    """The command each spawned replica runs: this one, rebuilt from ``args``."""
-    argv = [sys.executable, "-m", "towerflow"]
-    if getattr(args, "verbose", False):
-        argv.append("--verbose")
-    argv += ["train", args.model]
-    for flag, dest in _VALUE_FLAGS:
-        value = getattr(args, dest, None)
-        if value is not None:
-            argv += [flag, str(value)]
-    argv += [flag for flag, dest in _BOOL_FLAGS if getattr(args, dest, False)]
-    return argv
-
-
 def _tf_config_has_ps() -> bool:
     raw = os.environ.get("TF_CONFIG")
     if not raw:
@@ -120,19 +98,9 @@ def _tf_config_has_ps() -> bool:
 
 
 def _run_parameter_server(args: argparse.Namespace) -> int:
-    from towerflow.errors import NotFoundError
+    from towerflow.training.ps_train import run_ps_training
 
-    try:
-        module = importlib.import_module("towerflow.training.ps_train")
-    except ModuleNotFoundError as exc:
-        if exc.name != "towerflow.training.ps_train":
-            raise
-        raise NotFoundError(
-            "Parameter-server training (--ps or a TF_CONFIG with a 'ps' job) needs "
-            "towerflow.training.ps_train, which this installation lacks; train without "
-            "--ps (all-reduce) or install a towerflow with parameter-server support."
-        ) from None
-    return int(module.run_ps_training(args) or 0)
+    return int(run_ps_training(args) or 0)
 
 
 def _check_counts(args: argparse.Namespace) -> int:
@@ -149,20 +117,6 @@ def _check_counts(args: argparse.Namespace) -> int:
     return count
 
 
-def require_gpus(count: int, role: str = "replicas") -> None:
-    """Raise when fewer than ``count`` GPUs are visible (``--num-gpus count``)."""
-    import torch
-
-    from towerflow.errors import InvalidArgumentError
-
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible < count:
-        raise InvalidArgumentError(
-            f"--num-gpus {count} asks for {count} GPU(s) but {visible} are visible; "
-            f"use --replicas {count} for CPU {role}."
-        )
-
-
 def _strategy(args: argparse.Namespace) -> Any:
     """The strategy of this process: a replica of a world, or a single device."""
     from towerflow.strategies.mirrored import Mirrored
@@ -173,28 +127,6 @@ def _strategy(args: argparse.Namespace) -> Any:
     if args.num_gpus:
         return SingleDevice("/gpu:0")
     return SingleDevice("/cpu:0" if args.replicas else args.device)
-
-
-def build_config(args: argparse.Namespace) -> Any:
-    """The :class:`TrainConfig` the options describe."""
-    from towerflow.training.config import TrainConfig
-
-    return TrainConfig(
-        train_dir=args.train_dir or f"/tmp/{args.model}_train", max_steps=args.max_steps,
-        batch_size=args.batch_size, log_every=args.log_every, summary_every=args.summary_every,
-        checkpoint_every=args.checkpoint_every, max_to_keep=args.max_to_keep,
-        ema_decay=args.ema_decay if args.ema_decay > 0 else None, seed=args.seed,
-        progress=False if args.no_progress else None,
-        log_device_placement=args.log_device_placement)
-
-
-def build_data_options(args: argparse.Namespace) -> Any:
-    """The :class:`DataOptions` the options describe."""
-    from towerflow.training.tasks import DataOptions
-
-    return DataOptions(data_dir=args.data_dir, synthetic=args.data == "synthetic",
-                       synthetic_examples=args.synthetic_examples,
-                       download=not args.no_download)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -130,7 +130,6 @@ class Aggregator(abc.ABC):
         self.config = config
         #: names a worker (and, on a ps task with heartbeats, its health) in messages
         self.describe_worker: Callable[[int], str] = _worker_label
-        self._recv_lock = threading.Lock()  # sync: one payload summed at a time
         self._done: set[int] = set()
         self._closed = False
 
@@ -300,6 +299,7 @@ class _SyncAggregator(Aggregator):
 
     def __init__(self, state: ShardState, config: AggregationConfig) -> None:
         super().__init__(state, config)
+        self._recv_lock = threading.Lock()  # one payload summed at a time
         self._acc = np.zeros(state.layout.numel, np.float32)
         self._count = 0
         self._contributors: list[int] = []
@@ -317,11 +317,11 @@ class _SyncAggregator(Aggregator):
                         f"{header.token} but shard {state.layout.index} is at step {state.step}"))
                 epoch = self._epoch
             try:
-                receive_into(self._acc, chunks, header.numel, who=self._who(header),
+                receive_into(None, chunks, header.numel, who=self._who(header),
                              on_chunk=lambda first, values: self._add(header, first, values))
             except BaseException:
                 if self._dirty:
-                    self._void(header)
+                    self._void()
                 raise
             with state.cond:
                 self._dirty = False
@@ -354,7 +354,8 @@ class _SyncAggregator(Aggregator):
         self._epoch += 1
         self.state.cond.notify_all()
 
-    def _void(self, header: PushHeader) -> None:
+    def _void(self) -> None:
+        """Drop the step's partial sum (a push refused part way was summed into it)."""
         with self.state.cond:
             self._reset()
 

@@ -14,6 +14,10 @@ method         kind             messages
 ``Pull``       unary -> stream  ``PullRequest`` -> ``PullReply`` + buffer chunks
 ``PushPullSmall`` unary         ``PushPull`` in one message each way, for a
                                 shard that fits in one chunk (:func:`pack`)
+``PushPullSmallStream`` stream  many ``PushPullSmall`` round trips on one
+                                long-lived call (the worker's usual path; it
+                                falls back to the unary call while another of
+                                its threads holds the stream)
 ``Done``       unary            ``DoneRequest`` -> ``Empty``
 ``Ledger``     unary            ``LedgerRequest`` -> ``LedgerReply``: the applied
                                 pushes ``(worker, incarnation, seq, step)``, a
@@ -352,7 +356,6 @@ class PSService:
         if self.on_worker_done is not None:
             self.on_worker_done(req.worker_id)
         return pb.Empty().SerializeToString()
-
 
     def ledger(self, request: bytes) -> bytes:
         """The pushes the shard applied since it was initialised (an audit trail).

@@ -453,13 +453,8 @@ class ShardState:
         dot product with zeros (``x * 0`` is 0 for every finite ``x`` and NaN
         otherwise), which reads the values once and writes nothing.
         """
-        zeros = self._zeros
-        with np.errstate(invalid="ignore"):
-            for start in range(0, values.size, zeros.size):
-                block = values[start:start + zeros.size]
-                if not math.isfinite(float(np.dot(block, zeros[: block.size]))):
-                    return base + start + int(np.argmin(np.isfinite(block)))
-        return None
+        bad = _first_nonfinite(values, self._zeros)
+        return None if bad is None else base + bad
 
     def nonfinite_message(self, header: PushHeader, index: int, applied: int = 0) -> str:
         """The refusal message for a NaN / inf at buffer ``index``.
@@ -506,6 +501,7 @@ class ShardState:
                 self.stats.bytes_out += sent
                 self.stats.pulls += sent == raw.size
 
+
 class PayloadCutOff(DataLossError):
     """A push's payload ended before the size its header announced (the sender went away)."""
 
@@ -549,13 +545,22 @@ def receive_into(target: np.ndarray | None, chunks: Iterable[bytes | memoryview]
 def all_finite(values: np.ndarray) -> bool:
     """True when no element of the float32 array ``values`` is NaN or inf (one read pass)."""
     flat = values.reshape(-1)
-    zeros = np.zeros(min(flat.size, _CHECK_BLOCK) or 1, np.float32)
+    return _first_nonfinite(flat, np.zeros(min(flat.size, _CHECK_BLOCK) or 1, np.float32)) is None
+
+
+def _first_nonfinite(values: np.ndarray, zeros: np.ndarray) -> int | None:
+    """Index of the first NaN / inf of the flat ``values``, else None.
+
+    Scans in blocks of ``zeros.size`` with a dot product against ``zeros``
+    (``x * 0`` is 0 for every finite ``x`` and NaN otherwise): it reads the
+    values once and writes nothing.
+    """
     with np.errstate(invalid="ignore"):
-        for start in range(0, flat.size, zeros.size):
-            block = flat[start:start + zeros.size]
+        for start in range(0, values.size, zeros.size):
+            block = values[start:start + zeros.size]
             if not math.isfinite(float(np.dot(block, zeros[: block.size]))):
-                return False
-    return True
+                return start + int(np.argmin(np.isfinite(block)))
+    return None
 
 
 def tune_malloc(*, one_arena: bool = False) -> bool:

@@ -287,19 +287,19 @@ class ParameterServer(Strategy):
             self._pending = self.client.push_async(grads, rate, pull_into=buffers.host_param_arrays)
             return StepResult(loss=loss.detach(), global_step=self._step + 1)
         result = self.client.push(grads, rate, pull_into=buffers.host_param_arrays)
-        return self._finish(loss, result)
+        self._take(result)
+        return StepResult(loss=loss.detach(), global_step=result.global_step,
+                          applied=result.applied)
 
-    def _finish(self, loss: torch.Tensor | None, result: Any) -> StepResult:
+    def _take(self, result: Any) -> None:
+        """Adopt a push's outcome: its global step and the fresh parameters it pulled."""
         self._step = result.global_step
         self._buffers.params_to_device()
-        empty = torch.zeros((), device=self._device)
-        return StepResult(loss=empty if loss is None else loss.detach(),
-                          global_step=result.global_step, applied=result.applied)
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._finish(None, pending.result())
+            self._take(pending.result())
 
     @property
     def global_step(self) -> int:
@@ -417,6 +417,7 @@ class _FlatBuffers:
             self.host_p = [torch.empty(s.numel, pin_memory=pin) for s in placement.shards]
             self.host_g = [torch.empty(s.numel, pin_memory=pin) for s in placement.shards]
         self.host_param_arrays = [t.numpy() for t in self.host_p]
+        self.host_grad_arrays = [t.numpy() for t in self.host_g]
         self._partitioned: list[tuple[str, int, Any]] = []
         with torch.no_grad():
             for shard in placement.shards:
@@ -476,10 +477,11 @@ class _FlatBuffers:
                 target.copy_(grad.reshape(-1)[seg.start:seg.start + seg.numel])
 
     def grads_to_host(self) -> list[np.ndarray]:
+        """The gradients, one flat host array per shard (views made once, reused every step)."""
         if self.device.type != "cpu":
             for host, grad in zip(self.host_g, self.grad, strict=True):
                 host.copy_(grad)
-        return [t.numpy() for t in self.host_g]
+        return self.host_grad_arrays
 
     def params_to_device(self) -> None:
         with torch.no_grad():

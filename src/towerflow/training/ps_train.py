@@ -23,6 +23,13 @@ import os
 import sys
 from typing import Any
 
+from towerflow.training.invocation import (
+    build_config,
+    build_data_options,
+    replica_argv,
+    require_gpus,
+)
+
 __all__ = ["run_ps_training", "worker_command"]
 
 log = logging.getLogger("towerflow.training")
@@ -30,8 +37,6 @@ log = logging.getLogger("towerflow.training")
 
 def worker_command(args: argparse.Namespace) -> list[str]:
     """The command every task of the local cluster runs: this one, rebuilt."""
-    from towerflow.cli.train import replica_argv
-
     return [*replica_argv(args), "--ps", str(args.ps), "--mode", args.mode]
 
 
@@ -52,16 +57,7 @@ def _launch_local(args: argparse.Namespace) -> int:
 
     workers = _num_workers(args)
     if args.num_gpus:
-        import torch
-
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if visible < args.num_gpus:
-            from towerflow.errors import InvalidArgumentError
-
-            raise InvalidArgumentError(
-                f"--num-gpus {args.num_gpus} asks for {args.num_gpus} GPU(s) but {visible} are "
-                f"visible; use --replicas {args.num_gpus} for CPU workers."
-            )
+        require_gpus(args.num_gpus, role="workers")
     if args.model == "cifar10" and args.data == "real":
         _fetch_data(args)  # once, before the workers read it
     log.info("starting %d ps task(s) and %d worker(s), mode %s", args.ps, workers, args.mode)
@@ -69,7 +65,6 @@ def _launch_local(args: argparse.Namespace) -> int:
 
 
 def _fetch_data(args: argparse.Namespace) -> None:
-    from towerflow.cli.train import build_data_options
     from towerflow.training.tasks import get_task
 
     get_task(args.model).load("train", build_data_options(args))
@@ -88,7 +83,6 @@ def _worker_device(args: argparse.Namespace, task: Any) -> str | None:
 
 
 def _train_task(args: argparse.Namespace, cluster: Any, task: Any) -> int:
-    from towerflow.cli.train import build_config, build_data_options
     from towerflow.strategies.parameter_server import ParameterServer
     from towerflow.training.run import run_training
 
