@@ -11,13 +11,13 @@ import time
 import psutil
 import pytest
 
-from towerflow._children import guarded_argv
+from towerflow._children import guarded_argv, signal_group, spawn_group, stop_groups
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 _PARENT = """
 import subprocess, sys, time
-from towerflow._children import guarded_argv
+from towerflow._children import guarded_argv, signal_group, spawn_group, stop_groups
 child = subprocess.Popen(guarded_argv([sys.executable, "-c", "import time; time.sleep(60)"]))
 print(child.pid, flush=True)
 child.wait()
@@ -60,3 +60,27 @@ def test_command_runs_in_the_same_process_with_its_arguments() -> None:
         capture_output=True, text=True, timeout=30, check=True,
     )
     assert out.stdout.split(" ", 1)[1].strip() == "['a', 'b c']"
+
+
+def test_stop_groups_kills_a_suspended_leader_and_its_grandchild_that_ignores_sigterm() -> None:
+    script = ("import signal, subprocess, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "child = subprocess.Popen([sys.executable, '-c', "
+              "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+              "print(child.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    leader = spawn_group([sys.executable, "-c", script], dict(os.environ), subprocess.PIPE)
+    grandchild = None
+    try:
+        assert leader.stdout is not None
+        grandchild = int(leader.stdout.readline())
+        assert signal_group(leader, signal.SIGSTOP)
+        stop_groups([leader], grace=0.5)
+        assert leader.returncode == -signal.SIGKILL
+        assert _wait_gone(grandchild, timeout=10), f"grandchild {grandchild} outlived its group"
+    finally:
+        if leader.poll() is None:
+            os.killpg(leader.pid, signal.SIGKILL)
+            leader.wait(10)
+        if leader.stdout is not None:
+            leader.stdout.close()

@@ -103,3 +103,11 @@ def test_addresses_ipv6_and_scheme():
     with pytest.raises(InvalidArgumentError, match="empty or malformed host"):
         parse_address("[zz::1]:2222")
     assert is_loopback_host("::1") and is_loopback_host("127.0.0.5") and not is_loopback_host("node01")
+
+
+def test_tf_config_round_trips_through_from_tf_config_and_may_name_an_evaluator():
+    cluster = ClusterSpec({"ps": ["localhost:2222"], "worker": ["localhost:2223", "localhost:2224"]})
+    value = cluster.tf_config(TaskInfo("worker", 1))
+    assert ClusterSpec.from_tf_config({"TF_CONFIG": value}) == (cluster, TaskInfo("worker", 1))
+    evaluator = json.loads(cluster.tf_config(TaskInfo("evaluator", 0)))
+    assert evaluator == {"cluster": cluster.as_dict(), "task": {"type": "evaluator", "index": 0}}

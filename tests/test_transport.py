@@ -266,42 +266,40 @@ def certs(tmp_path_factory) -> Path:
     return cwd
 
 
-def _tls_server(address: str, tls: TLSConfig, counter: Counter) -> Server:
-    return Server({"local": [address]}, "local", 0, credentials=Credentials(tls=tls),
-                  handlers=[_service(counter)])  # fmt: skip
+def _accepts_one_client_and_refuses_the_other(
+    address: str, server_tls: TLSConfig, accepted: Credentials, refused: Credentials
+) -> None:
+    """The TLS server answers ``accepted``; ``refused`` never reaches the handler."""
+    counter = Counter()
+    server = Server({"local": [address]}, "local", 0, credentials=Credentials(tls=server_tls),
+                    handlers=[_service(counter)])  # fmt: skip
+    good = make_channel(address, accepted)
+    bad = make_channel(address, refused)
+    try:
+        assert unary(good, "/test.Svc/Echo", b"xy", timeout=20) == b"yx"
+        with pytest.raises(UnavailableError):
+            unary(bad, "/test.Svc/Echo", b"xy", timeout=5)
+    finally:
+        good.close()
+        bad.close()
+        server.stop(0)
+    assert counter.calls == 1
 
 
 def test_tls_call_works_and_plaintext_client_is_refused(certs, free_ports):
-    address = f"localhost:{free_ports(1)[0]}"
-    counter = Counter()
-    server = _tls_server(address, TLSConfig(cert=certs / "server.pem", key=certs / "server.key"), counter)
-    tls_channel = make_channel(address, Credentials(tls=TLSConfig(ca=certs / "ca.pem")))
-    plain_channel = make_channel(address, Credentials())
-    try:
-        assert unary(tls_channel, "/test.Svc/Echo", b"xy", timeout=20) == b"yx"
-        with pytest.raises(UnavailableError):
-            unary(plain_channel, "/test.Svc/Echo", b"xy", timeout=5)
-    finally:
-        tls_channel.close()
-        plain_channel.close()
-        server.stop(0)
-    assert counter.calls == 1
+    _accepts_one_client_and_refuses_the_other(
+        f"localhost:{free_ports(1)[0]}",
+        TLSConfig(cert=certs / "server.pem", key=certs / "server.key"),
+        accepted=Credentials(tls=TLSConfig(ca=certs / "ca.pem")),
+        refused=Credentials(),
+    )
 
 
 def test_mutual_tls_accepts_a_client_certificate_and_refuses_a_client_without_one(certs, free_ports):
-    address = f"localhost:{free_ports(1)[0]}"
-    counter = Counter()
-    server_tls = TLSConfig(cert=certs / "server.pem", key=certs / "server.key", ca=certs / "ca.pem")
-    server = _tls_server(address, server_tls, counter)
-    with_cert = make_channel(address, Credentials(tls=TLSConfig(
-        cert=certs / "client.pem", key=certs / "client.key", ca=certs / "ca.pem")))  # fmt: skip
-    without_cert = make_channel(address, Credentials(tls=TLSConfig(ca=certs / "ca.pem")))
-    try:
-        assert unary(with_cert, "/test.Svc/Echo", b"ab", timeout=20) == b"ba"
-        with pytest.raises(UnavailableError):
-            unary(without_cert, "/test.Svc/Echo", b"ab", timeout=5)
-    finally:
-        with_cert.close()
-        without_cert.close()
-        server.stop(0)
-    assert counter.calls == 1
+    client_tls = TLSConfig(cert=certs / "client.pem", key=certs / "client.key", ca=certs / "ca.pem")
+    _accepts_one_client_and_refuses_the_other(
+        f"localhost:{free_ports(1)[0]}",
+        TLSConfig(cert=certs / "server.pem", key=certs / "server.key", ca=certs / "ca.pem"),
+        accepted=Credentials(tls=client_tls),
+        refused=Credentials(tls=TLSConfig(ca=certs / "ca.pem")),
+    )

@@ -9,6 +9,10 @@ of Python that ask Linux to SIGTERM it when its parent goes
 it, and ``exec`` the real command in the same process (same pid, same process
 group).
 
+:func:`spawn_group` starts such a child in a process group of its own and
+:func:`stop_groups` stops groups of them (SIGTERM, then SIGKILL after a grace
+period), so no grandchild survives.
+
 Example:
     >>> guarded_argv(["echo", "hi"])[-2:]
     ['echo', 'hi']
@@ -17,10 +21,14 @@ Example:
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
 
-__all__ = ["guarded_argv"]
+__all__ = ["guarded_argv", "spawn_group", "signal_group", "stop_groups"]
 
 _GUARD = (
     "import ctypes, os, signal, sys\n"
@@ -42,3 +50,48 @@ def guarded_argv(argv: Sequence[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(argv)
     return [sys.executable, "-S", "-c", _GUARD, str(os.getpid()), *argv]
+
+
+def spawn_group(
+    argv: Sequence[str], env: Mapping[str, str], stdout: int | IO[bytes] | None
+) -> subprocess.Popen:
+    """Start ``argv`` guarded, in a new process group, stdin closed.
+
+    Args:
+        argv: the command line.
+        env: the child's full environment.
+        stdout: where its output goes (stderr joins it); ``None`` inherits both.
+    """
+    return subprocess.Popen(
+        guarded_argv(argv),
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=None if stdout is None else subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def signal_group(process: subprocess.Popen, sig: int) -> bool:
+    """Send ``sig`` to the process group led by ``process``; False if it is gone."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def stop_groups(processes: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM (and SIGCONT, for suspended ones) every group, SIGKILL after ``grace`` s; reap."""
+    for process in processes:
+        signal_group(process, signal.SIGTERM)
+        signal_group(process, signal.SIGCONT)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:  # stragglers, grandchildren included
+        signal_group(process, signal.SIGKILL)
+        process.wait()

@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -27,12 +26,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO
 
-from towerflow._children import guarded_argv
+from towerflow._children import spawn_group, stop_groups
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.cluster.transport import new_secret, write_secret_file
 from towerflow.errors import InvalidArgumentError
@@ -93,19 +91,6 @@ def _cluster_tasks(
     return ClusterSpec(jobs), tasks
 
 
-def _spawn(command: Sequence[str], task: TaskInfo, env: dict[str, str], prefix: bool) -> _Child:
-    pipe = subprocess.PIPE if prefix else None
-    process = subprocess.Popen(
-        guarded_argv(command),
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=pipe,
-        stderr=subprocess.STDOUT if prefix else None,
-        start_new_session=True,
-    )
-    return _Child(task, process)
-
-
 def _pump(child: _Child, out: IO[str], lock: threading.Lock) -> None:
     stream = child.process.stdout
     if stream is None:
@@ -117,28 +102,6 @@ def _pump(child: _Child, out: IO[str], lock: threading.Lock) -> None:
             out.write(prefix + line + "\n")
             out.flush()
     stream.close()
-
-
-def _signal_groups(children: Sequence[_Child], sig: int) -> None:
-    for child in children:
-        try:
-            os.killpg(child.process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _stop_all(children: Sequence[_Child], grace: float) -> None:
-    """SIGTERM every child's process group, then SIGKILL what is left after ``grace`` s."""
-    _signal_groups(children, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for child in children:
-        try:
-            child.process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_groups(children, signal.SIGKILL)  # stragglers, grandchildren included
-    for child in children:
-        child.process.wait()
 
 
 def _status(returncode: int) -> int:
@@ -210,10 +173,10 @@ def launch_cluster(
     lock = threading.Lock()
     try:
         with _Signals() as signals:
+            stdout = subprocess.PIPE if prefix_output else None
             for task in tasks:
-                config = {"cluster": cluster.as_dict(), "task": {"type": task.job_name, "index": task.task_index}}
-                child_env = {**base_env, "TF_CONFIG": json.dumps(config)}
-                children.append(_spawn(command, task, child_env, prefix_output))
+                child_env = {**base_env, "TF_CONFIG": cluster.tf_config(task)}
+                children.append(_Child(task, spawn_group(command, child_env, stdout)))
             for child in children if prefix_output else ():
                 child.reader = threading.Thread(
                     target=_pump, args=(child, output or sys.stdout, lock), daemon=True
@@ -224,7 +187,7 @@ def launch_cluster(
             while not signals.event.wait(_POLL_SECONDS):
                 if all(c.process.poll() is not None for c in finishing):
                     break
-            _stop_all(children, grace)
+            stop_groups([c.process for c in children], grace)
             if signals.received is not None:
                 logger.info("launch interrupted by signal %d; stopped every task", signals.received)
                 return 128 + signals.received
@@ -232,7 +195,7 @@ def launch_cluster(
                 logger.info("%s exited with status %d", child.name, _status(child.process.returncode))
             return max(_status(c.process.returncode) for c in finishing)
     finally:
-        _stop_all([c for c in children if c.process.poll() is None], grace)
+        stop_groups([c.process for c in children if c.process.poll() is None], grace)
         for child in children:
             if child.reader is not None:
                 child.reader.join(5.0)

@@ -243,6 +243,14 @@ class ClusterSpec:
         """A plain ``{job: [address, ...]}`` copy (JSON-able)."""
         return {job: list(tasks) for job, tasks in self._jobs.items()}
 
+    def tf_config(self, task: TaskInfo) -> str:
+        """The ``TF_CONFIG`` value (JSON) that tells a process it is ``task``.
+
+        ``task`` may lie outside the cluster (an ``evaluator``, as in a TFJob).
+        """
+        config = {"cluster": self.as_dict(), "task": {"type": task.job_name, "index": task.task_index}}
+        return json.dumps(config)
+
     def validate_task(self, job: str, index: int) -> None:
         """Check that task ``index`` of ``job`` exists.
 

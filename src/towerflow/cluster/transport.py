@@ -193,11 +193,14 @@ def read_secret_file(path: str | Path) -> bytes:
 
 
 # --------------------------------------------------------------------------- auth
+def _mac(secret: bytes, method: str, stamp: str, nonce: str) -> str:
+    return hmac.new(secret, f"{method}\n{stamp}\n{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
 def _auth_token(secret: bytes, method: str, now: float | None = None) -> str:
     stamp = str(int(time.time() if now is None else now))
     nonce = secrets.token_hex(12)
-    mac = hmac.new(secret, f"{method}\n{stamp}\n{nonce}".encode(), hashlib.sha256).hexdigest()
-    return f"v1:{stamp}:{nonce}:{mac}"
+    return f"v1:{stamp}:{nonce}:{_mac(secret, method, stamp, nonce)}"
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
@@ -222,10 +225,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit():
             return "malformed credentials"
         _, stamp, nonce, mac = parts
-        expected = hmac.new(
-            self._secret, f"{method}\n{stamp}\n{nonce}".encode(), hashlib.sha256
-        ).hexdigest()
-        if not hmac.compare_digest(expected, mac):
+        if not hmac.compare_digest(_mac(self._secret, method, stamp, nonce), mac):
             return "wrong credentials"
         now = time.time() if now is None else now
         if abs(now - int(stamp)) > self._freshness:

@@ -19,7 +19,6 @@ so no task outlives a test, suspended ones included::
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -31,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from towerflow._children import guarded_argv
+from towerflow._children import signal_group, spawn_group, stop_groups
 from towerflow.cluster.launcher import free_ports
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.cluster.transport import Credentials, new_secret, write_secret_file
@@ -148,9 +147,7 @@ class TaskProcess:
             self.argv = list(argv)
         self.incarnation += 1
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                guarded_argv(self.argv), env=self.env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = spawn_group(self.argv, self.env, log)
         self.started_at = time.monotonic()
         return self
 
@@ -161,13 +158,7 @@ class TaskProcess:
         return self.start(argv)
 
     def _signal_group(self, sig: int) -> bool:
-        if self.process is None:
-            return False
-        try:
-            os.killpg(self.process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
+        return self.process is not None and signal_group(self.process, sig)
 
     def kill(self, timeout: float = 10.0) -> int:
         """``SIGKILL`` the task's process group and reap it; return its status."""
@@ -208,15 +199,8 @@ class TaskProcess:
         """SIGTERM the process group (resuming it if suspended), SIGKILL after ``grace`` s."""
         if self.process is None:
             return None
-        if self.running:
-            self._signal_group(signal.SIGTERM)
-            self._signal_group(signal.SIGCONT)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self._signal_group(signal.SIGKILL)  # stragglers of the group, grandchildren included
-        return self.process.wait()
+        stop_groups([self.process], grace)
+        return self.process.returncode
 
     # -- output ----------------------------------------------------------------------------
     def output(self, incarnation: int | None = None) -> str:
@@ -312,9 +296,7 @@ class LocalCluster:
 
     def task_env(self, job_name: str, task_index: int) -> dict[str, str]:
         """The environment of one task (``TF_CONFIG`` naming it)."""
-        config = {"cluster": self.cluster.as_dict(),
-                  "task": {"type": job_name, "index": task_index}}
-        return {**self.env, "TF_CONFIG": json.dumps(config)}
+        return {**self.env, "TF_CONFIG": self.cluster.tf_config(TaskInfo(job_name, task_index))}
 
     def start(self, job_name: str, task_index: int, argv: Sequence[str] | None = None,
               *, extra_args: Sequence[str] = ()) -> TaskProcess:
@@ -335,13 +317,7 @@ class LocalCluster:
 
     def stop_all(self, grace: float = 5.0) -> None:
         """Stop every task (SIGTERM, SIGKILL after ``grace`` s) and reap it."""
-        for proc in self.tasks.values():
-            if proc.running:
-                proc._signal_group(signal.SIGTERM)
-                proc._signal_group(signal.SIGCONT)
-        deadline = time.monotonic() + grace
-        for proc in self.tasks.values():
-            proc.stop(max(0.0, deadline - time.monotonic()))
+        stop_groups([p.process for p in self.tasks.values() if p.process is not None], grace)
 
     def close(self) -> None:
         """Stop every task and remove the temporary directory."""
