@@ -16,10 +16,8 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from towerflow import errors
+from towerflow._lazy import lazy_getattr
 from towerflow.errors import (
     AbortedError,
     DataLossError,
@@ -92,13 +90,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'towerflow' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

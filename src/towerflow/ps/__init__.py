@@ -21,10 +21,10 @@ Example (a ps task, as the article's ``server.join()``)::
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any
 
+from towerflow._lazy import lazy_getattr
 from towerflow.ps.aggregation import AggregationConfig
 from towerflow.ps.placement import (
     DeviceSetter,
@@ -153,10 +153,4 @@ def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
     return 0
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'towerflow.ps' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -13,40 +13,33 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from towerflow._lazy import lazy_getattr
 
-# public name -> module (in towerflow.training) defining it
+# public name -> module defining it
 _LAZY: dict[str, str] = {
-    "Trainer": "loop",
-    "TrainResult": "loop",
-    "default_strategy": "loop",
-    "run_training": "run",
-    "TrainConfig": "config",
-    "ExponentialDecay": "schedules",
-    "ExponentialMovingAverage": "ema",
-    "SummaryWriter": "summaries",
-    "Hook": "hooks",
-    "StepContext": "hooks",
-    "NanLossDuringTrainingError": "hooks",
-    "DataOptions": "tasks",
-    "get_task": "tasks",
-    "evaluate": "evaluate",
-    "evaluate_checkpoint": "evaluate",
-    "spawn_replicas": "spawn",
-    "Supervisor": "supervisor",
+    "Trainer": "towerflow.training.loop",
+    "TrainResult": "towerflow.training.loop",
+    "default_strategy": "towerflow.training.loop",
+    "run_training": "towerflow.training.run",
+    "TrainConfig": "towerflow.training.config",
+    "ExponentialDecay": "towerflow.training.schedules",
+    "ExponentialMovingAverage": "towerflow.training.ema",
+    "SummaryWriter": "towerflow.training.summaries",
+    "Hook": "towerflow.training.hooks",
+    "StepContext": "towerflow.training.hooks",
+    "NanLossDuringTrainingError": "towerflow.training.hooks",
+    "DataOptions": "towerflow.training.tasks",
+    "get_task": "towerflow.training.tasks",
+    "evaluate": "towerflow.training.evaluate",
+    "evaluate_checkpoint": "towerflow.training.evaluate",
+    "spawn_replicas": "towerflow.training.spawn",
+    "Supervisor": "towerflow.training.supervisor",
 }
 
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'towerflow.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"towerflow.training.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

@@ -1,0 +1,38 @@
+"""Public names imported on first use (PEP 562), for the package ``__init__`` modules.
+
+Example:
+    >>> ns = {}
+    >>> getattr_ = lazy_getattr("towerflow", {"DataLossError": "towerflow.errors"}, ns)
+    >>> getattr_("DataLossError").__name__, "DataLossError" in ns
+    ('DataLossError', True)
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+__all__ = ["lazy_getattr"]
+
+
+def lazy_getattr(package: str, table: Mapping[str, str],
+                 namespace: MutableMapping[str, Any]) -> Callable[[str], Any]:
+    """Return a module ``__getattr__`` importing ``name`` from ``table[name]``.
+
+    Args:
+        package: the package's name, for the error message.
+        table: public name -> the module defining it.
+        namespace: the package's ``globals()``; a name is cached there once
+            imported, so the next access costs nothing.
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__
