@@ -36,8 +36,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from towerflow.devices import resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
-from towerflow.strategies.single import LocalOptimizerStrategy, resolve_device
+from towerflow.strategies.single import LocalOptimizerStrategy
 
 __all__ = ["Mirrored", "ReplicaEnv"]
 

@@ -22,17 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from towerflow.devices import resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 
 __all__ = ["SingleDevice", "LocalOptimizerStrategy"]
-
-
-def resolve_device(spec: str | torch.device | None) -> torch.device:
-    """A user's device string as a validated ``torch.device`` (the device model decides)."""
-    from towerflow.devices import resolve_device as _resolve
-
-    return _resolve(spec)
 
 
 class LocalOptimizerStrategy(Strategy):
