@@ -153,7 +153,12 @@ def _scatter(buffers: list[np.ndarray], first: int, values: np.ndarray) -> None:
 
 
 class _Counted:
-    """Wraps a chunk iterator, counting bytes into the shard's stats."""
+    """Wraps a chunk iterator, counting bytes into the shard's stats.
+
+    The count is kept locally and added once, under the shard's lock, when the
+    payload ends (or is cut off), so concurrent pushes lose no bytes and the
+    per-chunk path takes no lock.
+    """
 
     __slots__ = ("_chunks", "_state")
 
@@ -161,9 +166,14 @@ class _Counted:
         self._chunks, self._state = chunks, state
 
     def __iter__(self) -> Iterator[bytes]:
-        for chunk in self._chunks:
-            self._state.stats.bytes_in += len(chunk)
-            yield chunk
+        received = 0
+        try:
+            for chunk in self._chunks:
+                received += len(chunk)
+                yield chunk
+        finally:
+            with self._state.cond:
+                self._state.stats.bytes_in += received
 
 
 class PSService:
