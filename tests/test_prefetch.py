@@ -11,7 +11,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from towerflow.data import Dataset, DevicePrefetcher, ShardedBatches, synthetic_cifar10
+from towerflow.data import (
+    Dataset,
+    DevicePrefetcher,
+    Distortion,
+    ShardedBatches,
+    synthetic_cifar10,
+)
 from towerflow.errors import InvalidArgumentError
 
 CPU = torch.device("cpu")
@@ -70,6 +76,31 @@ def test_state_is_the_position_after_the_last_consumed_batch() -> None:
     resumed = ShardedBatches(24, 5, seed=1)
     resumed.load_state(position)
     assert torch.equal(next(iter(resumed)), reference[6])
+
+
+def test_resumed_run_distorts_every_later_batch_as_the_uninterrupted_run() -> None:
+    ds = _dataset()
+
+    def distorted(position: dict[str, int] | None, count: int) -> list[torch.Tensor]:
+        batches = ShardedBatches(24, 5, seed=1)
+        if position:
+            batches.load_state(position)
+        with DevicePrefetcher(ds, batches, CPU, transform=Distortion(CPU, seed=7)) as p:
+            return [images for images, _ in itertools.islice(p, count)]
+
+    whole = distorted(None, 9)
+    with DevicePrefetcher(ds, ShardedBatches(24, 5, seed=1), CPU,
+                          transform=Distortion(CPU, seed=7)) as p:
+        first = [images for images, _ in itertools.islice(p, 4)]
+        position = p.state()
+    resumed = distorted(position, 5)
+    for a, b in zip(whole, first + resumed, strict=True):
+        assert torch.equal(a, b)
+    # the randomness still differs from batch to batch and between seeds
+    assert not torch.equal(whole[0], whole[1])
+    with DevicePrefetcher(ds, ShardedBatches(24, 5, seed=1), CPU,
+                          transform=Distortion(CPU, seed=8)) as p:
+        assert not torch.equal(next(p)[0], whole[0])
 
 
 def test_producer_exception_is_raised_in_the_consumer() -> None:

@@ -5,12 +5,13 @@
 - :class:`ShardedBatches` cuts it into deterministic, resumable batches of
   indices, one shard per replica.
 - :class:`DevicePrefetcher` moves batches to the device in the background.
-- :func:`distort_images` / :func:`eval_images` preprocess batches on the device.
+- :func:`distort_images` / :func:`eval_images` preprocess batches on the device;
+  :class:`Distortion` is the training transform (its randomness follows the data position).
 """
 
 from __future__ import annotations
 
-from towerflow.data.augment import distort_images, eval_images, standardize
+from towerflow.data.augment import Distortion, distort_images, eval_images, standardize
 from towerflow.data.cifar10 import (
     CIFAR10_MD5,
     CIFAR10_URL,
@@ -31,6 +32,7 @@ __all__ = [
     "Dataset",
     "DevicePrefetcher",
     "ShardedBatches",
+    "Distortion",
     "distort_images",
     "download_cifar10",
     "eval_images",

@@ -17,13 +17,15 @@ to ``(x - mean) / max(std, 1 / sqrt(numel))`` as TensorFlow's
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping
 
 import torch
 
 from towerflow.errors import InvalidArgumentError
 
-__all__ = ["distort_images", "eval_images", "standardize"]
+__all__ = ["Distortion", "distort_images", "eval_images", "standardize"]
 
 MAX_BRIGHTNESS_DELTA = 63.0 / 255.0
 CONTRAST_RANGE = (0.2, 1.8)
@@ -115,6 +117,47 @@ def distort_images(
     mean = x.mean(dim=(2, 3), keepdim=True)
     x = (x - mean) * factor + mean
     return standardize(x)
+
+
+class Distortion:
+    """:func:`distort_images` as a pipeline transform whose randomness follows the data position.
+
+    Before each batch the prefetcher calls :meth:`seek` with the batch's
+    position (``{"epoch": e, "offset": o}``); the generator is then seeded
+    from ``(seed, epoch, offset)``. The distortions of a batch depend only on
+    where it is in the data, so a run resumed from a checkpoint distorts every
+    later batch exactly as the run that was not interrupted would have.
+
+    Args:
+        device: where the images are distorted (the generator lives there).
+        seed: decides every batch's distortions (give each replica its own).
+        crop: output height and width.
+
+    Example:
+        >>> d = Distortion(torch.device("cpu"), seed=3)
+        >>> d.seek({"epoch": 0, "offset": 5})
+        >>> a, _ = d(torch.zeros(2, 3, 32, 32, dtype=torch.uint8), torch.zeros(2))
+        >>> d.seek({"epoch": 0, "offset": 5})
+        >>> b, _ = d(torch.zeros(2, 3, 32, 32, dtype=torch.uint8), torch.zeros(2))
+        >>> bool(torch.equal(a, b)), tuple(a.shape)
+        (True, (2, 3, 24, 24))
+    """
+
+    def __init__(self, device: torch.device, seed: int, *, crop: int = 24) -> None:
+        self.seed = int(seed)
+        self.crop = crop
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(self.seed)
+
+    def seek(self, position: Mapping[str, int]) -> None:
+        """Seed the generator for the batch at ``position`` (epoch and offset)."""
+        key = f"{self.seed}:{int(position.get('epoch', 0))}:{int(position.get('offset', 0))}"
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+    def __call__(self, images: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return distort_images(images, self.generator, crop=self.crop), labels
 
 
 def eval_images(images_uint8: torch.Tensor, crop: int = 24) -> torch.Tensor:

@@ -10,6 +10,11 @@ On CUDA the host batch is pinned and copied with ``non_blocking=True`` on a
 side stream; the consumer's stream waits on an event recorded after the
 transform, so batches are never used before they are ready.
 
+A transform with a ``seek(position)`` method (:class:`~towerflow.data.Distortion`)
+is told each batch's position (``{"epoch": e, "offset": o}`` after the batch)
+before it is applied, so its randomness can follow the data position and a
+resumed run transforms every batch as an uninterrupted one would.
+
 The thread stops when :meth:`DevicePrefetcher.close` is called, when the
 prefetcher is used as a context manager and the block ends, or when the
 prefetcher is garbage-collected. An exception raised while producing a batch
@@ -74,7 +79,8 @@ def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
 
 
 def _load(
-    dataset: Dataset, index: torch.Tensor, device: torch.device, transform: Transform | None
+    dataset: Dataset, index: torch.Tensor, device: torch.device, transform: Transform | None,
+    position: dict[str, int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     images = dataset.images.index_select(0, index)
     labels = dataset.labels.index_select(0, index)
@@ -84,6 +90,9 @@ def _load(
     elif device.type != "cpu":
         images, labels = images.to(device), labels.to(device)
     if transform is not None:
+        seek = getattr(transform, "seek", None)
+        if seek is not None:
+            seek(position)
         images, labels = transform(images, labels)
     return images, labels
 
@@ -109,11 +118,11 @@ def _produce(
             position = batches.state()
             if stream is not None:
                 with torch.cuda.stream(stream):
-                    images, labels = _load(dataset, index, device, transform)
+                    images, labels = _load(dataset, index, device, transform, position)
                     ready = torch.cuda.Event()
                     ready.record(stream)
             else:
-                images, labels = _load(dataset, index, device, transform)
+                images, labels = _load(dataset, index, device, transform, position)
                 ready = None
             if not _put(q, _Batch(images, labels, position, ready), stop):
                 return

@@ -100,15 +100,9 @@ class Cifar10Task(Task):
         return load_cifar10(options.data_dir, split, download=options.download)
 
     def train_transform(self, device: torch.device, seed: int) -> Transform:
-        from towerflow.data import distort_images
+        from towerflow.data import Distortion
 
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-
-        def distort(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return distort_images(images, generator), labels
-
-        return distort
+        return Distortion(device, seed)
 
     def eval_images(self, images: torch.Tensor) -> torch.Tensor:
         from towerflow.data import eval_images
