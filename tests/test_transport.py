@@ -303,3 +303,27 @@ def test_mutual_tls_accepts_a_client_certificate_and_refuses_a_client_without_on
         accepted=Credentials(tls=client_tls),
         refused=Credentials(tls=TLSConfig(ca=certs / "ca.pem")),
     )
+
+
+def test_fixed_stream_window_still_carries_messages_many_times_its_size(free_ports):
+    options = ChannelOptions()
+    assert options.stream_window_bytes == 2 << 20
+    assert ("grpc.http2.bdp_probe", 0) in options.server_options()
+    assert ("grpc.http2.lookahead_bytes", 2 << 20) in options.grpc_options()
+    assert not any(key.startswith("grpc.http2.bdp")
+                   for key, _ in ChannelOptions(stream_window_bytes=None).server_options())
+    counter = Counter()
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    server = Server({"local": [address]}, "local", 0, credentials=Credentials(secret=SECRET),
+                    handlers=[_service(counter)], options=ServerOptions(channel=options))
+    channel = make_channel(address, Credentials(secret=SECRET), options=options)
+    try:
+        big = os.urandom(24 << 20)  # 12 windows in one message
+        assert unary(channel, "/test.Svc/Echo", big, timeout=30) == big[::-1]
+        chunks = [big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]
+        assert stream_unary(channel, "/test.Svc/Concat", iter(chunks),
+                            timeout=30) == hashlib.sha256(big).digest()
+    finally:
+        channel.close()
+        server.stop(0)
+    assert counter.calls == 2
