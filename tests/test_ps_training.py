@@ -86,6 +86,20 @@ def test_replica_index_counts_the_chief_first() -> None:
         replica_index(spec, TaskInfo("ps", 0))
 
 
+def test_a_global_step_counts_one_worker_batch_async_and_the_aggregated_ones_sync() -> None:
+    spec = ClusterSpec({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"]})
+
+    def strategy(**kw) -> ParameterServer:
+        return ParameterServer(spec, TaskInfo("worker", 0), device="cpu", server=False, **kw)
+
+    # examples/sec and epochs-per-decay multiply the batch by this, not by the worker count
+    assert strategy(mode="async").batches_per_step == 1
+    assert strategy(mode="ssp").batches_per_step == 1
+    assert strategy(mode="sync").batches_per_step == 3
+    backups = strategy(mode="sync", replicas_to_aggregate=2)
+    assert (backups.world_size, backups.batches_per_step) == (3, 2)
+
+
 def test_parameters_are_views_of_the_flat_buffers(cluster) -> None:
     spec, service = cluster
     strategy = worker(ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]}), 0)

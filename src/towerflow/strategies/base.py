@@ -142,6 +142,14 @@ class Strategy(abc.ABC):
         return 1
 
     @property
+    def batches_per_step(self) -> int:
+        """Replica batches one global step consumes (examples/sec and epochs count with it).
+
+        Every replica's in synchronous all-reduce training: ``world_size``.
+        """
+        return self.world_size
+
+    @property
     def is_chief(self) -> bool:
         """True in the one process that writes checkpoints and summaries."""
         return self.rank == 0

@@ -160,6 +160,11 @@ class ParameterServer(Strategy):
         return self._world
 
     @property
+    def batches_per_step(self) -> int:
+        """One worker's batch per global step (async, ssp); ``replicas_to_aggregate`` in sync."""
+        return self.aggregation.required if self.aggregation.mode == "sync" else 1
+
+    @property
     def is_chief(self) -> bool:
         return self._chief
 

@@ -26,8 +26,9 @@ class TrainConfig:
         train_dir: where checkpoints and TensorBoard event files go; None keeps
             nothing on disk.
         max_steps: train until the global step reaches this.
-        batch_size: examples per replica per step (the global batch is
-            ``batch_size x world_size``).
+        batch_size: examples per replica per step (a global step consumes
+            ``batch_size x strategy.batches_per_step``: every replica's batch in
+            all-reduce training, one worker's in async parameter-server training).
         log_every: print ``step N, loss = ...`` every this many steps (and
             check the loss for NaN then).
         summary_every: write TensorBoard summaries every this many steps (0: never).

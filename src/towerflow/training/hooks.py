@@ -56,7 +56,8 @@ class StepContext:
         max_steps: where training stops.
         lr: the learning rate of the step (None when no schedule is used).
         loss: the loss averaged over replicas, or None when no hook asked for it.
-        global_batch: examples in the step over all replicas.
+        global_batch: examples one global step consumes (every replica's batch in
+            all-reduce training, one worker's batch in async parameter-server training).
     """
 
     step: int

@@ -292,7 +292,7 @@ class Trainer:
             if any(hook.wants_loss(step) for hook in hooks):
                 loss = float(strategy.reduce_mean(result.loss).item())
                 check_finite_loss(loss, step, train_dir)
-            global_batch = pipeline.examples_per_batch() * strategy.world_size
+            global_batch = pipeline.examples_per_batch() * strategy.batches_per_step
             yield StepContext(step, self.config.max_steps, lr, loss, global_batch)
 
     def _placement_log(self, step: int) -> contextlib.AbstractContextManager[Any]:

@@ -66,7 +66,7 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
         initial = lr if lr is not None else task.default_lr
         epochs = epochs_per_decay if epochs_per_decay is not None else task.default_epochs_per_decay
         decay_steps = decay_steps_for_epochs(task.num_examples_per_epoch,
-                                             config.batch_size * strategy.world_size, epochs)
+                                             config.batch_size * strategy.batches_per_step, epochs)
         schedule = ExponentialDecay(initial, decay_steps, lr_decay_factor, staircase=True)
         transform = task.train_transform(strategy.device, seed=config.seed * 7919 + strategy.rank)
         trainer = Trainer(model, task.loss_fn, dataset, strategy=strategy,
