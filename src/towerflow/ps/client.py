@@ -38,6 +38,7 @@ import grpc
 import numpy as np
 
 from towerflow.cluster.transport import (
+    ChannelOptions,
     Credentials,
     channel_address,
     make_channel,
@@ -372,12 +373,16 @@ class PSClient:
         tune_malloc: let glibc's malloc reuse chunk-sized blocks in this process
             (:func:`towerflow.ps.shard.tune_malloc`): streamed chunks then cost no
             page faults, which roughly doubles the traffic a worker moves.
+        channel_options: gRPC options of the channels to the ps tasks (message
+            size, keepalive, per-call window; default
+            :class:`~towerflow.cluster.transport.ChannelOptions`).
     """
 
     def __init__(self, cluster: Any, placement: Placement, *, worker_id: int,
                  credentials: Credentials | None = None, timeout: float = 30.0,
                  push_timeout: float | None = None, on_bad_gradient: str = "raise",
-                 chunk_bytes: int = CHUNK_BYTES, tune_malloc: bool = True) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, tune_malloc: bool = True,
+                 channel_options: ChannelOptions | None = None) -> None:
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(
                 f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'."
@@ -396,7 +401,8 @@ class PSClient:
         self.incarnation = time.time_ns() & ((1 << 63) - 1)
         self.on_bad_gradient = on_bad_gradient
         self.shards = [
-            ShardClient(make_channel(cluster.task_address("ps", i), credentials), layout,
+            ShardClient(make_channel(cluster.task_address("ps", i), credentials,
+                                     options=channel_options), layout,
                         timeout=timeout, push_timeout=push_timeout, chunk_bytes=chunk_bytes)
             for i, layout in enumerate(placement.shards)
         ]
