@@ -81,26 +81,26 @@ def test_state_is_the_position_after_the_last_consumed_batch() -> None:
 def test_resumed_run_distorts_every_later_batch_as_the_uninterrupted_run() -> None:
     ds = _dataset()
 
-    def distorted(position: dict[str, int] | None, count: int) -> list[torch.Tensor]:
+    def distorted(count: int, position: dict[str, int] | None = None,
+                  seed: int = 7) -> tuple[list[torch.Tensor], dict[str, int]]:
         batches = ShardedBatches(24, 5, seed=1)
         if position:
             batches.load_state(position)
-        with DevicePrefetcher(ds, batches, CPU, transform=Distortion(CPU, seed=7)) as p:
-            return [images for images, _ in itertools.islice(p, count)]
+        with DevicePrefetcher(ds, batches, CPU, transform=Distortion(CPU, seed=seed)) as p:
+            return [images for images, _ in itertools.islice(p, count)], p.state()
 
-    whole = distorted(None, 9)
-    with DevicePrefetcher(ds, ShardedBatches(24, 5, seed=1), CPU,
-                          transform=Distortion(CPU, seed=7)) as p:
-        first = [images for images, _ in itertools.islice(p, 4)]
-        position = p.state()
-    resumed = distorted(position, 5)
+    whole, _ = distorted(9)
+    first, position = distorted(4)
+    resumed, _ = distorted(5, position)
     for a, b in zip(whole, first + resumed, strict=True):
         assert torch.equal(a, b)
-    # the randomness still differs from batch to batch and between seeds
-    assert not torch.equal(whole[0], whole[1])
-    with DevicePrefetcher(ds, ShardedBatches(24, 5, seed=1), CPU,
-                          transform=Distortion(CPU, seed=8)) as p:
-        assert not torch.equal(next(p)[0], whole[0])
+    # the same images at another position, or with another seed, are distorted differently
+    distortion, images = Distortion(CPU, seed=7), ds.images[:5]
+    distortion.seek({"epoch": 0, "offset": 1})
+    at_one, _ = distortion(images, ds.labels[:5])
+    distortion.seek({"epoch": 0, "offset": 2})
+    assert not torch.equal(distortion(images, ds.labels[:5])[0], at_one)
+    assert not torch.equal(distorted(1, seed=8)[0][0], whole[0])
 
 
 def test_producer_exception_is_raised_in_the_consumer() -> None:

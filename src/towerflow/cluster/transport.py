@@ -328,9 +328,10 @@ class ChannelOptions:
             much a peer may send ahead of what this side has read. A fixed
             window bounds the memory a ps task spends on data in flight by the
             number of calls, not by what gRPC's bandwidth-delay probing grows
-            it to (on loopback it doubled the ps's memory beyond its buffers
-            and moved no more traffic). 2 MiB carries 10 GB/s at 0.2 ms round
-            trip; ``None`` lets gRPC size the window itself (long, fast links).
+            it to (on loopback, 2 workers: ps peak memory 2.73-2.77x of the
+            parameter bytes fixed vs 2.83-3.01x probing, for 5-10% less
+            traffic). 2 MiB carries 10 GB/s at 0.2 ms round trip; ``None``
+            lets gRPC size the window itself (long, fast links).
     """
 
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
