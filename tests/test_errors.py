@@ -14,7 +14,7 @@ def test_every_code_maps_back_to_its_class_and_names_a_grpc_status() -> None:
     classes = [c for c in vars(errors).values()
                if isinstance(c, type) and issubclass(c, errors.TowerflowError)
                and c not in (errors.TowerflowError, errors.PlacementError,
-                             errors.NanLossDuringTrainingError)]
+                             errors.NanLossDuringTrainingError, errors.CheckpointError)]
     assert len(classes) == 12
     for cls in classes:
         assert errors.from_grpc_code(cls.grpc_code) is cls
@@ -44,6 +44,8 @@ def test_placement_and_nan_errors_keep_their_parents_codes() -> None:
     assert errors.PlacementError.grpc_code == "INVALID_ARGUMENT"
     assert issubclass(errors.NanLossDuringTrainingError, errors.AbortedError)
     assert errors.NanLossDuringTrainingError.grpc_code == "ABORTED"
+    assert issubclass(errors.CheckpointError, errors.DataLossError)
+    assert errors.CheckpointError.grpc_code == "DATA_LOSS"
 
 
 def test_docstring_examples_hold() -> None:

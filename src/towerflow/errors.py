@@ -25,6 +25,7 @@ __all__ = [
     "UnauthenticatedError",
     "PermissionDeniedError",
     "DataLossError",
+    "CheckpointError",
     "AbortedError",
     "NanLossDuringTrainingError",
     "FailedPreconditionError",
@@ -91,6 +92,10 @@ class DataLossError(TowerflowError):
     """Stored or transmitted data is corrupt or truncated."""
 
     grpc_code = "DATA_LOSS"
+
+
+class CheckpointError(DataLossError):
+    """A checkpoint on disk is damaged, incomplete or not a towerflow checkpoint."""
 
 
 class AbortedError(TowerflowError):
