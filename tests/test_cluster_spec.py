@@ -111,3 +111,23 @@ def test_tf_config_round_trips_through_from_tf_config_and_may_name_an_evaluator(
     assert ClusterSpec.from_tf_config({"TF_CONFIG": value}) == (cluster, TaskInfo("worker", 1))
     evaluator = json.loads(cluster.tf_config(TaskInfo("evaluator", 0)))
     assert evaluator == {"cluster": cluster.as_dict(), "task": {"type": "evaluator", "index": 0}}
+
+
+def test_replica_roles_count_the_chief_first() -> None:
+    spec = ClusterSpec({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"]})
+    assert spec.replicas == (TaskInfo("chief", 0), TaskInfo("worker", 0), TaskInfo("worker", 1))
+    assert spec.num_replicas == 3 and spec.chief == TaskInfo("chief", 0)
+    assert spec.replica_index(TaskInfo("chief", 0)) == 0
+    assert spec.replica_index(TaskInfo("worker", 1)) == 2
+    assert not spec.is_chief(TaskInfo("worker", 0))
+    with pytest.raises(InvalidArgumentError, match=r"task ps:0 does not train .* chief:0, worker:0"):
+        spec.replica_index(TaskInfo("ps", 0))
+
+
+def test_without_a_chief_job_worker_0_is_chief_and_a_local_job_trains() -> None:
+    spec = ClusterSpec({"ps": ["h:1"], "worker": ["h:2", "h:3"]})
+    assert spec.chief == TaskInfo("worker", 0) and spec.replica_index(TaskInfo("worker", 1)) == 1
+    local = ClusterSpec({"local": ["h:1", "h:2"]})
+    assert local.num_replicas == 2 and local.is_chief(TaskInfo("local", 0))
+    only_ps = ClusterSpec({"ps": ["h:1"]})
+    assert only_ps.num_replicas == 0 and only_ps.chief is None

@@ -26,7 +26,7 @@ from towerflow.models.linear import (
 )
 from towerflow.ps import PSService
 from towerflow.strategies import OptimizerConfig
-from towerflow.strategies.parameter_server import ParameterServer, replica_index
+from towerflow.strategies.parameter_server import ParameterServer
 
 SECRET = Credentials(secret=b"training-secret")
 DATA = regression_data(64, noise=0.0)
@@ -76,14 +76,6 @@ def train(strategy: ParameterServer, steps_until: int, model=None, lr: float = 0
     finally:
         strategy.shutdown()
     return seen
-
-
-def test_replica_index_counts_the_chief_first() -> None:
-    spec = ClusterSpec({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"]})
-    assert replica_index(spec, TaskInfo("chief", 0)) == (0, 3)
-    assert replica_index(spec, TaskInfo("worker", 1)) == (2, 3)
-    with pytest.raises(InvalidArgumentError, match=r"ps:0 does not train"):
-        replica_index(spec, TaskInfo("ps", 0))
 
 
 def test_a_global_step_counts_one_worker_batch_async_and_the_aggregated_ones_sync() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import textwrap
@@ -16,7 +18,7 @@ import torch
 from towerflow.checkpoint import CheckpointManager
 from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials
-from towerflow.errors import InvalidArgumentError
+from towerflow.errors import InvalidArgumentError, UnavailableError
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
 from towerflow.ps import PSService
 from towerflow.strategies import OptimizerConfig
@@ -101,13 +103,17 @@ def test_summaries_are_tensorboard_event_files(tmp_path) -> None:
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
 
 
-def test_non_chief_writes_no_checkpoint_and_no_summary(tmp_path) -> None:
+def test_non_chief_writes_no_checkpoint_and_no_summary(tmp_path, caplog) -> None:
     sv = Supervisor(is_chief=False, logdir=tmp_path, save_model_secs=1e-9)
     with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
         sess.run_step(mse_loss, DATA)
         sv.summary_computed(sess, {"loss": 1.0})
-        assert sv.save() is None
+        with caplog.at_level(logging.WARNING, logger="towerflow.training"):
+            assert sv.save() is None
+            assert sv.save(sess, directory=tmp_path / "elsewhere") is None
     assert list(tmp_path.iterdir()) == []
+    said = [r.getMessage() for r in caplog.records if "only the" in r.getMessage()]
+    assert len(said) == 1 and re.search(r"non-chief task writes nothing: only the chief", said[0])
 
 
 def test_stop_is_requested_and_seen() -> None:
@@ -122,6 +128,129 @@ def test_bad_options_are_refused() -> None:
         Supervisor(save_model_secs=-1)
     with pytest.raises(InvalidArgumentError, match=r"0-d integer tensor"):
         Supervisor(global_step=torch.zeros(2))
+    with pytest.raises(InvalidArgumentError, match=r"unknown argument\(s\) modee; it takes"):
+        Supervisor(modee="sync")
+
+
+@pytest.mark.parametrize(("name", "instead"), [
+    ("init_op", r"init_fn=lambda model"), ("ready_op", r"init_timeout="),
+    ("ready_for_local_init_op", r"init_timeout="), ("local_init_op", r"initialises"),
+    ("graph", r"no graph.*model="), ("init_feed_dict", r"init_fn="),
+    ("recovery_wait_secs", r"init_timeout="), ("checkpoint_basename", r"ckpt-NNNNNNNN"),
+    ("session_manager", r"strategy="), ("stop_grace_secs", r"no service threads"),
+    ("summary_op", r"summary_computed.*summary_op=None"), ("saver", r"CheckpointManager"),
+    ("summary_writer", r"SummaryWriter"),
+])
+def test_tf_arguments_without_a_meaning_are_refused_when_built(name, instead) -> None:
+    with pytest.raises(InvalidArgumentError, match=rf"Supervisor\({name}='op'\): .*{instead}"):
+        Supervisor(is_chief=True, logdir=None, **{name: "op"})
+
+
+def test_saver_none_saves_and_restores_nothing(tmp_path) -> None:
+    run(Supervisor(logdir=tmp_path, save_model_secs=None), 2)
+    sv = Supervisor(logdir=tmp_path, saver=None, save_model_secs=1e-9)
+    _, step = run(sv, 3)
+    assert sv.restored_from is None and step == 3  # did not resume from step 2
+    assert CheckpointManager(tmp_path).restore().step == 2
+
+
+def test_saver_is_the_checkpoint_manager_it_is_given(tmp_path) -> None:
+    manager = CheckpointManager(tmp_path / "mine", max_to_keep=1)
+    sv = Supervisor(logdir=tmp_path / "logs", saver=manager, save_model_secs=None)
+    run(sv, 2)
+    assert sv.saver is manager and manager.restore().step == 2
+    assert not (tmp_path / "logs" / "latest").exists()
+
+
+def test_summary_writer_none_and_summary_op_none(tmp_path) -> None:
+    from towerflow.training.summaries import SummaryWriter
+
+    run(Supervisor(logdir=tmp_path / "a", summary_writer=None, save_model_secs=None), 2)
+    assert not list((tmp_path / "a").glob("events.out.tfevents.*"))
+    writer = SummaryWriter(tmp_path / "b")
+    sv = Supervisor(logdir=None, summary_writer=writer, summary_op=None)
+    run(sv, 2)
+    sv.stop()
+    assert list((tmp_path / "b").glob("events.out.tfevents.*"))
+
+
+def test_save_summaries_secs_writes_the_global_step_rate(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sv = Supervisor(logdir=tmp_path, save_model_secs=None, save_summaries_secs=1e-9)
+    run(sv, 3)
+    sv.stop()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("global_step/sec")] == [1, 2, 3]
+
+
+def test_save_model_steps_saves_every_n_global_steps(tmp_path) -> None:
+    sv = Supervisor(logdir=tmp_path, save_model_secs=None, save_model_steps=2, max_to_keep=None)
+    run(sv, 5)
+    names = [p.name for p in CheckpointManager(tmp_path, max_to_keep=None).checkpoints()]
+    assert names == ["ckpt-00000002", "ckpt-00000004", "ckpt-00000005"]
+
+
+def test_a_manual_save_elsewhere_keeps_the_logdir_schedule(tmp_path) -> None:
+    sv = Supervisor(logdir=tmp_path / "super", save_model_secs=3600)
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        for _ in range(3):
+            sess.run_step(mse_loss, DATA)
+        assert sv.save(sess, directory=tmp_path / "linear") == tmp_path / "linear" / "ckpt-00000003"
+    assert CheckpointManager(tmp_path / "super").restore().step == 3  # the final save
+    again = Supervisor(logdir=tmp_path / "super", save_model_secs=3600)
+    _, step = run(again, 4)
+    assert again.restored_from == 3 and step == 4
+
+
+def test_a_diverged_model_is_never_saved(tmp_path) -> None:
+    from towerflow.errors import NanLossDuringTrainingError
+
+    sv = Supervisor(logdir=tmp_path, save_model_secs=None)
+    with pytest.raises(NanLossDuringTrainingError, match=r"weight is not finite at step 1"):
+        with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+            sess.run_step(mse_loss, DATA)
+            with torch.no_grad():
+                sess.model.weight.fill_(float("nan"))
+            sv.save(sess)
+    assert CheckpointManager(tmp_path).latest() is None
+
+
+def test_a_checkpoint_of_the_supervisor_has_the_trainers_metadata(tmp_path) -> None:
+    run(Supervisor(logdir=tmp_path, save_model_secs=None), 2)
+    metadata = CheckpointManager(tmp_path).restore().metadata
+    assert metadata["step"] == 2 and metadata["world_size"] == 1
+    assert metadata["strategy"]["global_step"] == 2
+
+
+def test_a_ps_option_on_a_session_without_a_cluster_is_refused(tmp_path) -> None:
+    sv = Supervisor(logdir=tmp_path, mode="sync")
+    with pytest.raises(InvalidArgumentError, match=r"mode='sync'.* trains with SingleDevice \(no "
+                                                   r"cluster\)"):
+        run(sv, 1)
+
+
+def test_a_target_of_this_processs_server_trains_through_its_ps_tasks(free_ports) -> None:
+    """No ps runs: the session must fail as it does with the server, not train locally."""
+    ports = free_ports(3)
+    spec = ClusterSpec({"ps": [f"localhost:{ports[0]}"],
+                        "worker": [f"localhost:{ports[1]}", f"localhost:{ports[2]}"]})
+    server = Server(spec, "worker", 0, credentials=Credentials(secret=b"t"))
+    try:
+        for master in (server, server.target, f"grpc://127.0.0.1:{ports[1]}"):
+            sv = Supervisor(is_chief=True, logdir=None, timeout=1.0)
+            with pytest.raises(UnavailableError, match=rf"localhost:{ports[0]}"):
+                run(sv, 1, master=master)
+    finally:
+        server.stop()
+
+
+def test_a_target_that_names_no_known_task_is_refused(free_ports) -> None:
+    port = free_ports(1)[0]
+    with pytest.raises(InvalidArgumentError, match=rf"target 'grpc://localhost:{port}' names no "
+                                                   r"task this process knows.*towerflow.Server"):
+        run(Supervisor(logdir=None), 1, master=f"grpc://localhost:{port}")
 
 
 def test_on_a_ps_cluster_only_the_chief_saves(tmp_path, free_ports) -> None:

@@ -343,9 +343,4 @@ def is_chief(cluster: ClusterSpec, task: TaskInfo) -> bool:
         >>> is_chief(spec, TaskInfo("worker", 0)), is_chief(spec, TaskInfo("worker", 1))
         (True, False)
     """
-    if "chief" in cluster:
-        return task == TaskInfo("chief", 0)
-    if "worker" in cluster:
-        return task == TaskInfo("worker", 0)
-    candidates = [job for job in cluster.jobs if job not in ("ps", "evaluator")]
-    return bool(candidates) and task == TaskInfo(candidates[0], 0)
+    return cluster.is_chief(task)

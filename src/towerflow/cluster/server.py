@@ -33,6 +33,7 @@ import grpc
 
 from towerflow.cluster.services import HostedService, ServiceFactory, factories_for, load_factory
 from towerflow.cluster.spec import ClusterSpec, TaskInfo, is_loopback_host, parse_address
+from towerflow.cluster.targets import register_server
 from towerflow.cluster.transport import (
     AuthInterceptor,
     ChannelOptions,
@@ -143,6 +144,7 @@ class Server:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        register_server(self)  # so that ``self.target`` names this task in this process
         if start:
             self.start()
 

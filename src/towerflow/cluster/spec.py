@@ -11,6 +11,15 @@ starts listening:
     'localhost:2223'
     >>> TaskInfo("worker", 1).device_name
     '/job:worker/replica:0/task:1'
+
+The roles of the tasks are computed once, when the spec is built: the
+*replicas* (the tasks that compute gradients: the ``chief`` task first, then
+the ``worker`` tasks in order; in a cluster with neither, the tasks of its
+first job that is not ``ps`` or ``evaluator``), each replica's index, and the
+chief (the ``chief`` task, else replica 0):
+
+    >>> spec.num_replicas, spec.replica_index(TaskInfo("worker", 0)), spec.chief
+    (1, 0, TaskInfo(job_name='worker', task_index=0))
 """
 
 from __future__ import annotations
@@ -141,9 +150,10 @@ class ClusterSpec:
             address, an address used twice, or more than one chief.
     """
 
-    __slots__ = ("_jobs",)
+    __slots__ = ("_jobs", "_replicas")
 
     _jobs: dict[str, tuple[str, ...]]
+    _replicas: tuple[TaskInfo, ...]
 
     def __init__(
         self, cluster: Mapping[str, Sequence[str] | Mapping[int, str]] | ClusterSpec
@@ -159,6 +169,7 @@ class ClusterSpec:
             jobs = {job: _job_tasks(job, tasks) for job, tasks in cluster.items()}
         _validate(jobs)
         object.__setattr__(self, "_jobs", jobs)
+        object.__setattr__(self, "_replicas", _replica_tasks(jobs))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("ClusterSpec is immutable; build a new one instead.")
@@ -251,6 +262,49 @@ class ClusterSpec:
         config = {"cluster": self.as_dict(), "task": {"type": task.job_name, "index": task.task_index}}
         return json.dumps(config)
 
+    # -- roles ------------------------------------------------------------
+    @property
+    def replicas(self) -> tuple[TaskInfo, ...]:
+        """The tasks that train, in replica order (chief first, then the workers)."""
+        return self._replicas
+
+    @property
+    def num_replicas(self) -> int:
+        """How many tasks train (compute gradients)."""
+        return len(self._replicas)
+
+    @property
+    def chief(self) -> TaskInfo | None:
+        """The task that initialises, restores and saves: replica 0 (None without replicas)."""
+        return self._replicas[0] if self._replicas else None
+
+    def is_chief(self, task: TaskInfo) -> bool:
+        """Whether ``task`` is the chief (the ``chief`` task, else the first worker)."""
+        return task == self.chief
+
+    def replica_index(self, task: TaskInfo) -> int:
+        """The index of ``task`` among :attr:`replicas` (its rank).
+
+        Raises:
+            InvalidArgumentError: ``task`` does not train (a ``ps`` or
+                ``evaluator`` task, or one outside the cluster).
+
+        Example:
+            >>> spec = ClusterSpec({"chief": ["h:1"], "worker": ["h:2", "h:3"]})
+            >>> spec.replica_index(TaskInfo("worker", 1)), spec.num_replicas
+            (2, 3)
+        """
+        try:
+            return self._replicas.index(TaskInfo(task.job_name, task.task_index))
+        except ValueError:
+            names = ", ".join(str(t) for t in self._replicas) or "none"
+            raise InvalidArgumentError(
+                f"task {task.job_name}:{task.task_index} does not train in this cluster; its "
+                f"training tasks are {names}. A ps task serves its shard "
+                "(towerflow.Server(cluster, 'ps', i).join()); run training code in a chief "
+                "or worker task."
+            ) from None
+
     def validate_task(self, job: str, index: int) -> None:
         """Check that task ``index`` of ``job`` exists.
 
@@ -287,6 +341,19 @@ class ClusterSpec:
 
     def __contains__(self, job: object) -> bool:
         return job in self._jobs
+
+
+#: jobs whose tasks never compute gradients
+_SERVING_JOBS = ("ps", "evaluator")
+
+
+def _replica_tasks(jobs: Mapping[str, tuple[str, ...]]) -> tuple[TaskInfo, ...]:
+    """The training tasks: chief then workers, else the first job that is not ps / evaluator."""
+    if "chief" in jobs or "worker" in jobs:
+        names = [job for job in ("chief", "worker") if job in jobs]
+    else:
+        names = [job for job in jobs if job not in _SERVING_JOBS][:1]
+    return tuple(TaskInfo(job, i) for job in names for i in range(len(jobs[job])))
 
 
 def _job_tasks(job: object, tasks: object) -> tuple[str, ...]:

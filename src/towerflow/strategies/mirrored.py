@@ -13,8 +13,9 @@ Where a replica finds its place (first match wins):
 1. torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
    ``MASTER_ADDR``, ``MASTER_PORT`` (``towerflow train --replicas N`` sets the
    same variables for the processes it starts);
-2. ``TF_CONFIG`` without a ``ps`` job: the ``chief`` task is rank 0, then the
-   ``worker`` tasks in order; the rank-0 task's address is the rendezvous;
+2. a cluster without a ``ps`` job (given, or ``TF_CONFIG``): the rank is the
+   task's replica index in the ``ClusterSpec`` (the ``chief`` task first, then
+   the ``worker`` tasks in order); the rank-0 task's address is the rendezvous;
 3. nothing: a world of one process.
 
 Example (two CPU replicas on one machine)::
@@ -27,9 +28,9 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,9 @@ class ReplicaEnv:
             return cls._from_torchrun(env)
         if env.get("TF_CONFIG"):
             return cls._from_tf_config(env)
-        return cls(0, 1, 0, "127.0.0.1", _free_port())
+        from towerflow.cluster.launcher import free_ports
+
+        return cls(0, 1, 0, "127.0.0.1", free_ports(1)[0])
 
     @classmethod
     def _from_torchrun(cls, env: Mapping[str, str]) -> ReplicaEnv:
@@ -96,24 +99,32 @@ class ReplicaEnv:
                 "TF_CONFIG names no cluster and task for this process; set "
                 '{"cluster": {...}, "task": {"type": "worker", "index": 0}}.'
             )
-        if "ps" in cluster.jobs:
-            raise InvalidArgumentError(
-                "TF_CONFIG names a 'ps' job, which the Mirrored strategy does not use; "
-                "train with the ParameterServer strategy (towerflow train --ps) instead."
-            )
-        members = [(job, i) for job in ("chief", "worker") if job in cluster.jobs
-                   for i in range(cluster.num_tasks(job))]
-        me = (task.job_name, task.task_index)
-        if me not in members:
-            raise InvalidArgumentError(
-                f"TF_CONFIG task {task.job_name}:{task.task_index} does not train in a Mirrored "
-                "cluster; only 'chief' and 'worker' tasks are replicas."
-            )
+        return cls.from_cluster(cluster, task, env)
+
+    @classmethod
+    def from_cluster(cls, cluster: Any, task: Any,
+                     env: Mapping[str, str] | None = None) -> ReplicaEnv:
+        """The place of ``task`` among the replicas of ``cluster`` (a ``ClusterSpec``).
+
+        Example:
+            >>> from towerflow.cluster import ClusterSpec, TaskInfo
+            >>> spec = ClusterSpec({"chief": ["h0:2222"], "worker": ["h1:2222"]})
+            >>> ReplicaEnv.from_cluster(spec, TaskInfo("worker", 0), env={})
+            ReplicaEnv(rank=1, world_size=2, local_rank=0, master_addr='h0', master_port=2222)
+        """
         from towerflow.cluster.spec import parse_address
 
-        host, port = parse_address(cluster.task_address(*members[0]))
+        env = os.environ if env is None else env
+        if "ps" in cluster:
+            raise InvalidArgumentError(
+                "the cluster names a 'ps' job, which the Mirrored strategy does not use; "
+                "train with the ParameterServer strategy (towerflow train --ps) instead."
+            )
+        rank = cluster.replica_index(task)
+        chief = cluster.replicas[0]
+        host, port = parse_address(cluster.task_address(chief.job_name, chief.task_index))
         local_rank = _env_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else 0
-        return cls._checked(members.index(me), len(members), local_rank, host, port)
+        return cls._checked(rank, cluster.num_replicas, local_rank, host, port)
 
     @classmethod
     def _checked(cls, rank: int, world: int, local_rank: int, addr: str, port: int) -> ReplicaEnv:
@@ -136,12 +147,6 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
         ) from None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Mirrored(LocalOptimizerStrategy):
     """Synchronous all-reduce training, one process per device.
 
@@ -153,14 +158,22 @@ class Mirrored(LocalOptimizerStrategy):
         timeout_s: how long a collective (and the rendezvous) may wait for
             the other replicas.
         env: the environment to read (``os.environ`` by default).
+        cluster: a ``ClusterSpec`` without a ``ps`` job whose replicas are the
+            world (with ``task``, this process's task); by default the
+            environment says where this replica sits.
+        task: this process's ``TaskInfo`` in ``cluster``.
     """
 
     name = "mirrored"
 
     def __init__(self, backend: str | None = None, *, device: str | torch.device | None = None,
-                 timeout_s: float = 1800.0, env: Mapping[str, str] | None = None) -> None:
+                 timeout_s: float = 1800.0, env: Mapping[str, str] | None = None,
+                 cluster: Any = None, task: Any = None) -> None:
         super().__init__()
-        self.replica = ReplicaEnv.from_env(env)
+        if (cluster is None) != (task is None):
+            raise InvalidArgumentError("Mirrored needs both cluster= and task=, or neither.")
+        self.replica = (ReplicaEnv.from_env(env) if cluster is None
+                        else ReplicaEnv.from_cluster(cluster, task, env))
         self._device = self._choose_device(device)
         self.backend = backend or ("nccl" if self._device.type == "cuda" else "gloo")
         if self.backend not in ("nccl", "gloo"):

@@ -37,28 +37,9 @@ from torch import nn
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 
-__all__ = ["ParameterServer", "replica_index"]
+__all__ = ["ParameterServer"]
 
 log = logging.getLogger("towerflow.ps")
-
-
-def replica_index(cluster: Any, task: Any) -> tuple[int, int]:
-    """``(index, count)`` of a training task among the chief and workers.
-
-    The chief is replica 0 and worker ``i`` is replica ``i + 1`` when the
-    cluster has a ``chief`` job; otherwise worker ``i`` is replica ``i``.
-    """
-    jobs = cluster.as_dict()
-    chiefs = len(jobs.get("chief", ()))
-    count = chiefs + len(jobs.get("worker", ()))
-    if task.job_name == "chief":
-        return 0, count
-    if task.job_name == "worker":
-        return chiefs + task.task_index, count
-    raise InvalidArgumentError(
-        f"Task {task.job_name}:{task.task_index} does not train; only 'chief' and 'worker' "
-        "tasks run the ParameterServer strategy (a ps task runs run_ps_task)."
-    )
 
 
 class ParameterServer(Strategy):
@@ -102,7 +83,6 @@ class ParameterServer(Strategy):
                  init_timeout: float = 300.0, on_bad_gradient: str = "raise",
                  prefetch: bool = False, is_chief: bool | None = None,
                  device_setter: Any = None, server: Any = True) -> None:
-        from towerflow.cluster import is_chief as chief_rule
         from towerflow.cluster import resolve_cluster
         from towerflow.devices import resolve_device
         from towerflow.ps.aggregation import AggregationConfig
@@ -119,8 +99,8 @@ class ParameterServer(Strategy):
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'.")
         self.cluster, self.task = cluster, task
-        self._rank, self._world = replica_index(cluster, task)
-        self._chief = chief_rule(cluster, task) if is_chief is None else bool(is_chief)
+        self._rank, self._world = cluster.replica_index(task), cluster.num_replicas
+        self._chief = cluster.is_chief(task) if is_chief is None else bool(is_chief)
         self.aggregation = AggregationConfig(
             mode=mode, total_num_replicas=self._world, replicas_to_aggregate=replicas_to_aggregate,
             staleness=staleness, timeout=step_timeout)

@@ -130,16 +130,15 @@ def _say_preempted(args: argparse.Namespace) -> None:
 
 
 def _train(cluster: Any, task: Any, args: argparse.Namespace) -> int:
-    from towerflow.cluster import Server, is_chief
+    from towerflow.cluster import Server
     from towerflow.strategies import OptimizerConfig
-    from towerflow.strategies.parameter_server import replica_index
     from towerflow.training.supervisor import Supervisor
 
-    rank, world = replica_index(cluster, task)
+    rank, world = cluster.replica_index(task), cluster.num_replicas
     model, loss_fn, batch_of = _model_and_batches(args, world)
     lr = args.lr if args.lr is not None else (1.0 if args.model == "ledger" else 0.05)
     server = Server(cluster, task.job_name, task.task_index)
-    sv = Supervisor(is_chief=is_chief(cluster, task), logdir=args.logdir,
+    sv = Supervisor(is_chief=cluster.is_chief(task), logdir=args.logdir,
                     save_model_secs=args.save_secs, max_to_keep=3, mode=args.mode,
                     replicas_to_aggregate=args.replicas_to_aggregate, timeout=args.timeout,
                     step_timeout=args.step_timeout, init_timeout=args.init_timeout)

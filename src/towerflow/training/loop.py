@@ -18,19 +18,21 @@ when the same program runs again::
                            train_dir="runs/mine", batch_size=64) as trainer:
         trainer.fit(max_steps=2000)
 
-The strategy defaults to :class:`~towerflow.strategies.Mirrored` when the
-process was started as a replica (torchrun's ``RANK``/``WORLD_SIZE`` or a
-``TF_CONFIG``), else :class:`~towerflow.strategies.SingleDevice`; so the same
-script runs on one GPU, on N GPUs under ``torchrun --nproc-per-node N`` and on
-N machines. No host synchronisation happens per step: the loss is read only
-on log, summary and checkpoint steps.
+The strategy defaults to the one :func:`~towerflow.strategies.choose.choose_strategy`
+picks from the environment: :class:`~towerflow.strategies.Mirrored` when the
+process was started as a replica (torchrun's ``RANK``/``WORLD_SIZE``, or a
+``TF_CONFIG`` / Slurm cluster of several training tasks),
+:class:`~towerflow.strategies.ParameterServer` when that cluster has a ``ps``
+job, else :class:`~towerflow.strategies.SingleDevice`; so the same script runs
+on one GPU, on N GPUs under ``torchrun --nproc-per-node N`` and on N machines.
+No host synchronisation happens per step: the loss is read only on log,
+summary and checkpoint steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -46,14 +48,15 @@ from towerflow.training.ema import ExponentialMovingAverage
 from towerflow.training.hooks import (
     CheckpointHook,
     Hook,
+    NanGuard,
     ProgressHook,
     StepContext,
     StepLogHook,
     SummaryHook,
-    check_finite_loss,
     non_finite_tensor,
 )
 from towerflow.training.pipeline import Pipeline, Transform, make_pipeline
+from towerflow.training.session import checkpoint_metadata, restore_latest
 
 __all__ = ["Trainer", "TrainResult", "default_strategy"]
 
@@ -63,13 +66,10 @@ Schedule = Callable[[int], float]
 
 
 def default_strategy(device: str | torch.device | None = None) -> Strategy:
-    """``Mirrored`` when started as a replica (torchrun env or TF_CONFIG), else ``SingleDevice``."""
-    from towerflow.strategies.mirrored import Mirrored
-    from towerflow.strategies.single import SingleDevice
+    """The environment's strategy (:func:`~towerflow.strategies.choose.choose_strategy`)."""
+    from towerflow.strategies.choose import choose_strategy
 
-    if "WORLD_SIZE" in os.environ or "RANK" in os.environ or os.environ.get("TF_CONFIG"):
-        return Mirrored(device=device)
-    return SingleDevice(device)
+    return choose_strategy(device=device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,16 +181,14 @@ class Trainer:
         manager = self._checkpoint_manager()
         if manager is None:
             return None
-        ckpt = manager.restore(device=self.strategy.device)
+        ckpt = restore_latest(manager, self.strategy, self.strategy.device)
         if ckpt is None:
             return None
         meta = ckpt.metadata
-        self.strategy.load_state(ckpt.groups, meta.get("strategy"))
         if self.ema is not None and "ema" in ckpt.groups:
             self.ema.load_state_dict(ckpt.groups["ema"])
         self._restore_schedule(meta.get("schedule"))
         self._restored_from = ckpt.step
-        log.info("restored %s at step %d", ckpt.path, ckpt.step)
         return meta.get("data")
 
     def _restore_schedule(self, saved: dict[str, Any] | None) -> None:
@@ -221,10 +219,8 @@ class Trainer:
         groups = self.strategy.state_dict()
         if self.ema is not None:
             groups["ema"] = self.ema.state_dict()
-        metadata: dict[str, Any] = dict(self._metadata)
-        metadata.update(step=self.global_step, world_size=self.strategy.world_size,
-                        batch_size=self.config.batch_size,
-                        strategy=self.strategy.state_metadata())
+        metadata = checkpoint_metadata(self.strategy, {**self._metadata,
+                                                       "batch_size": self.config.batch_size})
         as_dict = getattr(self.schedule, "as_dict", None)
         if as_dict is not None:
             metadata["schedule"] = as_dict()
@@ -278,7 +274,8 @@ class Trainer:
         pipeline = self._pipeline
         if pipeline is None:
             raise FailedPreconditionError("The input pipeline is closed; call fit() to train.")
-        strategy, train_dir = self.strategy, self.config.train_dir
+        strategy = self.strategy
+        guard = NanGuard(self._checkpoint_manager())
         step = strategy.global_step
         while step < self.config.max_steps:
             batch = next(pipeline)
@@ -288,10 +285,10 @@ class Trainer:
             step = result.global_step
             if self.ema is not None:
                 self.ema.update(num_updates=step - 1)
+            guard.observe(step, result.loss)  # on the device: no host sync
             loss: float | None = None
             if any(hook.wants_loss(step) for hook in hooks):
-                loss = float(strategy.reduce_mean(result.loss).item())
-                check_finite_loss(loss, step, train_dir)
+                loss = guard.read(strategy, result.loss, step)
             global_batch = pipeline.examples_per_batch() * strategy.batches_per_step
             yield StepContext(step, self.config.max_steps, lr, loss, global_batch)
 

@@ -5,22 +5,32 @@ parameters on the ps tasks, or restores them from the latest checkpoint in
 ``logdir`` with no user code; it saves a checkpoint every ``save_model_secs``
 and when the session ends, and writes summaries. The other workers wait until
 the parameters are initialised and never write anything. A manual save still
-works, and SIGTERM (preemption) makes the chief checkpoint and the program
-leave its loop (``should_stop()``; a loop that does not look is ended at
-its next step with ``SystemExit(0)``)::
+works (to ``logdir`` or another directory; neither changes the schedule of
+``logdir``), and SIGTERM (preemption) makes the chief checkpoint and the
+program leave its loop (``should_stop()``; a loop that does not look is ended
+at its next step with ``SystemExit(0)``)::
 
+    server = towerflow.Server(cluster, "worker", task_index)
     sv = towerflow.Supervisor(is_chief=(task_index == 0), logdir="log/super",
                               save_model_secs=5, max_to_keep=1)
-    with sv.managed_session(server, model=model, optimizer=OptimizerConfig(lr=0.001)) as sess:
+    with sv.managed_session(server.target, model=model,
+                            optimizer=OptimizerConfig(lr=0.001)) as sess:
         while not sv.should_stop() and sess.global_step < 2000:
             result = sess.run_step(mse_loss, (x, y))
             sv.summary_computed(sess, {"loss_function": result.loss})
-    sv.save()            # a manual save (chief only)
+        sv.save(sess, directory="log/linear")   # a manual save elsewhere
 
-The session's strategy is the cluster's :class:`~towerflow.strategies.ParameterServer`
-when the server's cluster has a ``ps`` job, else one device of this process.
-Given the task's ``Server``, the strategy uses it (the ps tasks' heartbeats
-reach the worker through it); given no master, it starts one itself.
+The session's strategy comes from :func:`~towerflow.strategies.choose.choose_strategy`
+(the one road every trainer takes): given the task's ``Server`` or its
+``target``, the server's cluster — its ``ParameterServer`` strategy when it has
+a ``ps`` job; given nothing, the environment's cluster, else one device.
+Restoring, the save schedule, the non-finite check before saving and the
+checkpoint metadata are those of the :class:`~towerflow.training.Trainer`
+(:mod:`towerflow.training.session`).
+
+TensorFlow's keyword arguments keep their meaning where towerflow has one and
+are refused when the ``Supervisor`` is built, with what to use instead, where
+it has none (see :data:`REFUSED_TF_ARGUMENTS`).
 """
 
 from __future__ import annotations
@@ -39,10 +49,46 @@ from torch import nn
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+from towerflow.training.session import (
+    SaveSchedule,
+    checkpoint_metadata,
+    refuse_non_finite,
+    restore_latest,
+)
 
-__all__ = ["Supervisor", "ManagedSession"]
+__all__ = ["Supervisor", "ManagedSession", "REFUSED_TF_ARGUMENTS"]
 
 log = logging.getLogger("towerflow.training")
+
+_RUNS_AT_BUILD = ("the chief initialises the model's parameters when the session starts (the "
+                  "model's own initialisation, or the latest checkpoint in logdir)")
+#: TensorFlow ``Supervisor`` arguments towerflow has no use for, and what to do instead.
+REFUSED_TF_ARGUMENTS: dict[str, str] = {
+    "graph": "towerflow has no graph; pass the model to managed_session(..., model=model)",
+    "init_op": f"{_RUNS_AT_BUILD}; to run code on a fresh model pass "
+               "init_fn=lambda model: ... (it runs only when there is no checkpoint)",
+    "init_feed_dict": "there is no feed_dict; pass init_fn=lambda model: ... to set values",
+    "local_init_op": f"{_RUNS_AT_BUILD}; local state needs no op",
+    "ready_op": "non-chief workers wait until the chief has initialised the ps tasks; tune "
+                "the wait with init_timeout=SECONDS",
+    "ready_for_local_init_op": "non-chief workers wait until the chief has initialised the ps "
+                               "tasks; tune the wait with init_timeout=SECONDS",
+    "recovery_wait_secs": "non-chief workers poll the ps tasks until the chief has "
+                          "initialised them; tune the wait with init_timeout=SECONDS",
+    "stop_grace_secs": "the supervisor runs no service threads to wait for; stop() returns "
+                       "when the summary writer is closed",
+    "checkpoint_basename": "checkpoints are named ckpt-NNNNNNNN in logdir; pass another "
+                           "logdir (or save(directory=...)) to put them elsewhere",
+    "session_manager": "the managed session is the supervisor's own; pass strategy= to "
+                       "managed_session to run steps another way",
+    "local_init_run_options": "there are no run options; remove the argument",
+}
+_SUMMARY_OP = ("towerflow has no summary ops: write scalars with sv.summary_computed(sess, "
+               "{'loss': loss}); summary_op=None (no automatic summaries) is accepted")
+_SAVER = ("towerflow saves with a towerflow.checkpoint.CheckpointManager: pass "
+          "saver=CheckpointManager(logdir, max_to_keep=1), or saver=None to save nothing")
+_WRITER = ("pass a towerflow.training.summaries.SummaryWriter, or summary_writer=None to "
+           "write no summaries")
 
 
 class ManagedSession:
@@ -66,10 +112,28 @@ class ManagedSession:
         return self.strategy.global_step
 
     def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
-        """One training step; the chief also checkpoints when ``save_model_secs`` have passed."""
+        """One training step; the chief also checkpoints and summarises when they are due."""
         result = self.strategy.run_step(loss_fn, batch, lr=lr)
-        self._supervisor._after_step(self, result.global_step)
+        self._supervisor._after_step(self, result)
         return result
+
+
+def _refuse_tf_arguments(tf_arguments: Mapping[str, Any]) -> None:
+    for name, value in tf_arguments.items():
+        if name in REFUSED_TF_ARGUMENTS:
+            raise InvalidArgumentError(
+                f"Supervisor({name}={value!r}): {REFUSED_TF_ARGUMENTS[name]}."
+            )
+    if tf_arguments.get("summary_op", None) is not None:
+        raise InvalidArgumentError(f"Supervisor(summary_op={tf_arguments['summary_op']!r}): "
+                                   f"{_SUMMARY_OP}.")
+
+
+def _known_strategy_options() -> frozenset[str]:
+    from towerflow.strategies.base import STRATEGIES
+    from towerflow.strategies.choose import strategy_options
+
+    return frozenset().union(*(strategy_options(kind) for kind in STRATEGIES))
 
 
 class Supervisor:
@@ -78,24 +142,55 @@ class Supervisor:
     Args:
         is_chief: whether this task initialises, restores and saves.
         logdir: checkpoints and summaries (chief only); None disables both.
-        save_model_secs: seconds between checkpoints (0 or None: only at the end).
+        save_model_secs: seconds between checkpoints (0 or None: not by time).
+        save_model_steps: global steps between checkpoints (0 or None: not by steps).
+            Either way the chief also saves when the session ends.
         max_to_keep: checkpoints kept in ``logdir``.
+        saver: a ``CheckpointManager`` to save with (its directory instead of
+            ``logdir``), or None to save and restore nothing.
+        summary_op: None only: no automatic summaries (``global_step/sec``).
+        summary_writer: a ``SummaryWriter`` to write with, or None to write no
+            summaries; by default one on ``logdir``.
+        save_summaries_secs: seconds between the automatic ``global_step/sec``
+            summaries (0 or None: none).
         global_step: an optional 0-d integer tensor kept equal to the global step.
         init_fn: ``init_fn(model)`` run by the chief when there is no checkpoint,
             before the parameters are sent to the ps tasks.
         stop_signals: signals that request a stop (SIGTERM: preemption).
-        strategy_options: keyword arguments of the ``ParameterServer`` strategy
-            the session builds (``mode``, ``replicas_to_aggregate``, ``staleness``...).
+        strategy_options: keyword arguments of the strategy the session trains
+            with (``mode``, ``replicas_to_aggregate``, ``device_setter``... of the
+            ``ParameterServer`` strategy).
+
+    Raises:
+        InvalidArgumentError: a TensorFlow argument towerflow has no use for
+            (``init_op``, ``ready_op``...: the message says what to use), or an
+            option no strategy takes.
     """
 
+    _UNSET: Any = object()
+
     def __init__(self, is_chief: bool = True, logdir: str | Path | None = None, *,
-                 save_model_secs: float | None = 600.0, max_to_keep: int | None = 5,
+                 save_model_secs: float | None = 600.0, save_model_steps: int | None = None,
+                 max_to_keep: int | None = 5, saver: Any = _UNSET, summary_op: Any = _UNSET,
+                 summary_writer: Any = _UNSET, save_summaries_secs: float | None = 120.0,
                  global_step: torch.Tensor | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
                  stop_signals: tuple[int, ...] = (signal.SIGTERM,),
                  **strategy_options: Any) -> None:
-        if save_model_secs is not None and save_model_secs < 0:
-            raise InvalidArgumentError(f"save_model_secs must be >= 0, got {save_model_secs}.")
+        _refuse_tf_arguments({**strategy_options, "summary_op": None if summary_op is
+                              self._UNSET else summary_op})
+        unknown = sorted(set(strategy_options) - _known_strategy_options())
+        if unknown:
+            raise InvalidArgumentError(
+                f"Supervisor got unknown argument(s) {', '.join(unknown)}; it takes is_chief, "
+                "logdir, save_model_secs, save_model_steps, max_to_keep, saver, summary_op, "
+                "summary_writer, save_summaries_secs, global_step, init_fn, stop_signals and "
+                f"the strategies' options ({', '.join(sorted(_known_strategy_options()))})."
+            )
+        for name, value in (("save_model_secs", save_model_secs),
+                            ("save_summaries_secs", save_summaries_secs)):
+            if value is not None and value < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0, got {value}.")
         if global_step is not None and (global_step.dim() != 0 or global_step.is_floating_point()):
             raise InvalidArgumentError(
                 "global_step must be a 0-d integer tensor, e.g. torch.zeros((), dtype=torch.int64)."
@@ -104,6 +199,12 @@ class Supervisor:
         self.logdir = None if logdir is None else Path(logdir)
         self.save_model_secs = save_model_secs or 0.0
         self.max_to_keep = max_to_keep
+        self._manager = self._saver(saver)
+        self._writer = self._summary_writer(summary_writer)
+        self._writes_summaries = summary_writer is not None and (
+            self._writer is not None or self.logdir is not None)
+        self._schedule = SaveSchedule(save_model_steps, save_model_secs)
+        self._summary_secs = 0.0 if summary_op is None else float(save_summaries_secs or 0.0)
         self.global_step_tensor = global_step
         self.init_fn = init_fn
         self.stop_signals = stop_signals
@@ -112,11 +213,34 @@ class Supervisor:
         self.preempted = False
         self._preempt_saved = False
         self._stop = threading.Event()
-        self._manager: Any = None
-        self._writer: Any = None
         self._session: ManagedSession | None = None
-        self._last_save = time.monotonic()
         self._saved_step: int | None = None
+        self._rate: tuple[float, int] | None = None
+        self._told_not_chief = False
+
+    def _saver(self, saver: Any) -> Any:
+        if saver is self._UNSET:
+            if self.logdir is None:
+                return None
+            from towerflow.checkpoint import CheckpointManager
+
+            return CheckpointManager(self.logdir, max_to_keep=self.max_to_keep)
+        if saver is None:
+            return None
+        from towerflow.checkpoint import CheckpointManager
+
+        if not isinstance(saver, CheckpointManager):
+            raise InvalidArgumentError(f"Supervisor(saver={saver!r}): {_SAVER}.")
+        return saver
+
+    def _summary_writer(self, writer: Any) -> Any:
+        if writer is self._UNSET or writer is None:
+            return None
+        from towerflow.training.summaries import SummaryWriter
+
+        if not isinstance(writer, SummaryWriter):
+            raise InvalidArgumentError(f"Supervisor(summary_writer={writer!r}): {_WRITER}.")
+        return writer
 
     # -- stopping ------------------------------------------------------------------------
     def should_stop(self) -> bool:
@@ -137,57 +261,78 @@ class Supervisor:
     # -- checkpoints and summaries -------------------------------------------------------
     @property
     def checkpoint_manager(self) -> Any:
-        """The ``CheckpointManager`` of ``logdir`` (None without a logdir)."""
-        if self._manager is None and self.logdir is not None:
-            from towerflow.checkpoint import CheckpointManager
+        """The ``CheckpointManager`` the chief saves with (None: it saves nothing)."""
+        return self._manager
 
-            self._manager = CheckpointManager(self.logdir, max_to_keep=self.max_to_keep)
+    @property
+    def saver(self) -> Any:
+        """TensorFlow's name for :attr:`checkpoint_manager`."""
         return self._manager
 
     def save(self, session: ManagedSession | None = None,
              directory: str | Path | None = None) -> Path | None:
-        """Write a checkpoint now (chief only; others return None).
+        """Write a checkpoint now (chief only: elsewhere a warning says so and None is returned).
+
+        A save to another ``directory`` leaves the schedule of ``logdir`` as
+        it was: the periodic and final checkpoints there are still written.
 
         Args:
             session: the session to save (default: the open one).
             directory: another checkpoint directory (default: ``logdir``).
         """
         if not self.is_chief:
+            if not self._told_not_chief:
+                log.warning("Supervisor.save() on a non-chief task writes nothing: only the "
+                            "chief (is_chief=True) saves checkpoints.")
+                self._told_not_chief = True
             return None
         session = session or self._session
         if session is None:
             raise FailedPreconditionError("Supervisor.save() needs an open managed_session.")
-        if directory is not None:
-            from towerflow.checkpoint import CheckpointManager
+        if directory is None:
+            if self._manager is None:
+                raise InvalidArgumentError(
+                    "Supervisor has no logdir (or saver=None); pass directory= to save().")
+            return self._save_to(self._manager, session, schedule=True)
+        from towerflow.checkpoint import CheckpointManager
 
-            manager = CheckpointManager(directory, max_to_keep=self.max_to_keep)
-        else:
-            manager = self.checkpoint_manager
-            if manager is None:
-                raise InvalidArgumentError("Supervisor has no logdir; pass directory= to save().")
+        return self._save_to(CheckpointManager(directory, max_to_keep=self.max_to_keep),
+                             session, schedule=False)
+
+    def _save_to(self, manager: Any, session: ManagedSession, *, schedule: bool) -> Path:
         strategy = session.strategy
         groups = strategy.state_dict()
-        meta = strategy.state_metadata()
-        step = int(meta.get("global_step", strategy.global_step))  # the step of the tensors
-        path = manager.save(step, groups, {"step": step, "strategy": meta})
-        self._last_save, self._saved_step = time.monotonic(), step
+        metadata = checkpoint_metadata(strategy)
+        step = metadata["step"]
+        refuse_non_finite({n: p.detach() for n, p in session.model.named_parameters()},
+                          step, manager.directory)
+        path = manager.save(step, groups, metadata)
+        if schedule:
+            self._schedule.saved()
+            self._saved_step = step
         log.info("saved checkpoint %s", path)
         return path
 
     def summary_computed(self, session: ManagedSession | None,
                          values: Mapping[str, float | torch.Tensor],
                          global_step: int | None = None) -> None:
-        """Write scalar summaries (chief with a logdir only; a no-op elsewhere)."""
-        if not self.is_chief or self.logdir is None:
+        """Write scalar summaries (chief with a writer only; a no-op elsewhere)."""
+        writer = self._summaries()
+        if writer is None:
             return
-        if self._writer is None:
-            from towerflow.training.summaries import SummaryWriter
-
-            self._writer = SummaryWriter(self.logdir)
         session = session or self._session
         step = global_step if global_step is not None else (
             session.global_step if session is not None else 0)
-        self._writer.scalars(step, {k: float(v) for k, v in values.items()})
+        writer.scalars(step, {k: float(v) for k, v in values.items()})
+
+    def _summaries(self) -> Any:
+        if not (self.is_chief and self._writes_summaries):
+            return None
+        if self._writer is None and self.logdir is not None:
+            from towerflow.training.summaries import SummaryWriter
+
+            self._writer = SummaryWriter(self.logdir)
+        return self._writer
 
     # -- the session -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -197,11 +342,16 @@ class Supervisor:
         """Prepare ``model``, restore or initialise it, and yield a :class:`ManagedSession`.
 
         Args:
-            master: the task's ``towerflow.Server`` (or its ``target``, the
-                cluster then coming from ``TF_CONFIG``); None trains locally.
+            master: the task's ``towerflow.Server``, or its ``target``
+                (``"grpc://host:port"``: the server of this process listening
+                there, else the environment's cluster task at that address); None
+                or ``""``: the environment's cluster, else this process alone.
             model: the model to train.
             optimizer: applied on the ps tasks (default SGD, lr 0.1).
-            strategy: use this strategy instead of building one from ``master``.
+            strategy: use this strategy instead of choosing one.
+
+        Raises:
+            InvalidArgumentError: ``master`` names no task this process knows.
         """
         owns = strategy is None
         strategy = strategy if strategy is not None else self._strategy_for(master)
@@ -211,7 +361,8 @@ class Supervisor:
                 self._restore_or_init(strategy, model)
                 session = ManagedSession(self, strategy, prepared)
                 self._session = session
-                self._after_step(session, strategy.global_step, check=False)
+                self._sync_global_step(strategy.global_step)
+                self._rate = (time.monotonic(), strategy.global_step)
                 yield session
                 self._final_save(session)
         except SystemExit:
@@ -226,59 +377,71 @@ class Supervisor:
                 self._writer.flush()
 
     def _strategy_for(self, master: Any) -> Strategy:
-        from towerflow.cluster import Server, resolve_cluster
+        from towerflow.cluster import Server
+        from towerflow.cluster.targets import resolve_target
+        from towerflow.strategies.choose import choose_strategy
 
-        credentials, server = None, True  # True: the strategy serves this task itself
+        options = dict(self.strategy_options)
+        device = options.pop("device", None)
         if isinstance(master, Server):
-            cluster, task, credentials = master.cluster, master.task, master.credentials
-            server = master
-        else:
-            cluster, task = resolve_cluster()
-            if isinstance(master, str) and cluster is not None:
-                task = _task_at(cluster, master) or task
-                server = False  # a target: this task's server runs elsewhere in the process
-        if cluster is not None and task is not None and "ps" in cluster.jobs:
-            from towerflow.strategies.parameter_server import ParameterServer
-
-            options = dict(self.strategy_options)
-            options.setdefault("is_chief", self.is_chief)
-            options.setdefault("server", server)
-            return ParameterServer(cluster, task, credentials=credentials, **options)
-        from towerflow.strategies.single import SingleDevice
-
-        return SingleDevice(self.strategy_options.get("device"))
+            return choose_strategy(server=master, device=device, is_chief=self.is_chief,
+                                   **options)
+        if isinstance(master, str) and master:
+            cluster, task, server = resolve_target(master)
+            if server is not None:
+                return choose_strategy(server=server, device=device, is_chief=self.is_chief,
+                                       **options)
+            return choose_strategy(cluster=cluster, task=task, device=device,
+                                   is_chief=self.is_chief, **options)
+        if master not in (None, ""):
+            raise InvalidArgumentError(
+                f"managed_session(master={master!r}): pass the task's towerflow.Server, its "
+                "target ('grpc://host:port'), or None."
+            )
+        return choose_strategy(device=device, is_chief=self.is_chief, **options)
 
     def _restore_or_init(self, strategy: Strategy, model: nn.Module) -> None:
         if not self.is_chief:
             return
-        manager = self.checkpoint_manager
-        ckpt = manager.restore(device="cpu") if manager is not None else None
+        ckpt = restore_latest(self._manager, strategy) if self._manager is not None else None
         if ckpt is not None:
-            strategy.load_state(ckpt.groups, ckpt.metadata.get("strategy"))
-            self.restored_from = ckpt.step
-            self._saved_step = ckpt.step
-            log.info("restored %s at step %d", ckpt.path, ckpt.step)
+            self.restored_from = self._saved_step = ckpt.step
         elif self.init_fn is not None:
             with torch.no_grad():
                 self.init_fn(model)
 
-    def _after_step(self, session: ManagedSession, step: int, *, check: bool = True) -> None:
+    def _sync_global_step(self, step: int) -> None:
         if self.global_step_tensor is not None:
             self.global_step_tensor.fill_(step)
-        if not check:
-            return
+
+    def _after_step(self, session: ManagedSession, result: StepResult) -> None:
+        step = result.global_step
+        self._sync_global_step(step)
         if self.preempted:
             if self._preempt_saved:  # the loop ignores should_stop(): leave now
                 raise SystemExit(0)
             self._final_save(session)
             self._preempt_saved = True
             return
-        due = self.save_model_secs and time.monotonic() - self._last_save >= self.save_model_secs
-        if due and self.is_chief and self.logdir is not None:
+        if self.is_chief and self._manager is not None and self._schedule.due(step):
             self.save(session)
+        self._step_rate(step)
+
+    def _step_rate(self, step: int) -> None:
+        """TensorFlow's ``global_step/sec`` summary, every ``save_summaries_secs``."""
+        if not self._summary_secs or self._rate is None:
+            return
+        then, first = self._rate
+        now = time.monotonic()
+        if now - then < self._summary_secs:
+            return
+        self._rate = (now, step)
+        writer = self._summaries()
+        if writer is not None:
+            writer.scalars(step, {"global_step/sec": (step - first) / (now - then)})
 
     def _final_save(self, session: ManagedSession) -> None:
-        if self.is_chief and self.logdir is not None \
+        if self.is_chief and self._manager is not None \
                 and session.strategy.global_step != self._saved_step:
             self.save(session)
 
@@ -301,14 +464,3 @@ class Supervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-def _task_at(cluster: Any, target: str) -> Any:
-    from towerflow.cluster import TaskInfo
-    from towerflow.cluster.spec import strip_scheme
-
-    address = strip_scheme(target)
-    for task, task_address in cluster.tasks():
-        if task_address == address:
-            return TaskInfo(task.job_name, task.task_index)
-    return None

@@ -1,0 +1,104 @@
+"""The checkpoint machinery shared by the :class:`Trainer` and the :class:`Supervisor`.
+
+Both resume the same way, save the same way and write the same checkpoint
+metadata, so a train dir written by one is read by the other:
+
+- :func:`restore_latest` — the latest good checkpoint of a directory into a
+  strategy (parameters, optimizer state, global step);
+- :func:`checkpoint_metadata` — the one metadata format: ``step`` (the step of
+  the tensors), ``world_size``, the strategy's own facts under ``strategy``,
+  then what the caller adds (``task``, ``schedule``, ``data``...);
+- :func:`refuse_non_finite` — no checkpoint of a diverged model is ever written;
+- :class:`SaveSchedule` — a save every N steps and/or every S seconds.
+
+Example:
+    >>> schedule = SaveSchedule(every_steps=10)
+    >>> schedule.due(9), schedule.due(10)
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from towerflow.errors import InvalidArgumentError, NanLossDuringTrainingError
+from towerflow.strategies.base import Strategy
+from towerflow.training.hooks import non_finite_tensor
+
+__all__ = ["SaveSchedule", "restore_latest", "checkpoint_metadata", "refuse_non_finite"]
+
+log = logging.getLogger("towerflow.training")
+
+
+class SaveSchedule:
+    """When the next periodic checkpoint is due: every ``every_steps`` steps and/or ``every_secs`` s.
+
+    Args:
+        every_steps: steps between saves (0 or None: not by steps).
+        every_secs: seconds between saves (0 or None: not by time).
+    """
+
+    __slots__ = ("every_steps", "every_secs", "_last_time")
+
+    def __init__(self, every_steps: int | None = None, every_secs: float | None = None) -> None:
+        for name, value in (("every_steps", every_steps), ("every_secs", every_secs)):
+            if value is not None and value < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0 (0 disables), got {value}.")
+        self.every_steps = int(every_steps or 0)
+        self.every_secs = float(every_secs or 0.0)
+        self._last_time = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due after ``step``."""
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        by_time = self.every_secs > 0 and time.monotonic() - self._last_time >= self.every_secs
+        return by_steps or by_time
+
+    def saved(self) -> None:
+        """Record that a checkpoint was just written."""
+        self._last_time = time.monotonic()
+
+
+def restore_latest(manager: Any, strategy: Strategy,
+                   device: str | torch.device | None = "cpu") -> Any:
+    """Load the latest good checkpoint of ``manager`` into ``strategy``; None when there is none."""
+    ckpt = manager.restore(device=device)
+    if ckpt is None:
+        return None
+    strategy.load_state(ckpt.groups, ckpt.metadata.get("strategy"))
+    log.info("restored %s at step %d", ckpt.path, ckpt.step)
+    return ckpt
+
+
+def checkpoint_metadata(strategy: Strategy,
+                        extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The metadata of a checkpoint of ``strategy`` (call after ``strategy.state_dict()``).
+
+    ``step`` is the step of the saved tensors: on a parameter server, that of
+    the snapshot the ps tasks returned, which other workers may have advanced
+    past this worker's last step.
+    """
+    facts = strategy.state_metadata()
+    metadata: dict[str, Any] = dict(extra or {})
+    metadata.update(step=int(facts.get("global_step", strategy.global_step)),
+                    world_size=strategy.world_size, strategy=facts)
+    return metadata
+
+
+def refuse_non_finite(named: Mapping[str, torch.Tensor], step: int,
+                      directory: str | Path | None) -> None:
+    """Raise :class:`NanLossDuringTrainingError` instead of saving a non-finite model."""
+    bad = non_finite_tensor(named)
+    if bad is None:
+        return
+    kept = f"; the checkpoints in {str(directory)!r} hold finite parameters" if directory else ""
+    raise NanLossDuringTrainingError(
+        f"Model diverged with loss = NaN: {bad} is not finite at step {step}; no checkpoint "
+        f"was written{kept}. Lower the learning rate (--lr)."
+    )
