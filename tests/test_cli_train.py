@@ -16,7 +16,7 @@ from towerflow.cli import build_parser, main
 from towerflow.cli.train import replica_argv
 from towerflow.training.spawn import spawn_replicas
 
-_STEP = r"step {}, loss = \d+\.\d\d \(\d+\.\d examples/sec; \d+\.\d{{3}} sec/batch\)"
+_STEP = r"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{6}}: step {}, loss = \d+\.\d\d \(\d+\.\d examples/sec; \d+\.\d{{3}} sec/batch\)"
 
 
 def _train_args(train_dir: Path, steps: int, *extra: str) -> list[str]:

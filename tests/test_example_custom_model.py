@@ -25,7 +25,7 @@ def test_example_trains_with_two_cpu_replicas(tmp_path, subprocess_env, python) 
            "--max-steps", "100"]
     proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"^step 100, loss = ", proc.stdout, re.MULTILINE)
+    assert re.search(r"^[\d-]+ [\d:.]+: step 100, loss = ", proc.stdout, re.MULTILINE)
     precision = float(re.search(r"test precision @ 1 = (\d\.\d+)", proc.stdout).group(1))
     assert precision > 0.8
     ckpt = read_checkpoint(CheckpointManager(tmp_path).latest())

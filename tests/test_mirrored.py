@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.strategies.mirrored import ReplicaEnv
+from towerflow.testing.replicas import run_replicas
 
 # One replica of the equivalence test: rank r initialises with seed r (so only
 # DDP's broadcast of rank 0 makes them equal), takes its half of a fixed
@@ -58,21 +58,9 @@ def test_two_gloo_replicas_match_one_replica_with_twice_the_batch(
         tmp_path: Path, free_ports, subprocess_env, python) -> None:
     from towerflow import load
 
-    port = free_ports(1)[0]
-    procs = []
-    try:
-        for rank in range(2):
-            env = dict(subprocess_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
-            procs.append(subprocess.Popen([python, "-c", _REPLICA, str(tmp_path), "4"], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    results = run_replicas([python, "-c", _REPLICA, str(tmp_path), "4"], world_size=2,
+                           port=free_ports(1)[0], env=subprocess_env)
+    assert [status for status, _ in results] == [0, 0], results
     expected = _reference(per_replica=4)
     replicas = [load(tmp_path / f"rank{r}") for r in range(2)]
     for name, want in expected.items():

@@ -18,7 +18,8 @@ from towerflow.training.hooks import NanLossDuringTrainingError
 from towerflow.training.tasks import DataOptions
 
 STEP_LINE = re.compile(
-    r"^step (\d+), loss = \d+\.\d\d \((\d+\.\d) examples/sec; (\d+\.\d{3}) sec/batch\)$")
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}: "
+    r"step (\d+), loss = \d+\.\d\d \((\d+\.\d) examples/sec; (\d+\.\d{3}) sec/batch\)$")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_nan_loss_stops_training_and_leaves_only_finite_checkpoints(
                        checkpoint_every=checkpoint_every, summary_every=0)
     trainer.config = trainer.config.replace(log_every=log_every)
     with trainer, pytest.raises(NanLossDuringTrainingError,
-                                match=r"Model diverged with loss = NaN at step 6"):
+                                match=r"Model diverged with loss = NaN at step 5 "):
         trainer.fit()
     manager = CheckpointManager(tmp_path)
     assert manager.latest().name == f"ckpt-{last_good:08d}"

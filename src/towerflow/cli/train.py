@@ -39,38 +39,62 @@ _MODELS = ("cifar10", "digits")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Every option of ``towerflow train`` (shared with the parameter-server trainer)."""
+    """Every option of ``towerflow train`` (shared with the parameter-server trainer).
+
+    Article 001's flags also work as its program spells them (``--train_dir``,
+    ``--max_steps``, ``--num_gpus``, ``--log_device_placement``,
+    ``--batch_size``, ``--data_dir``).
+    """
     parser.add_argument("model", choices=_MODELS, help="which built-in model to train")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--num-gpus", type=int, default=None, metavar="N",
-                       help="replicas on this machine, one per GPU (NCCL)")
+    where.add_argument("--num-gpus", "--num_gpus", type=int, default=None, metavar="N",
+                       help="replicas on this machine, one per GPU (NCCL); default: one process")
     where.add_argument("--replicas", type=int, default=None, metavar="N",
-                       help="replicas on this machine as CPU processes (Gloo)")
+                       help="replicas on this machine as CPU processes (Gloo); "
+                       "default: one process")
     parser.add_argument("--device", default=None,
-                        help="device of a single-process run, e.g. /cpu:0 or /gpu:1")
-    parser.add_argument("--train-dir", default=None,
-                        help="checkpoints and summaries (default /tmp/<model>_train)")
-    parser.add_argument("--max-steps", type=int, default=1000000)
-    parser.add_argument("--batch-size", type=int, default=128, help="examples per replica")
-    parser.add_argument("--data-dir", default="/tmp/cifar10_data",
-                        help="CIFAR-10 binary files (downloaded when absent)")
+                        help="device of a single-process run, e.g. /cpu:0 or /gpu:1; "
+                        "default: the first GPU, else the CPU")
+    parser.add_argument("--train-dir", "--train_dir", default=None, metavar="DIR",
+                        help="checkpoints and summaries; default: /tmp/<model>_train")
+    parser.add_argument("--max-steps", "--max_steps", type=int, default=1000000, metavar="N",
+                        help="global step at which training stops")
+    parser.add_argument("--batch-size", "--batch_size", type=int, default=128, metavar="N",
+                        help="examples per replica per step")
+    parser.add_argument("--data-dir", "--data_dir", default="/tmp/cifar10_data", metavar="DIR",
+                        help="CIFAR-10 binary files (downloaded there when absent)")
     parser.add_argument("--data", choices=("real", "synthetic"), default="real",
-                        help="'synthetic': random CIFAR-10-shaped images, for speed runs")
-    parser.add_argument("--synthetic-examples", type=int, default=10000)
+                        help="'synthetic': random CIFAR-10-shaped images, for speed runs "
+                        "or with no network")
+    parser.add_argument("--synthetic-examples", type=int, default=10000, metavar="N",
+                        help="examples in the synthetic data set (with --data synthetic)")
     parser.add_argument("--no-download", action="store_true",
                         help="fail instead of downloading missing CIFAR-10 files")
-    parser.add_argument("--log-device-placement", action="store_true",
+    parser.add_argument("--log-device-placement", "--log_device_placement",
+                        action="store_true",
                         help="log the device of every operation of the first step")
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--summary-every", type=int, default=100)
-    parser.add_argument("--checkpoint-every", type=int, default=1000)
-    parser.add_argument("--max-to-keep", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=None, help="initial learning rate (0.1)")
-    parser.add_argument("--lr-decay-factor", type=float, default=0.1)
-    parser.add_argument("--epochs-per-decay", type=float, default=None, help="(350)")
-    parser.add_argument("--ema-decay", type=float, default=0.9999)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    parser.add_argument("--log-every", type=int, default=10, metavar="N",
+                        help="print the step line (loss, examples/sec) every N steps")
+    parser.add_argument("--summary-every", type=int, default=100, metavar="N",
+                        help="write TensorBoard summaries every N steps (0: never)")
+    parser.add_argument("--checkpoint-every", type=int, default=1000, metavar="N",
+                        help="save a checkpoint every N steps, and at the last step "
+                        "(0: only at the last)")
+    parser.add_argument("--max-to-keep", type=int, default=5, metavar="N",
+                        help="how many recent checkpoints to keep")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="initial learning rate; default: 0.1")
+    parser.add_argument("--lr-decay-factor", type=float, default=0.1, metavar="F",
+                        help="the learning rate is multiplied by F every --epochs-per-decay")
+    parser.add_argument("--epochs-per-decay", type=float, default=None, metavar="E",
+                        help="epochs between learning-rate decays; default: 350")
+    parser.add_argument("--ema-decay", type=float, default=0.9999, metavar="D",
+                        help="decay of the parameters' moving averages, which eval "
+                        "scores (0: none)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the initialisation, the data order and the distortions")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="never show a progress bar (shown when stderr is a terminal)")
     parser.add_argument("--ps", type=int, default=0, metavar="K",
                         help="train with K local parameter-server tasks instead of all-reduce")
     parser.add_argument("--mode", choices=("async", "sync", "ssp"), default="async",

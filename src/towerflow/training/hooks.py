@@ -6,12 +6,18 @@ steps where some hook asks for it (:meth:`Hook.wants_loss`): every 10 steps
 for the log, every 100 for summaries, before every checkpoint. Every replica
 runs the same hooks (the loss read is a collective); only the chief writes.
 
-The step log has article 001's format::
+The step log has article 001's format, timestamp first::
 
-    step 10, loss = 2.30 (1234.5 examples/sec; 0.104 sec/batch)
+    2026-11-22 10:00:00.123456: step 10, loss = 2.30 (1234.5 examples/sec; 0.104 sec/batch)
 
-where examples/sec counts the global batch (all replicas) and sec/batch is the
-mean wall time of one step since the previous line.
+where examples/sec counts the global batch (all replicas) and sec/batch is, as
+the article computes it, the mean wall time of one step since the previous
+line divided by the batches one step consumes (``duration / num_gpus``).
+
+The NaN guard (:class:`NanGuard`) folds every step's loss into an on-device
+"first non-finite step" tensor without synchronising; it is read together
+with the loss on the steps that read the loss anyway, and names the exact step
+at which the loss first became NaN or infinite.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
@@ -40,6 +48,7 @@ __all__ = [
     "SummaryHook",
     "CheckpointHook",
     "ProgressHook",
+    "NanGuard",
     "check_finite_loss",
     "format_step_line",
 ]
@@ -67,8 +76,30 @@ class StepContext:
     global_batch: int
 
 
+def _newest(manager: CheckpointManager | None) -> Path | None:
+    saved = manager.checkpoints() if manager is not None else []
+    return saved[-1] if saved else None
+
+
+def _checkpoint_note(newest: Path | None) -> str:
+    """Where the newest checkpoint (always finite) is, or ``""`` when none was written."""
+    return f"; the newest checkpoint, {str(newest)!r}, holds finite parameters" if newest else ""
+
+
+def _diverged(step: int, loss: float, newest: Path | None,
+              read_at: int | None = None) -> NanLossDuringTrainingError:
+    seen = f", read at step {read_at}" if read_at is not None and read_at != step else ""
+    return NanLossDuringTrainingError(
+        f"Model diverged with loss = NaN at step {step} (loss {loss}{seen})"
+        f"{_checkpoint_note(newest)}. Lower the learning rate (--lr) or check the input data."
+    )
+
+
 def check_finite_loss(loss: float, step: int, train_dir: Any = None) -> None:
     """Raise :class:`NanLossDuringTrainingError` when ``loss`` is NaN or infinite.
+
+    The message names the newest checkpoint in ``train_dir`` (if any), which the
+    loop only ever writes from finite parameters.
 
     Example:
         >>> check_finite_loss(2.3, 10)
@@ -80,22 +111,94 @@ def check_finite_loss(loss: float, step: int, train_dir: Any = None) -> None:
     """
     if math.isfinite(loss):
         return
-    where = f"; the checkpoints in {str(train_dir)!r} hold finite parameters" if train_dir else ""
-    raise NanLossDuringTrainingError(
-        f"Model diverged with loss = NaN at step {step} (loss {loss}){where}. "
-        "Lower the learning rate (--lr) or check the input data."
-    )
+    newest = None
+    if train_dir is not None and Path(train_dir).is_dir():
+        from towerflow.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(train_dir)
+    raise _diverged(step, loss, newest)
 
 
-def format_step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float) -> str:
-    """Article 001's step log line.
+def format_step_line(step: int, loss: float, examples_per_sec: float, sec_per_batch: float,
+                     now: datetime | None = None) -> str:
+    """Article 001's step log line, stamped with ``now`` (default: the current time).
 
     Example:
-        >>> format_step_line(10, 2.3012, 1234.54, 0.1037)
-        'step 10, loss = 2.30 (1234.5 examples/sec; 0.104 sec/batch)'
+        >>> format_step_line(10, 2.3012, 1234.54, 0.1037, datetime(2026, 11, 22, 10))
+        '2026-11-22 10:00:00.000000: step 10, loss = 2.30 (1234.5 examples/sec; 0.104 sec/batch)'
     """
-    return (f"step {step}, loss = {loss:.2f} ({examples_per_sec:.1f} examples/sec; "
+    stamp = (now or datetime.now()).isoformat(sep=" ", timespec="microseconds")
+    return (f"{stamp}: step {step}, loss = {loss:.2f} ({examples_per_sec:.1f} examples/sec; "
             f"{sec_per_batch:.3f} sec/batch)")
+
+
+# a step number travels as two float32 halves, each exact after an all-reduce
+_HALF = 4096
+
+
+class NanGuard:
+    """The exact step at which the loss first became NaN or infinite, with no sync per step.
+
+    :meth:`observe` runs every step and only queues device work: it keeps an
+    on-device tensor holding the first step whose loss was not finite (-1
+    while there is none). :meth:`read` runs on the steps where the loss is read
+    anyway; it reduces the loss and every replica's first bad step in one
+    collective and raises :class:`NanLossDuringTrainingError` naming the
+    earliest.
+
+    Args:
+        manager: the run's checkpoints, named in the message when there are
+            any (None: the run writes none).
+
+    Example:
+        >>> import torch
+        >>> class One:  # a single process: the mean over replicas is the value
+        ...     rank, world_size = 0, 1
+        ...     def reduce_mean(self, value): return value
+        >>> guard = NanGuard()
+        >>> for step, loss in enumerate([2.3, 2.1, float("nan"), 2.0], start=1):
+        ...     guard.observe(step, torch.tensor(loss))
+        >>> try:
+        ...     guard.read(One(), torch.tensor(2.0), 4)
+        ... except NanLossDuringTrainingError as exc:
+        ...     print(str(exc)[:40])
+        Model diverged with loss = NaN at step 3
+    """
+
+    def __init__(self, manager: CheckpointManager | None = None) -> None:
+        self.manager = manager
+        self._first: torch.Tensor | None = None
+
+    def observe(self, step: int, loss: torch.Tensor) -> None:
+        """Record ``step`` if its loss is the first non-finite one (device work only)."""
+        loss = loss.detach()
+        if self._first is None:
+            self._first = torch.full((), -1, dtype=torch.int64, device=loss.device)
+        keep = torch.isfinite(loss).all() | (self._first >= 0)
+        self._first = torch.where(keep, self._first, step)
+
+    def read(self, strategy: Any, loss: torch.Tensor, step: int) -> float:
+        """The loss of ``step`` averaged over replicas; raise if any replica saw a bad loss.
+
+        Every replica calls it on the same steps (it is one collective).
+        """
+        world, rank = strategy.world_size, strategy.rank
+        loss = loss.detach().reshape(()).to(torch.float32)
+        packed = torch.zeros(1 + 2 * world, dtype=torch.float32, device=loss.device)
+        packed[0] = loss
+        if self._first is not None:
+            first = (self._first + 1).to(loss.device)  # 0: no bad step on this replica
+            packed[1 + 2 * rank] = torch.div(first, _HALF, rounding_mode="floor")
+            packed[2 + 2 * rank] = first % _HALF
+        values = [v * world for v in strategy.reduce_mean(packed).cpu().tolist()]
+        mean_loss = values[0] / world
+        firsts = [round(values[1 + 2 * i]) * _HALF + round(values[2 + 2 * i]) - 1
+                  for i in range(world)]
+        bad = [first for first in firsts if first >= 0]
+        if bad or not math.isfinite(mean_loss):
+            raise _diverged(min(bad, default=step), mean_loss, _newest(self.manager),
+                           read_at=step)
+        return mean_loss
 
 
 class _Rate:
@@ -107,13 +210,18 @@ class _Rate:
         self._step = step
         self._time = time.perf_counter()
 
-    def read(self, step: int, global_batch: int) -> tuple[float, float]:
-        """``(examples/sec, sec/batch)`` since the last read; resets the interval."""
+    def read(self, step: int, global_batch: int, batches: int = 1) -> tuple[float, float]:
+        """``(examples/sec, sec/batch)`` since the last read; resets the interval.
+
+        A step's duration is the interval over the steps in it; sec/batch
+        divides it by the ``batches`` one step consumes, as article 001 divides
+        by ``num_gpus``.
+        """
         now = time.perf_counter()
         steps = max(step - self._step, 1)
-        sec_per_batch = max(now - self._time, 1e-9) / steps
+        duration = max(now - self._time, 1e-9) / steps
         self._step, self._time = step, now
-        return global_batch / sec_per_batch, sec_per_batch
+        return global_batch / duration, duration / max(batches, 1)
 
 
 def _every(step: int, every: int) -> bool:
@@ -138,17 +246,19 @@ class Hook:
 
 
 class StepLogHook(Hook):
-    """Print ``step N, loss = ...`` every ``every`` steps (chief only)."""
+    """Print ``<time>: step N, loss = ...`` every ``every`` steps (chief only)."""
 
     def __init__(self, every: int = 10, stream: TextIO | None = None) -> None:
         self.every = every
         self.stream = stream
         self._rate = _Rate(0)
         self._chief = True
+        self._batches = 1
 
     def begin(self, trainer: Trainer) -> None:
         self._rate = _Rate(trainer.global_step)
         self._chief = trainer.strategy.is_chief
+        self._batches = trainer.strategy.batches_per_step
 
     def wants_loss(self, step: int) -> bool:
         return _every(step, self.every)
@@ -156,7 +266,8 @@ class StepLogHook(Hook):
     def after_step(self, ctx: StepContext) -> None:
         if ctx.loss is None or not _every(ctx.step, self.every):
             return
-        examples_per_sec, sec_per_batch = self._rate.read(ctx.step, ctx.global_batch)
+        examples_per_sec, sec_per_batch = self._rate.read(ctx.step, ctx.global_batch,
+                                                          self._batches)
         if self._chief:
             line = format_step_line(ctx.step, ctx.loss, examples_per_sec, sec_per_batch)
             print(line, file=self.stream or sys.stdout, flush=True)
@@ -227,9 +338,8 @@ class CheckpointHook(Hook):
         bad = trainer.non_finite_state()
         if bad:
             raise NanLossDuringTrainingError(
-                f"Model diverged with loss = NaN: {bad} is not finite at step {ctx.step}; "
-                f"no checkpoint was written, the ones in {str(self.manager.directory)!r} "
-                "hold finite parameters. Lower the learning rate (--lr)."
+                f"Model diverged with loss = NaN: {bad} is not finite at step {ctx.step} and "
+                f"was not saved{_checkpoint_note(_newest(self.manager))}. Lower the learning rate (--lr)."
             )
         if trainer.strategy.is_chief:
             groups, metadata = trainer.checkpoint_state()
