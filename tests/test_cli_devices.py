@@ -23,8 +23,11 @@ def test_json_lists_every_device_with_tensorflow_field_names(
         "name": "/device:CPU:0",
         "device_type": "CPU",
         "memory_limit": psutil.virtual_memory().total,
+        "locality": {},
+        "incarnation": devices[0]["incarnation"],
         "physical_device_desc": "",
     }
+    assert devices[0]["incarnation"] > 0
     for index, gpu in enumerate(devices[1:]):
         assert gpu["name"] == f"/device:GPU:{index}"
         assert gpu["physical_device_desc"].startswith(f"device: {index}, name: ")

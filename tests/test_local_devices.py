@@ -12,6 +12,7 @@ import towerflow
 from towerflow.devices import configure, list_local_devices
 from towerflow.devices.local import (
     DeviceInfo,
+    DeviceLocality,
     GpuProperties,
     SimulatedCudaRuntime,
     describe_gpu,
@@ -37,7 +38,8 @@ def no_visibility_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cpu_is_listed_with_physical_memory() -> None:
     cpu = list_local_devices()[0]
-    assert cpu == DeviceInfo("/device:CPU:0", "CPU", psutil.virtual_memory().total, "")
+    assert cpu == DeviceInfo("/device:CPU:0", "CPU", psutil.virtual_memory().total, "",
+                             DeviceLocality(), cpu.incarnation)
     assert cpu.full_name == "/job:localhost/replica:0/task:0/device:CPU:0"
     assert towerflow.list_local_devices()[0].name == "/device:CPU:0"
 
@@ -58,10 +60,17 @@ def test_gpu_description_has_tensorflow_format(no_visibility_env: None) -> None:
         "device: 1, name: NVIDIA H100 80GB HBM3 #1, pci bus id: 0000:03:00.0, "
         "compute capability: 9.0"
     )
+    assert gpu.locality == DeviceLocality(bus_id=1)
     assert str(gpu).splitlines() == [
         'name: "/device:GPU:1"',
         'device_type: "GPU"',
         f"memory_limit: {81 << 30}",
+        "locality {",
+        "  bus_id: 1",
+        "  links {",
+        "  }",
+        "}",
+        f"incarnation: {gpu.incarnation}",
         'physical_device_desc: "device: 1, name: NVIDIA H100 80GB HBM3 #1, pci bus id: '
         '0000:03:00.0, compute capability: 9.0"',
     ]
@@ -152,3 +161,32 @@ def test_real_memory_fraction_caps_allocations() -> None:
     assert small.numel() == int(total * 0.3)
     del small
     torch.cuda.empty_cache()
+
+
+def test_devices_carry_tensorflows_incarnation_and_locality() -> None:
+    cpu = list_local_devices()[0]
+    assert 0 < cpu.incarnation < 1 << 64
+    assert list_local_devices()[0].incarnation == cpu.incarnation  # stable in the process
+    assert cpu.locality == DeviceLocality()  # TensorFlow leaves the CPU's locality empty
+    assert str(cpu).splitlines()[3:] == ["locality {", "}", f"incarnation: {cpu.incarnation}"]
+    assert cpu.as_dict() == {
+        "name": "/device:CPU:0", "device_type": "CPU", "memory_limit": cpu.memory_limit,
+        "locality": {}, "incarnation": cpu.incarnation, "physical_device_desc": "",
+    }
+    with use_cuda_runtime(_machine(2)):
+        gpus = list_local_devices()[1:]
+    assert len({cpu.incarnation, *(g.incarnation for g in gpus)}) == 3
+    assert gpus[0].as_dict()["locality"] == {"bus_id": 1, "links": {"link": []}}
+
+
+def test_incarnation_differs_between_processes(python: str,
+                                               subprocess_env: dict[str, str]) -> None:
+    import subprocess
+
+    code = "import towerflow; print(towerflow.list_local_devices()[0].incarnation)"
+    seen = {
+        subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
+                       env=subprocess_env, timeout=120).stdout.strip()
+        for _ in range(2)
+    }
+    assert len(seen) == 2

@@ -20,8 +20,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "devices",
         help="list the local devices (CPU and visible GPUs)",
         description="List the devices of this machine as TensorFlow's "
-        "device_lib.list_local_devices() does: name, device_type, memory_limit and "
-        "physical_device_desc. CUDA_VISIBLE_DEVICES is honoured.",
+        "device_lib.list_local_devices() does: name, device_type, memory_limit, locality, "
+        "incarnation and physical_device_desc (--json). CUDA_VISIBLE_DEVICES is honoured.",
     )
     parser.add_argument(
         "--json", action="store_true", help="print a JSON list of objects instead of a table"

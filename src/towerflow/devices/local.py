@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import psutil
 import torch
 
+from towerflow import _identity
 from towerflow.devices.settings import get_config
 
 __all__ = [
     "LOCAL_TASK",
+    "task_prefix",
     "DeviceInfo",
+    "DeviceLocality",
+    "InterconnectLink",
     "GpuProperties",
     "CudaRuntime",
     "TorchCudaRuntime",
@@ -43,8 +48,18 @@ __all__ = [
     "full_name",
 ]
 
-#: The job/replica/task prefix of this process's devices in logs and errors.
+#: The job/replica/task prefix of the devices of a process that is in no cluster.
 LOCAL_TASK = "/job:localhost/replica:0/task:0"
+
+
+def task_prefix() -> str:
+    """The job/replica/task of this process's devices: its cluster task, else ``LOCAL_TASK``.
+
+    Example:
+        >>> task_prefix()  # in no cluster
+        '/job:localhost/replica:0/task:0'
+    """
+    return _identity.prefix()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +118,10 @@ class TorchCudaRuntime:
 
     def set_memory_fraction(self, fraction: float, index: int) -> None:
         torch.cuda.set_per_process_memory_fraction(fraction, device=index)
+
+    def can_access_peer(self, index: int, peer: int) -> bool:
+        """Whether GPU ``index`` can read GPU ``peer``'s memory directly (NVLink / PCIe P2P)."""
+        return bool(torch.cuda.can_device_access_peer(index, peer))
 
 
 class SimulatedCudaRuntime:
@@ -191,6 +210,85 @@ def use_cuda_runtime(runtime: CudaRuntime) -> Iterator[CudaRuntime]:
 
 
 @dataclass(frozen=True, slots=True)
+class InterconnectLink:
+    """A direct link from one GPU to another (TensorFlow's ``InterconnectLink``).
+
+    Attributes:
+        device_id: the peer GPU's index.
+        type: the link kind (``"StreamExecutor"``: peer-to-peer access, as TF names it).
+        strength: TensorFlow's link strength (1 for peer access).
+    """
+
+    device_id: int
+    type: str = "StreamExecutor"
+    strength: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLocality:
+    """Where a device sits in the machine (TensorFlow's ``DeviceLocality``).
+
+    TensorFlow leaves a CPU's locality empty; a GPU's ``bus_id`` is its NUMA
+    node plus one (1 when the machine reports none) and ``links`` lists the
+    GPUs it can reach directly.
+
+    Attributes:
+        bus_id: NUMA node + 1 (0: unset, as for the CPU).
+        numa_node: the NUMA node (0 when unknown).
+        links: the direct links to other GPUs.
+    """
+
+    bus_id: int = 0
+    numa_node: int = 0
+    links: tuple[InterconnectLink, ...] = ()
+
+    def as_dict(self) -> dict[str, object]:
+        """The fields TensorFlow prints (unset ones left out, as protobuf text does)."""
+        out: dict[str, object] = {}
+        if self.bus_id:
+            out["bus_id"] = self.bus_id
+        if self.numa_node:
+            out["numa_node"] = self.numa_node
+        if self.bus_id or self.links:
+            out["links"] = {"link": [
+                {"device_id": link.device_id, "type": link.type, "strength": link.strength}
+                for link in self.links]}
+        return out
+
+    def text_lines(self) -> list[str]:
+        """The ``locality { ... }`` block of TensorFlow's ``DeviceAttributes`` text."""
+        lines = ["locality {"]
+        if self.bus_id:
+            lines.append(f"  bus_id: {self.bus_id}")
+        if self.numa_node:
+            lines.append(f"  numa_node: {self.numa_node}")
+        if self.bus_id or self.links:
+            lines.append("  links {")
+            for link in self.links:
+                lines += ["    link {", f"      device_id: {link.device_id}",
+                          f'      type: "{link.type}"', f"      strength: {link.strength}",
+                          "    }"]
+            lines.append("  }")
+        lines.append("}")
+        return lines
+
+
+_INCARNATIONS: dict[str, int] = {}
+
+
+def incarnation(name: str) -> int:
+    """A random non-zero 64-bit id of device ``name``, the same for the life of the process.
+
+    TensorFlow gives each device such an id so that a peer can tell a restarted
+    process's device from the one it knew.
+    """
+    value = _INCARNATIONS.get(name)
+    if value is None:
+        value = _INCARNATIONS.setdefault(name, secrets.randbits(64) or 1)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceInfo:
     """One local device, with TensorFlow's ``device_lib`` field names.
 
@@ -201,24 +299,30 @@ class DeviceInfo:
             ``gpu_memory_fraction`` when one is configured).
         physical_device_desc: for a GPU, ``device: 0, name: ..., pci bus id:
             ..., compute capability: 9.0``; empty for the CPU.
+        locality: the device's :class:`DeviceLocality` (empty for the CPU).
+        incarnation: a random 64-bit id, stable for the life of the process.
     """
 
     name: str
     device_type: str
     memory_limit: int
     physical_device_desc: str = ""
+    locality: DeviceLocality = field(default_factory=DeviceLocality)
+    incarnation: int = 0
 
     @property
     def full_name(self) -> str:
         """The name with this process's task: ``/job:localhost/replica:0/task:0/device:GPU:0``."""
-        return LOCAL_TASK + self.name
+        return task_prefix() + self.name
 
-    def as_dict(self) -> dict[str, str | int]:
-        """The four fields as a JSON-able dict."""
+    def as_dict(self) -> dict[str, object]:
+        """The fields as a JSON-able dict (TensorFlow's ``DeviceAttributes``)."""
         return {
             "name": self.name,
             "device_type": self.device_type,
             "memory_limit": self.memory_limit,
+            "locality": self.locality.as_dict(),
+            "incarnation": self.incarnation,
             "physical_device_desc": self.physical_device_desc,
         }
 
@@ -227,10 +331,31 @@ class DeviceInfo:
             f'name: "{self.name}"',
             f'device_type: "{self.device_type}"',
             f"memory_limit: {self.memory_limit}",
+            *self.locality.text_lines(),
+            f"incarnation: {self.incarnation}",
         ]
         if self.physical_device_desc:
             lines.append(f'physical_device_desc: "{self.physical_device_desc}"')
         return "\n".join(lines)
+
+
+def _numa_node(pci_bus_id: str | None) -> int:
+    """The NUMA node Linux reports for a PCI device (0 when unknown, as TensorFlow reads -1)."""
+    if not pci_bus_id:
+        return 0
+    try:
+        with open(f"/sys/bus/pci/devices/{pci_bus_id.lower()}/numa_node") as handle:
+            return max(int(handle.read().strip()), 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _gpu_locality(index: int, props: GpuProperties, count: int) -> DeviceLocality:
+    numa = _numa_node(props.pci_bus_id)
+    peer = getattr(_runtime, "can_access_peer", None)
+    links = tuple(InterconnectLink(other) for other in range(count)
+                  if other != index and peer is not None and peer(index, other))
+    return DeviceLocality(bus_id=numa + 1, numa_node=numa, links=links)
 
 
 def describe_gpu(index: int, props: GpuProperties) -> str:
@@ -264,32 +389,44 @@ def list_local_devices() -> list[DeviceInfo]:
         'CPU'
     """
     fraction = get_config().gpu_memory_fraction
-    devices = [DeviceInfo("/device:CPU:0", "CPU", int(psutil.virtual_memory().total))]
-    for index in range(_runtime.device_count()):
+    cpu = "/device:CPU:0"
+    devices = [DeviceInfo(cpu, "CPU", int(psutil.virtual_memory().total),
+                          incarnation=incarnation(cpu))]
+    count = _runtime.device_count()
+    for index in range(count):
         props = _runtime.properties(index)
         limit = props.total_memory if fraction is None else int(props.total_memory * fraction)
-        devices.append(
-            DeviceInfo(f"/device:GPU:{index}", "GPU", limit, describe_gpu(index, props))
-        )
+        name = f"/device:GPU:{index}"
+        devices.append(DeviceInfo(name, "GPU", limit, describe_gpu(index, props),
+                                  _gpu_locality(index, props, count), incarnation(name)))
     return devices
 
 
 def full_name(device: torch.device) -> str:
-    """``cpu`` -> ``/job:localhost/replica:0/task:0/device:CPU:0``; ``cuda:1`` -> ``...GPU:1``."""
+    """``cpu`` -> ``/job:localhost/replica:0/task:0/device:CPU:0``; ``cuda:1`` -> ``...GPU:1``.
+
+    The job, replica and task are this process's (:func:`task_prefix`).
+    """
+    global _full_names_generation
+    if _full_names_generation != _identity.generation():
+        _FULL_NAMES.clear()
+        _full_names_generation = _identity.generation()
     name = _FULL_NAMES.get(device)
     if name is None:
+        prefix = task_prefix()
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            name = f"{LOCAL_TASK}/device:GPU:{index}"
+            name = f"{prefix}/device:GPU:{index}"
         elif device.type == "cpu":
-            name = f"{LOCAL_TASK}/device:CPU:0"
+            name = f"{prefix}/device:CPU:0"
         else:
-            name = f"{LOCAL_TASK}/device:{device.type.upper()}:{device.index or 0}"
+            name = f"{prefix}/device:{device.type.upper()}:{device.index or 0}"
         _FULL_NAMES[device] = name
     return name
 
 
 _FULL_NAMES: dict[torch.device, str] = {}
+_full_names_generation = -1
 
 
 def _leading_int(text: str) -> int:
