@@ -13,8 +13,9 @@ retrying)`` until task 1 is up, then both print their results and exit::
 
 Other ports: ``--ports 3998,3999`` (the same on both). Both tasks must share
 the cluster secret: ``TOWERFLOW_SECRET_FILE=/path/to/secret`` (mode 0600) on
-both, or, when neither variable is set, a per-user file in the temp directory
-created by whichever task starts first.
+both, or, when neither variable is set, the file ``--secret-file`` (default
+``cluster_hello.secret`` in the current directory, so start both tasks from
+the same one), created with mode 0600 by whichever task starts first.
 
 The same program as every task of a cluster started by towerflow (``TF_CONFIG``
 and the secret are set for each task)::
@@ -28,7 +29,6 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -69,12 +69,11 @@ class Hello:
         )
 
 
-def local_credentials() -> Credentials:
-    """The cluster secret from the environment, else a per-user file shared by both tasks."""
+def local_credentials(path: Path) -> Credentials:
+    """The cluster secret from the environment, else the file ``path`` shared by both tasks."""
     credentials = Credentials.from_env()
     if credentials.secret:
         return credentials
-    path = Path(tempfile.gettempdir()) / f"towerflow-cluster-hello-{os.getuid()}.secret"
     try:
         staging = path.with_suffix(f".{os.getpid()}")
         write_secret_file(staging, os.urandom(32).hex().encode())
@@ -94,6 +93,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--task", type=int, default=None, help="this task's index (0 or 1)")
     parser.add_argument("--ports", default="2998,2999", help="the two tasks' ports")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for peers")
+    parser.add_argument("--secret-file", type=Path, default=Path("cluster_hello.secret"),
+                        help="the shared secret when TOWERFLOW_SECRET(_FILE) is not set; "
+                        "created by the first task (default: %(default)s)")
     return parser.parse_args()
 
 
@@ -108,7 +110,7 @@ def main() -> int:
         task = TaskInfo("local", args.task or 0)
     peers = [t for t, _ in cluster.tasks() if t != task]
     hello = Hello(task, len(peers))
-    server = Server(cluster, task.job_name, task.task_index, credentials=local_credentials(),
+    server = Server(cluster, task.job_name, task.task_index, credentials=local_credentials(args.secret_file),
                     handlers=[hello.handlers()])  # fmt: skip
     try:
         server.wait_for_peers(timeout=args.timeout)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +70,51 @@ def test_a_checkpoint_trained_on_a_gpu_evaluates_on_the_cpu(tmp_path, capsys) ->
     capsys.readouterr()
     assert main(["eval", "digits", "--train-dir", str(tmp_path), "--device", "/cpu:0"]) == 0
     assert PRECISION.search(capsys.readouterr().out)
+
+
+def _train_cifar10(run: Path, *data_flags: str) -> None:
+    argv = ["train", "cifar10", "--train-dir", str(run), "--max-steps", "1", "--batch-size", "4",
+            "--device", "/cpu:0", "--summary-every", "0", "--no-progress", *data_flags]
+    assert main(argv) == 0
+
+
+def test_eval_reads_the_test_split_of_the_data_the_run_trained_on(tmp_path, capsys,
+                                                                  monkeypatch) -> None:
+    from test_trainer import write_tiny_cifar10
+
+    write_tiny_cifar10(tmp_path / "data", per_file=3)
+    monkeypatch.chdir(tmp_path)  # a relative --data-dir, evaluated from elsewhere later
+    _train_cifar10(tmp_path / "run", "--data_dir", "data", "--no-download")
+    monkeypatch.chdir(tmp_path / "run")
+    capsys.readouterr()
+    assert main(["eval", "cifar10", "--train-dir", str(tmp_path / "run"),
+                 "--device", "/cpu:0"]) == 0
+    out = capsys.readouterr().out
+    assert "on 3 test examples" in out and PRECISION.search(out), out
+
+
+def test_eval_of_a_synthetic_run_uses_synthetic_data_and_flags_override_it(tmp_path,
+                                                                           capsys) -> None:
+    run = tmp_path / "run"
+    _train_cifar10(run, "--data", "synthetic", "--synthetic-examples", "12",
+                   "--data-dir", str(tmp_path / "nowhere"), "--no-download")
+    saved = json.loads((run / "data.json").read_text())
+    assert saved["synthetic"] is True and saved["synthetic_examples"] == 12
+    capsys.readouterr()
+    base = ["eval", "cifar10", "--train-dir", str(run), "--device", "/cpu:0"]
+    assert main(base) == 0
+    assert "on 12 test examples" in capsys.readouterr().out
+    assert main([*base, "--synthetic-examples", "5"]) == 0
+    assert "on 5 test examples" in capsys.readouterr().out
+    # real data named on the command line wins over the recorded synthetic setting
+    assert main([*base, "--data", "real"]) == 2
+    assert "test_batch.bin are not in" in capsys.readouterr().err
+
+
+def test_a_damaged_data_record_is_named(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    _train_cifar10(run, "--data", "synthetic", "--synthetic-examples", "4")
+    (run / "data.json").write_text("[1, 2]")
+    assert main(["eval", "cifar10", "--train-dir", str(run), "--device", "/cpu:0"]) == 2
+    assert re.search(r"data\.json' does not hold a run's data settings .* delete it",
+                     capsys.readouterr().err)

@@ -99,3 +99,41 @@ def test_replicas_get_torchrun_environment(tmp_path) -> None:
     assert spawn_replicas([sys.executable, "-c", code, str(tmp_path / "r")], 2) == 0
     assert (tmp_path / "r0").read_text() == "0,0,2,127.0.0.1"
     assert (tmp_path / "r1").read_text() == "1,1,2,127.0.0.1"
+
+
+def _train_flags() -> set[str]:
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {flag for action in sub.choices["train"]._actions for flag in action.option_strings}
+
+
+def _assert_names_real_flags(message: str) -> None:
+    assert "--data synthetic" in message and "--no-download" in message, message
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z_-]*", message))
+    assert named <= _train_flags(), f"{sorted(named - _train_flags())} are not flags: {message}"
+
+
+def test_missing_cifar10_with_no_download_names_the_flags_that_exist(tmp_path, capsys) -> None:
+    argv = ["train", "cifar10", "--data-dir", str(tmp_path / "empty"), "--no-download",
+            "--train-dir", str(tmp_path / "run"), "--max-steps", "1", "--device", "/cpu:0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "towerflow train: error: CIFAR-10 train files" in err
+    _assert_names_real_flags(err)
+
+
+@pytest.mark.slow
+def test_a_failed_cifar10_download_suggests_synthetic_data_and_the_real_flags(
+        tmp_path, free_ports, subprocess_env, python) -> None:
+    closed = free_ports(1)[0]  # every request goes through a proxy that is not there
+    env = dict(subprocess_env, https_proxy=f"http://127.0.0.1:{closed}",
+               HTTPS_PROXY=f"http://127.0.0.1:{closed}", no_proxy="", NO_PROXY="")
+    cmd = [python, "-m", "towerflow", "train", "cifar10", "--data-dir", str(tmp_path / "data"),
+           "--train-dir", str(tmp_path / "run"), "--max-steps", "1", "--device", "/cpu:0"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Cannot download CIFAR-10" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    _assert_names_real_flags(errors[0])

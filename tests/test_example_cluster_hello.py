@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import queue
 import subprocess
 import threading
@@ -14,10 +13,11 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cluster_hello.py"
 
 
-def _start(python: str, task: int, ports: str, env: dict[str, str]) -> tuple[subprocess.Popen, queue.Queue]:
+def _start(python: str, task: int, ports: str, env: dict[str, str],
+           cwd: Path) -> tuple[subprocess.Popen, queue.Queue]:
     process = subprocess.Popen(
         [python, str(EXAMPLE), "--task", str(task), "--ports", ports, "--timeout", "60"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: queue.Queue = queue.Queue()
 
@@ -53,16 +53,19 @@ def test_first_task_waits_for_the_second_then_both_compute_and_exit(
     python, free_ports, subprocess_env, tmp_path
 ):
     a, b = free_ports(2)
-    env = {**subprocess_env, "TMPDIR": str(tmp_path)}  # the shared secret file lives here
+    work, temp = tmp_path / "work", tmp_path / "temp"
+    work.mkdir()
+    temp.mkdir()
+    env = {**subprocess_env, "TMPDIR": str(temp)}  # nothing may be written here
     env.pop("TOWERFLOW_SECRET", None)
     env.pop("TOWERFLOW_SECRET_FILE", None)
-    first, first_lines = _start(python, 0, f"{a},{b}", env)
+    first, first_lines = _start(python, 0, f"{a},{b}", env, work)
     second = None
     try:
         waiting = f"waiting for /job:local/replica:0/task:1 at localhost:{b} (failed to connect; retrying)"
         early = _read_until(first_lines, waiting)
         assert "Hello, this is the server1!" not in early
-        second, second_lines = _start(python, 1, f"{a},{b}", env)
+        second, second_lines = _start(python, 1, f"{a},{b}", env, work)
         assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
         out0, out1 = early + _drain(first_lines), _drain(second_lines)
     finally:
@@ -74,8 +77,10 @@ def test_first_task_waits_for_the_second_then_both_compute_and_exit(
            "got 2x+1=[1.0, 3.0, 5.0, 7.0] computed by task 1" in out0
     assert "got 2x+1=[21.0, 23.0, 25.0, 27.0] computed by task 0" in out1
     assert "Hello, this is the server1!" in out0 and "Hello, this is the server2!" in out1
-    secret = tmp_path / f"towerflow-cluster-hello-{os.getuid()}.secret"
-    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    # the shared secret lives in the tasks' working directory, not in the temp directory
+    assert [p.name for p in work.iterdir()] == ["cluster_hello.secret"]
+    assert oct((work / "cluster_hello.secret").stat().st_mode & 0o777) == "0o600"
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.slow

@@ -31,3 +31,18 @@ def test_example_trains_with_two_cpu_replicas(tmp_path, subprocess_env, python) 
     ckpt = read_checkpoint(CheckpointManager(tmp_path).latest())
     assert ckpt.step == 100 and ckpt.metadata["world_size"] == 2
     assert {"model", "optimizer", "ema"} <= set(ckpt.groups)
+
+
+@pytest.mark.slow
+def test_example_writes_under_the_current_directory_by_default(
+        tmp_path, subprocess_env, python) -> None:
+    work, temp = tmp_path / "work", tmp_path / "temp"
+    work.mkdir()
+    temp.mkdir()
+    proc = subprocess.run([python, str(EXAMPLE), "--cpu", "--max-steps", "20"], cwd=work,
+                          env={**subprocess_env, "TMPDIR": str(temp)}, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert CheckpointManager(work / "runs" / "custom").latest().name == "ckpt-00000020"
+    # PyTorch may keep its kernel cache there; the example itself writes nothing
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []

@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from towerflow.cli._help import HelpFormatter, polish
+
 # command -> module (in towerflow.cli) implementing it
 _COMMANDS: dict[str, str] = {
     "devices": "devices",
@@ -24,16 +26,24 @@ _COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every available sub-command registered."""
+    """Return the top-level parser with every available sub-command registered.
+
+    Each command's namespace carries ``_run`` (its ``run`` function) and
+    ``_prog`` (``"towerflow train"``, the prefix of its error messages).
+    """
+    from towerflow import __version__
+
     parser = argparse.ArgumentParser(
         prog="towerflow",
         description="Device placement, multi-GPU training and parameter-server clusters "
         "for PyTorch.",
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="log at DEBUG level"
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"towerflow {__version__}",
+                        help="print the version and exit")
+    # the chosen command's name is not stored: a command may have an argument of any name
+    sub = parser.add_subparsers(metavar="COMMAND")
     sub.required = True
     for module_name in _COMMANDS.values():
         try:
@@ -42,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != f"towerflow.cli.{module_name}":
                 raise
             continue
-        command_parser = module.add_parser(sub)
-        command_parser.set_defaults(_run=module.run)
+        command_parser = polish(module.add_parser(sub))
+        command_parser.set_defaults(_run=module.run, _prog=command_parser.prog)
     return parser
 
 
@@ -61,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except TowerflowError as exc:
-        print(f"towerflow {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{args._prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -46,6 +46,9 @@ __all__ = [
 logger = logging.getLogger("towerflow.data")
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+# how the messages name the way out, in the library and on the command line
+_NO_FETCH = "download=False, or --no-download"
+_SYNTHETIC = "synthetic_cifar10(), or --data synthetic"
 CIFAR10_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"
 ARCHIVE_NAME = "cifar-10-binary.tar.gz"
 SUBDIR = "cifar-10-batches-bin"
@@ -197,8 +200,9 @@ def download_cifar10(
         except OSError as exc:
             partial.unlink(missing_ok=True)
             raise UnavailableError(
-                f"Cannot download CIFAR-10 from {url} ({exc}); check the network, or put the "
-                f"binary files in {str(data_dir)!r} yourself."
+                f"Cannot download CIFAR-10 from {url} ({exc}); check the network, put the "
+                f"binary files in {str(data_dir)!r} yourself ({_NO_FETCH} then reads only "
+                f"them), or train on random images of the same shape ({_SYNTHETIC})."
             ) from exc
         os.replace(partial, archive)
     _check_md5(archive, md5)
@@ -237,7 +241,9 @@ def load_cifar10(
         if not download:
             raise NotFoundError(
                 f"CIFAR-10 {split} files {', '.join(files)} are not in {str(data_dir)!r} nor in its "
-                f"{SUBDIR} folder; pass download=True (--download) or copy them there."
+                f"{SUBDIR} folder; pass download=True (on the command line: leave out "
+                f"--no-download) to fetch them, copy them there, or train on random images of "
+                f"the same shape ({_SYNTHETIC})."
             )
         download_cifar10(data_dir, url=url, md5=md5)
         paths = _find_files(data_dir, files)

@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +25,59 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from towerflow.errors import NotFoundError
+from towerflow.errors import DataLossError, NotFoundError
 from towerflow.training.tasks import DataOptions, Task, get_task
 
-__all__ = ["EvalResult", "evaluate", "evaluate_checkpoint"]
+__all__ = ["DATA_FILE", "EvalResult", "evaluate", "evaluate_checkpoint", "load_data_options",
+           "save_data_options"]
+
+#: the file in a train dir that records the data a run was trained with
+DATA_FILE = "data.json"
+
+
+def save_data_options(train_dir: str | Path, data: DataOptions) -> Path:
+    """Record in ``train_dir`` where the run's data comes from, for evaluation to reuse.
+
+    The data directory is stored as an absolute path, so an evaluation started
+    from another directory reads the same files. The write is atomic.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = save_data_options(d, DataOptions(synthetic=True, synthetic_examples=16))
+        ...     load_data_options(d).synthetic_examples
+        16
+    """
+    from towerflow.checkpoint.atomic import write_file_atomic
+
+    fields = dataclasses.asdict(data)
+    fields["data_dir"] = str(Path(data.data_dir).absolute())
+    path = Path(train_dir) / DATA_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(path, json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def load_data_options(train_dir: str | Path) -> DataOptions | None:
+    """The data options :func:`save_data_options` recorded in ``train_dir``, or None.
+
+    Raises:
+        DataLossError: the file exists but is not the JSON object it writes.
+    """
+    path = Path(train_dir) / DATA_FILE
+    if not path.is_file():
+        return None
+    known = {f.name: f.type for f in dataclasses.fields(DataOptions)}
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise TypeError(f"a JSON {type(raw).__name__}, not an object")
+        return DataOptions(**{k: v for k, v in raw.items() if k in known})
+    except (ValueError, TypeError) as exc:
+        raise DataLossError(
+            f"{str(path)!r} does not hold a run's data settings ({exc}); delete it and give "
+            "the data options (--data, --data-dir, --synthetic-examples) on the command line."
+        ) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +122,9 @@ def evaluate_checkpoint(task: str | Task, train_dir: str | Path, *,
     """Load the latest checkpoint in ``train_dir`` onto ``device`` and score the test split.
 
     The moving averages (group ``ema``) replace the parameters when the
-    checkpoint has them, as ``cifar10_eval.py`` restores them.
+    checkpoint has them, as ``cifar10_eval.py`` restores them. With ``data``
+    None, the test split comes from the data the run was trained with (as
+    recorded by :func:`save_data_options`), else from the task's usual place.
 
     Raises:
         NotFoundError: ``train_dir`` holds no checkpoint.
@@ -94,7 +147,9 @@ def evaluate_checkpoint(task: str | Task, train_dir: str | Path, *,
     averaged = "ema" in ckpt.groups
     if averaged:
         load_into_module(model, ckpt.groups["ema"], strict=False)
-    dataset = task.load("test", data or DataOptions())
+    if data is None:
+        data = load_data_options(train_dir) or DataOptions()
+    dataset = task.load("test", data)
     precision = evaluate(model, dataset, device=target, batch_size=batch_size,
                          images_fn=task.eval_images)
     return EvalResult(precision, ckpt.step, ckpt.path, len(dataset.labels), averaged)

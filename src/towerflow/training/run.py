@@ -21,6 +21,7 @@ import torch
 
 from towerflow.strategies.base import OptimizerConfig, Strategy
 from towerflow.training.config import TrainConfig
+from towerflow.training.evaluate import save_data_options
 from towerflow.training.loop import Trainer, TrainResult, default_strategy
 from towerflow.training.schedules import ExponentialDecay, decay_steps_for_epochs
 from towerflow.training.tasks import DataOptions, Task, get_task
@@ -62,7 +63,10 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
     try:
         torch.manual_seed(config.seed)
         model = task.build_model()
-        dataset = _load_train_split(task, data or DataOptions(), strategy)
+        data = data or DataOptions()
+        dataset = _load_train_split(task, data, strategy)
+        if strategy.is_chief and config.train_dir is not None:
+            save_data_options(config.train_dir, data)  # what `towerflow eval` reads back
         initial = lr if lr is not None else task.default_lr
         epochs = epochs_per_decay if epochs_per_decay is not None else task.default_epochs_per_decay
         decay_steps = decay_steps_for_epochs(task.num_examples_per_epoch,
