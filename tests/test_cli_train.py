@@ -137,3 +137,58 @@ def test_a_failed_cifar10_download_suggests_synthetic_data_and_the_real_flags(
     assert len(errors) == 1 and "Cannot download CIFAR-10" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     _assert_names_real_flags(errors[0])
+
+
+def test_replica_command_keeps_every_flag_the_parser_knows() -> None:
+    argv = ["train", "digits", "--replicas", "2", "--device", "/cpu:0", "--ps", "1",
+            "--mode", "sync", "--no-download", "--seed", "3", "--ema-decay", "0"]
+    args = build_parser().parse_args(argv)
+    rebuilt = replica_argv(args)
+    assert rebuilt[rebuilt.index("--device") + 1] == "/cpu:0"
+    again = build_parser().parse_args(rebuilt[3:])
+    assert vars(again) == vars(args) | {"_run": again._run}
+
+
+def test_a_rerun_whose_train_dir_holds_max_steps_says_so_in_one_line(
+        tmp_path, capsys, caplog) -> None:
+    assert main(_train_args(tmp_path, 10, "--device", "/cpu:0")) == 0
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="towerflow.training"):
+        assert main(_train_args(tmp_path, 10, "--device", "/cpu:0")) == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and re.fullmatch(
+        rf"'{re.escape(str(tmp_path))}' already holds global step 10, which reaches max_steps "
+        r"10: nothing to train\. Raise max_steps \(--max-steps\) or start another train_dir\.",
+        said[0]), said
+    assert "loss =" not in capsys.readouterr().out
+
+
+def test_a_bare_tf_config_without_a_ps_job_makes_this_process_a_replica(
+        tmp_path, monkeypatch, free_ports) -> None:
+    """The command plays its TF_CONFIG task instead of spawning its own replicas."""
+    import json
+
+    port = free_ports(1)[0]
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    assert main(_train_args(tmp_path, 3, "--replicas", "2")) == 0
+    assert read_checkpoint(CheckpointManager(tmp_path).latest()).metadata["world_size"] == 1
+
+
+def test_a_ps_task_of_the_environment_serves_instead_of_training(monkeypatch, capsys) -> None:
+    import json
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["h:1"]},
+                                                "task": {"type": "evaluator", "index": 0}}))
+    assert main(["train", "digits"]) == 0
+    assert "task evaluator:0 does not train" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_ps_training_with_more_gpus_than_visible_suggests_cpu_workers(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)  # a local cluster is what gets checked
+    assert main(["train", "digits", "--num-gpus", "2", "--ps", "1"]) == 2
+    assert "--num-gpus 2 asks for 2 GPU(s) but 0 are visible; use --replicas 2 for CPU " \
+        "workers." in capsys.readouterr().err

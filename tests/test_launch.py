@@ -7,6 +7,7 @@ import io
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def test_children_get_tf_config_and_one_private_secret_and_the_worst_status(chil
     assert len({r["secret"] for r in reports.values()}) == 1
     cluster = reports["ps:0"]["cluster"]
     assert [len(cluster[j]) for j in ("chief", "ps", "worker")] == [1, 1, 2]
-    assert not os.path.exists(reports["ps:0"]["secret_file"])
+    assert reports["ps:0"]["secret_file"].startswith("/proc/self/fd/")  # in memory, not on disk
     assert not _alive(reports["ps:0"]["pid"])
 
 
@@ -128,7 +129,6 @@ def test_ctrl_c_stops_every_child_and_grandchild(child, subprocess_env, python):
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             threading.Event().wait(0.05)
         assert [pid for pid in pids if _alive(pid)] == []
-        assert not os.path.exists(reports["worker:0"]["secret_file"])
     finally:
         for pid in [launcher.pid, *pids]:
             if not _alive(pid):
@@ -147,3 +147,111 @@ def test_launch_command_line_parses_the_command_after_double_dash():
                                       sys.executable, "train.py", "--steps", "5"])  # fmt: skip
     assert (args.ps, args.workers, args.chief) == (2, 3, True)
     assert args.command[-4:] == [sys.executable, "train.py", "--steps", "5"]
+
+
+def _start_launcher(python: str, env: dict[str, str], *command: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace", "5",
+         "--", *command],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _read_reports(launcher: subprocess.Popen, count: int) -> dict[str, dict]:
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout],
+                     daemon=True).start()
+    text, deadline = "", time.monotonic() + 60
+    while len(_reports(text)) < count:
+        text += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+    return _reports(text)
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def test_no_copy_of_the_secret_outlives_a_sigkilled_launcher(child, subprocess_env, python,
+                                                             tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    subprocess_env["TMPDIR"] = str(temp)
+    launcher = _start_launcher(python, subprocess_env, python, str(child), "block")
+    pids: list[int] = []
+    try:
+        reports = _read_reports(launcher, 3)
+        pids = [r[k] for r in reports.values() for k in ("pid", "grandchild")]
+        secret_digest = reports["ps:0"]["secret"]
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        assert _wait_gone([r["pid"] for r in reports.values()], 20) == []
+        import hashlib
+
+        left = [p for p in temp.rglob("*") if p.is_file()
+                and hashlib.sha256(p.read_bytes()).hexdigest() == secret_digest]
+        assert left == [] and list(temp.iterdir()) == []
+        assert reports["ps:0"]["secret_file"].startswith("/proc/self/fd/")
+    finally:
+        for pid in [launcher.pid, *pids]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+
+
+def test_a_command_that_does_not_exist_is_named_once(subprocess_env, python):
+    proc = subprocess.run([python, "-m", "towerflow", "launch", "--", "nosuchprog", "--flag"],
+                          env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert re.fullmatch(r"towerflow launch: error: command 'nosuchprog' was not found \(not on "
+                        r"PATH, or not an executable file\); check its spelling or give its "
+                        r"path, e.g. -- python train.py.\n", proc.stderr), proc.stderr
+
+
+ORDERED = r"""
+import json, os, signal, sys, threading, time
+config = json.loads(os.environ["TF_CONFIG"])
+task = config["task"]["type"]
+marks = sys.argv[1]
+if task == "ps":
+    open(os.path.join(marks, "ps.pid"), "w").write(str(os.getpid()))
+def on_term(signum, frame):
+    if task == "chief":  # the final save talks to the ps: it must still be there
+        ps = int(open(os.path.join(marks, "ps.pid")).read())
+        time.sleep(0.5)  # a save that takes a while
+        try:
+            os.kill(ps, 0)
+            alive = "alive"
+        except ProcessLookupError:
+            alive = "gone"
+        open(os.path.join(marks, "chief"), "w").write(alive)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def test_ctrl_c_stops_the_workers_and_chief_before_the_ps(subprocess_env, python, tmp_path):
+    script = tmp_path / "ordered.py"
+    script.write_text(ORDERED)
+    launcher = subprocess.Popen(
+        [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "1", "--chief",
+         "--grace", "10", "--", python, str(script), str(tmp_path)],
+        env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # fmt: skip
+    try:
+        seen, deadline = "", time.monotonic() + 60
+        while seen.count("ready") < 3 or not (tmp_path / "ps.pid").exists():
+            seen += launcher.stdout.readline()
+            assert time.monotonic() < deadline, seen
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=60) == 128 + signal.SIGINT
+        assert (tmp_path / "chief").read_text() == "alive"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)

@@ -282,32 +282,3 @@ def test_prefetch_overlaps_the_push_with_the_next_batch_and_still_fits(cluster) 
     assert abs(weight - TRUE_WEIGHT) < 1e-2 and abs(bias - TRUE_BIAS) < 1e-2
 
 
-def test_ps_training_builds_its_worker_command_without_the_command_line_package(
-        python, subprocess_env) -> None:
-    import subprocess
-
-    code = ("import argparse, sys\n"
-            "from towerflow.training.ps_train import worker_command\n"
-            "args = argparse.Namespace(model='digits', max_steps=7, ps=2, mode='ssp')\n"
-            "print(worker_command(args)[3:])\n"
-            "print(sorted(m for m in sys.modules if m.startswith('towerflow.cli')))\n")
-    proc = subprocess.run([python, "-c", code], env=subprocess_env, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    command, cli_modules = proc.stdout.splitlines()
-    assert command == "['train', 'digits', '--max-steps', '7', '--ps', '2', '--mode', 'ssp']"
-    assert cli_modules == "[]"
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
-def test_ps_training_with_more_gpus_than_visible_suggests_cpu_workers(monkeypatch) -> None:
-    import argparse
-
-    from towerflow.training.ps_train import run_ps_training
-
-    monkeypatch.delenv("TF_CONFIG", raising=False)  # a local cluster is what gets checked
-    args = argparse.Namespace(model="digits", num_gpus=2, replicas=None, ps=1, mode="async")
-    with pytest.raises(InvalidArgumentError,
-                       match=r"--num-gpus 2 asks for 2 GPU\(s\) but 0 are visible; "
-                             r"use --replicas 2 for CPU workers\."):
-        run_ps_training(args)

@@ -38,7 +38,11 @@ _GUARD = (
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(143)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "try:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "except OSError as exc:\n"
+    "    print(f'cannot run {sys.argv[2]!r}: {exc.strerror}', file=sys.stderr)\n"
+    "    sys.exit(127)\n"
 )
 
 
@@ -53,14 +57,16 @@ def guarded_argv(argv: Sequence[str]) -> list[str]:
 
 
 def spawn_group(
-    argv: Sequence[str], env: Mapping[str, str], stdout: int | IO[bytes] | None
+    argv: Sequence[str], env: Mapping[str, str], stdout: int | IO[bytes] | None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen:
-    """Start ``argv`` guarded, in a new process group, stdin closed.
+    """Start ``argv`` guarded, in a new session (its own process group), stdin closed.
 
     Args:
         argv: the command line.
         env: the child's full environment.
         stdout: where its output goes (stderr joins it); ``None`` inherits both.
+        pass_fds: file descriptors the child inherits (all others are closed).
     """
     return subprocess.Popen(
         guarded_argv(argv),
@@ -69,6 +75,7 @@ def spawn_group(
         stdout=stdout,
         stderr=None if stdout is None else subprocess.STDOUT,
         start_new_session=True,
+        pass_fds=tuple(pass_fds),
     )
 
 

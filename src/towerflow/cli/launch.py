@@ -3,8 +3,10 @@
     towerflow launch --ps 1 --workers 2 -- python examples/distributed_linear_regression.py
 
 Every task runs the command with its own ``TF_CONFIG`` and a shared, fresh
-cluster secret; output lines are prefixed with ``[job:index]``; Ctrl-C stops
-every task; the exit status is the workers' worst.
+cluster secret (held in memory only); output lines are prefixed with
+``[job:index]``; Ctrl-C stops the workers and the chief first (the chief
+writes its final checkpoint), then the ps tasks; the exit status is the
+workers' worst.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "launch",
         help="run a command as every task of a local cluster (ps, workers, chief)",
         description="Start one process per task on this machine, each with TF_CONFIG and "
-        "TOWERFLOW_SECRET_FILE set; stop all of them on Ctrl-C or when the workers finish.",
+        "TOWERFLOW_SECRET_FILE set; when the workers finish, or on Ctrl-C, stop the workers "
+        "and the chief first, then the ps tasks.",
     )
     parser.add_argument("--ps", type=int, default=1, help="number of ps tasks (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")

@@ -21,16 +21,14 @@ Running the same command again resumes from the latest checkpoint in
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-from towerflow.training.invocation import (
-    build_config,
-    build_data_options,
-    replica_argv,
-    require_gpus,
-)
+from towerflow.cli._argv import argv_from_namespace
+
+if TYPE_CHECKING:  # torch stays out of the command line's start-up
+    from towerflow.training.config import TrainConfig
+    from towerflow.training.tasks import DataOptions
 
 __all__ = ["add_parser", "add_train_arguments", "build_config", "build_data_options",
            "replica_argv", "require_gpus", "run"]
@@ -110,62 +108,115 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return add_train_arguments(parser)
 
 
-def _tf_config_has_ps() -> bool:
-    raw = os.environ.get("TF_CONFIG")
-    if not raw:
-        return False
-    try:
-        cluster = json.loads(raw).get("cluster", {})
-    except (ValueError, AttributeError):
-        return False  # the cluster resolver reports a malformed TF_CONFIG
-    return isinstance(cluster, dict) and bool(cluster.get("ps"))
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` the options describe."""
+    from towerflow.training.config import TrainConfig
+
+    return TrainConfig(
+        train_dir=args.train_dir or f"/tmp/{args.model}_train", max_steps=args.max_steps,
+        batch_size=args.batch_size, log_every=args.log_every, summary_every=args.summary_every,
+        checkpoint_every=args.checkpoint_every, max_to_keep=args.max_to_keep,
+        ema_decay=args.ema_decay if args.ema_decay > 0 else None, seed=args.seed,
+        progress=False if args.no_progress else None,
+        log_device_placement=args.log_device_placement)
 
 
-def _run_parameter_server(args: argparse.Namespace) -> int:
-    from towerflow.training.ps_train import run_ps_training
+def build_data_options(args: argparse.Namespace) -> DataOptions:
+    """The :class:`DataOptions` the options describe."""
+    from towerflow.training.tasks import DataOptions
 
-    return int(run_ps_training(args) or 0)
+    return DataOptions(data_dir=args.data_dir, synthetic=args.data == "synthetic",
+                       synthetic_examples=args.synthetic_examples,
+                       download=not args.no_download)
 
 
-def _check_counts(args: argparse.Namespace) -> int:
+def replica_argv(args: argparse.Namespace) -> list[str]:
+    """The command each spawned replica or task runs: ``towerflow train``, every flag kept."""
+    parser = add_train_arguments(argparse.ArgumentParser(add_help=False))
+    verbose = ["--verbose"] if getattr(args, "verbose", False) else []
+    return [sys.executable, "-m", "towerflow", *verbose, "train",
+            *argv_from_namespace(parser, args)]
+
+
+def require_gpus(count: int, role: str = "replicas") -> None:
+    """Raise when fewer than ``count`` GPUs are visible (``--num-gpus count``)."""
+    import torch
+
     from towerflow.errors import InvalidArgumentError
 
-    count = args.num_gpus or args.replicas or 1
-    for name in ("num_gpus", "replicas"):
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < count:
+        raise InvalidArgumentError(
+            f"--num-gpus {count} asks for {count} GPU(s) but {visible} are visible; "
+            f"use --replicas {count} for CPU {role}."
+        )
+
+
+def _local_count(args: argparse.Namespace) -> int:
+    from towerflow.errors import InvalidArgumentError
+
+    for name in ("num_gpus", "replicas", "ps"):
         value = getattr(args, name)
-        if value is not None and value < 1:
+        if value is not None and value < (0 if name == "ps" else 1):
             flag = "--" + name.replace("_", "-")
-            raise InvalidArgumentError(f"{flag} must be at least 1, got {value}.")
+            raise InvalidArgumentError(f"{flag} must be at least {int(name != 'ps')}, "
+                                       f"got {value}.")
+    return args.num_gpus or args.replicas or 1
+
+
+def _device(args: argparse.Namespace, cluster: Any, task: Any) -> str | None:
+    """``--replicas``: the CPU; ``--num-gpus``: GPU 0 alone, a ps worker's GPU (index mod the
+    GPUs seen), an all-reduce replica's ``cuda:LOCAL_RANK`` (None); else ``--device``."""
+    if args.replicas:
+        return "cpu"
     if args.num_gpus:
-        require_gpus(args.num_gpus)
-    return count
+        if cluster is None:
+            return "/gpu:0"
+        if "ps" in cluster:
+            import torch
+
+            count = torch.cuda.device_count()
+            return f"cuda:{task.task_index % count}" if count else "cpu"
+        return None
+    return args.device
 
 
-def _strategy(args: argparse.Namespace) -> Any:
-    """The strategy of this process: a replica of a world, or a single device."""
-    from towerflow.strategies.mirrored import Mirrored
-    from towerflow.strategies.single import SingleDevice
+def _launch_local(args: argparse.Namespace, count: int) -> int:
+    """Start this command again as the processes of a local cluster (``--ps``) or world."""
+    from towerflow.cluster.launcher import launch_cluster, spawn_replicas
 
-    if "RANK" in os.environ or "WORLD_SIZE" in os.environ or os.environ.get("TF_CONFIG"):
-        return Mirrored(device="cpu" if args.replicas else args.device)
     if args.num_gpus:
-        return SingleDevice("/gpu:0")
-    return SingleDevice("/cpu:0" if args.replicas else args.device)
+        require_gpus(args.num_gpus, role="workers" if args.ps else "replicas")
+    if not args.ps:
+        return spawn_replicas(replica_argv(args), count)
+    if args.model == "cifar10" and args.data == "real":
+        from towerflow.training.tasks import get_task
+
+        get_task(args.model).load("train", build_data_options(args))  # once, for every worker
+    return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; spawn the replicas first when asked for more than one on this machine."""
-    if args.ps > 0 or _tf_config_has_ps():
-        return _run_parameter_server(args)
-    count = _check_counts(args)
-    is_replica = "RANK" in os.environ or "WORLD_SIZE" in os.environ
-    if count > 1 and not is_replica:
-        from towerflow.training.spawn import spawn_replicas
+    """Train: as this process's task of the environment's cluster (``TF_CONFIG``, torchrun,
+    Slurm), else start the local processes asked for (``--ps``, ``--replicas``,
+    ``--num-gpus``), else in this process alone."""
+    from towerflow.cluster import resolve_cluster
 
-        return spawn_replicas(replica_argv(args), count)
+    count = _local_count(args)
+    cluster, task = resolve_cluster()
+    if cluster is None and (args.ps or count > 1):
+        return _launch_local(args, count)
+    if cluster is None and args.num_gpus:
+        require_gpus(args.num_gpus)
+    from towerflow.training.ps_train import serve_task
+
+    if cluster is not None and task not in cluster.replicas:
+        return serve_task(cluster, task)
+    from towerflow.strategies.choose import choose_strategy
     from towerflow.training.run import run_training
 
-    strategy = _strategy(args)
+    options = {"mode": args.mode} if cluster is not None and "ps" in cluster else {}
+    strategy = choose_strategy(device=_device(args, cluster, task), **options)
     try:
         run_training(args.model, build_config(args), data=build_data_options(args), lr=args.lr,
                      lr_decay_factor=args.lr_decay_factor,

@@ -1,15 +1,29 @@
-"""``towerflow launch``: a whole cluster on one machine, one child process per task.
+"""The one launcher of local process groups: ``towerflow launch``, replicas and ps topologies.
 
-Each child runs the same command; it learns its task from ``TF_CONFIG`` (as
-under a Kubeflow TFJob) and the cluster secret from ``TOWERFLOW_SECRET_FILE``,
-a fresh random secret in a mode-0600 file deleted when the launch ends. Every
-output line is prefixed with the task's name (``[worker:1] step 10 ...``).
+Two front ends share one machinery (:func:`_run`): every child is started
+guarded (it dies with the launcher, :mod:`towerflow._children`) in a session
+of its own, its output lines prefixed with its name, and stopped by process
+group (SIGTERM, then SIGKILL after a grace period, so no grandchild
+survives); the exit status is the worst of the children that end the run.
 
+:func:`launch_cluster` runs a whole cluster on one machine, one child per
+task. Each child runs the same command; it learns its task from
+``TF_CONFIG`` (as under a Kubeflow TFJob) and the cluster secret from
+``TOWERFLOW_SECRET_FILE``, which names an anonymous in-memory file the
+children inherit (``/proc/self/fd/N``, a Linux ``memfd``): no copy of the
+secret is ever on disk, and it is gone with the last process holding it,
+whatever kills the launcher. Output lines read ``[worker:1] step 10 ...``.
 The launch ends when the workers (and the chief) have exited — the ps and
-evaluator tasks are then stopped — or on SIGINT / SIGTERM, which stops every
-child. Stopping is SIGTERM to the child's process group, then SIGKILL after a
-grace period, so no grandchild survives. The exit status is the workers' worst
-(or ``128 + signal`` when the launch was interrupted).
+evaluator tasks are then stopped. On SIGINT / SIGTERM the workers and the
+chief are stopped first (the chief writes its final checkpoint while the ps
+tasks still serve), then the ps and evaluator tasks. The exit status is the
+workers' worst (or ``128 + signal`` when the launch was interrupted).
+
+:func:`spawn_replicas` runs N replicas of one command with torchrun's
+environment (``towerflow train --replicas N``): replica 0 writes straight to
+this terminal, the others' lines are prefixed ``[replica i]``; when one fails
+the others are stopped (a replica waiting in an all-reduce for a dead peer
+would otherwise hang).
 
 Example:
     >>> launch_cluster(["python", "train.py"], num_ps=1, num_workers=2)  # doctest: +SKIP
@@ -20,39 +34,40 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import IO
 
 from towerflow._children import spawn_group, stop_groups
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
-from towerflow.cluster.transport import new_secret, write_secret_file
-from towerflow.errors import InvalidArgumentError
+from towerflow.cluster.transport import new_secret
+from towerflow.errors import InvalidArgumentError, NotFoundError
 
-__all__ = ["launch_cluster", "free_ports"]
+__all__ = ["launch_cluster", "spawn_replicas", "replica_env", "free_ports", "exit_status"]
 
 logger = logging.getLogger("towerflow.cluster")
 
 #: Roles whose exit ends the launch; the others (ps, evaluator) are then stopped.
 _FINISHING_JOBS = ("chief", "worker")
-_POLL_SECONDS = 0.1
+_POLL_SECONDS = 0.05
 
 
 @dataclass(slots=True)
 class _Child:
-    task: TaskInfo
-    process: subprocess.Popen
-    reader: threading.Thread | None = None
+    """One child to start: its name, environment, output prefix (None: this terminal)."""
 
-    @property
-    def name(self) -> str:
-        return f"{self.task.job_name}:{self.task.task_index}"
+    name: str
+    env: dict[str, str]
+    prefix: str | None
+    finishing: bool = True
+    process: subprocess.Popen | None = None
+    reader: threading.Thread | None = field(default=None, repr=False)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -69,43 +84,22 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def _cluster_tasks(
-    num_ps: int, num_workers: int, chief: bool, evaluator: bool, base_port: int | None, host: str
-) -> tuple[ClusterSpec, list[TaskInfo]]:
-    if num_ps < 0 or num_workers < 0 or (num_workers == 0 and not chief):
-        raise InvalidArgumentError(
-            f"cannot launch num_ps={num_ps}, num_workers={num_workers}, chief={chief}; give at "
-            "least one worker (or a chief) and no negative counts."
-        )
-    sizes = {"chief": int(chief), "ps": num_ps, "worker": num_workers}
-    total = sum(sizes.values())
-    if base_port is not None and not 1 <= base_port <= 65536 - total:
-        raise InvalidArgumentError(
-            f"base_port={base_port} leaves no room for {total} ports; choose 1024..{65536 - total}."
-        )
-    ports = iter(range(base_port, base_port + total) if base_port else free_ports(total))
-    jobs = {job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in sizes.items() if n}
-    tasks = [TaskInfo(job, i) for job, n in sizes.items() for i in range(n)]
-    if evaluator:
-        tasks.append(TaskInfo("evaluator", 0))
-    return ClusterSpec(jobs), tasks
-
-
-def _pump(child: _Child, out: IO[str], lock: threading.Lock) -> None:
-    stream = child.process.stdout
-    if stream is None:
-        return
-    prefix = f"[{child.name}] "
-    for raw in stream:
-        line = raw.decode(errors="replace").rstrip("\n")
-        with lock:
-            out.write(prefix + line + "\n")
-            out.flush()
-    stream.close()
-
-
-def _status(returncode: int) -> int:
+def exit_status(returncode: int) -> int:
+    """A child's exit status as a shell reports it (killed by signal N -> 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _check_command(command: Sequence[str]) -> None:
+    if not command:
+        raise InvalidArgumentError("launch needs a command to run, e.g. -- python train.py.")
+    program = command[0]
+    found = (os.access(program, os.X_OK) and os.path.isfile(program)) if os.sep in program \
+        else shutil.which(program) is not None
+    if not found:
+        raise NotFoundError(
+            f"command {program!r} was not found (not on PATH, or not an executable file); "
+            "check its spelling or give its path, e.g. -- python train.py."
+        )
 
 
 class _Signals:
@@ -129,6 +123,102 @@ class _Signals:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+    for raw in stream:
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(prefix + line + "\n")
+            out.flush()
+    stream.close()
+
+
+def _start(children: list[_Child], command: Sequence[str], output: IO[str] | None,
+           pass_fds: Sequence[int]) -> None:
+    lock = threading.Lock()
+    for child in children:
+        piped = child.prefix is not None
+        child.process = spawn_group(command, child.env, subprocess.PIPE if piped else None,
+                                    pass_fds=pass_fds)
+        if piped:
+            child.reader = threading.Thread(
+                target=_pump, args=(child.process.stdout, child.prefix, output or sys.stdout, lock),
+                name=f"towerflow-output-{child.name}", daemon=True)
+            child.reader.start()
+
+
+def _stop(children: Sequence[_Child], grace: float) -> None:
+    """Stop the finishing children first (the chief saves while the ps serve), then the rest."""
+    for group in ([c for c in children if c.finishing], [c for c in children if not c.finishing]):
+        live = [c.process for c in group if c.process is not None and c.process.poll() is None]
+        if live:
+            stop_groups(live, grace)
+
+
+def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_fast: bool,
+         output: IO[str] | None = None, pass_fds: Sequence[int] = ()) -> int:
+    """Start ``children``, wait for the finishing ones, stop every child; the exit status."""
+    failed: set[str] = set()
+    finishing = [c for c in children if c.finishing]
+    try:
+        with _Signals() as signals:
+            _start(children, command, output, pass_fds)
+            while not signals.event.wait(_POLL_SECONDS):
+                codes = [c.process.poll() for c in finishing]
+                if all(code is not None for code in codes):
+                    break
+                if fail_fast and any(code not in (None, 0) for code in codes):
+                    failed = {c.name for c in finishing if c.process.poll() not in (None, 0)}
+                    break
+            _stop(children, grace)
+            if signals.received is not None:
+                logger.info("interrupted by signal %d; stopped the workers, then the others",
+                            signals.received)
+                return 128 + signals.received
+    finally:
+        _stop(children, grace)
+        for child in children:
+            if child.reader is not None:
+                child.reader.join(5.0)
+    ended = [c for c in finishing if not failed or c.name in failed]
+    return max((exit_status(c.process.returncode) for c in ended), default=1)
+
+
+# --------------------------------------------------------------------------- clusters
+def _cluster_tasks(
+    num_ps: int, num_workers: int, chief: bool, evaluator: bool, base_port: int | None, host: str
+) -> tuple[ClusterSpec, list[TaskInfo]]:
+    if num_ps < 0 or num_workers < 0 or (num_workers == 0 and not chief):
+        raise InvalidArgumentError(
+            f"cannot launch num_ps={num_ps}, num_workers={num_workers}, chief={chief}; give at "
+            "least one worker (or a chief) and no negative counts."
+        )
+    sizes = {"chief": int(chief), "ps": num_ps, "worker": num_workers}
+    total = sum(sizes.values())
+    if base_port is not None and not 1 <= base_port <= 65536 - total:
+        raise InvalidArgumentError(
+            f"base_port={base_port} leaves no room for {total} ports; choose 1024..{65536 - total}."
+        )
+    ports = iter(range(base_port, base_port + total) if base_port else free_ports(total))
+    jobs = {job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in sizes.items() if n}
+    tasks = [TaskInfo(job, i) for job, n in sizes.items() for i in range(n)]
+    if evaluator:
+        tasks.append(TaskInfo("evaluator", 0))
+    return ClusterSpec(jobs), tasks
+
+
+def _secret_fd(env: dict[str, str]) -> list[int]:
+    """Put a fresh secret where the children find it and nothing else does; the fds to pass."""
+    secret = new_secret()
+    if not hasattr(os, "memfd_create"):  # no anonymous files here: the environment only
+        env["TOWERFLOW_SECRET"] = secret.decode()
+        return []
+    fd = os.memfd_create("towerflow-secret", os.MFD_CLOEXEC)
+    os.fchmod(fd, 0o600)
+    os.write(fd, secret)
+    env["TOWERFLOW_SECRET_FILE"] = f"/proc/self/fd/{fd}"
+    return [fd]
 
 
 def launch_cluster(
@@ -159,45 +249,78 @@ def launch_cluster(
         grace: seconds between SIGTERM and SIGKILL when stopping children.
         host: loopback host name used in the cluster addresses.
         output: where prefixed lines go (default ``sys.stdout``).
+
+    Raises:
+        InvalidArgumentError: no command, no worker, or no room for the ports.
+        NotFoundError: the command's program does not exist.
     """
-    if not command:
-        raise InvalidArgumentError("launch needs a command to run, e.g. -- python train.py.")
+    _check_command(command)
     cluster, tasks = _cluster_tasks(num_ps, num_workers, chief, evaluator, base_port, host)
     base_env = dict(os.environ if env is None else env)
-    base_env.pop("TOWERFLOW_SECRET", None)
+    for name in ("TOWERFLOW_SECRET", "TOWERFLOW_SECRET_FILE"):
+        base_env.pop(name, None)
     base_env["PYTHONUNBUFFERED"] = "1"
-    secret_dir = tempfile.mkdtemp(prefix="towerflow-launch-")
-    secret_path = write_secret_file(os.path.join(secret_dir, "secret"), new_secret())
-    base_env["TOWERFLOW_SECRET_FILE"] = str(secret_path)
-    children: list[_Child] = []
-    lock = threading.Lock()
+    fds = _secret_fd(base_env)
+    children = [
+        _Child(str(task), {**base_env, "TF_CONFIG": cluster.tf_config(task)},
+               f"[{task}] " if prefix_output else None, task.job_name in _FINISHING_JOBS)
+        for task in tasks
+    ]
+    logger.info("launching %s with cluster %s", [c.name for c in children], cluster.as_dict())
     try:
-        with _Signals() as signals:
-            stdout = subprocess.PIPE if prefix_output else None
-            for task in tasks:
-                child_env = {**base_env, "TF_CONFIG": cluster.tf_config(task)}
-                children.append(_Child(task, spawn_group(command, child_env, stdout)))
-            for child in children if prefix_output else ():
-                child.reader = threading.Thread(
-                    target=_pump, args=(child, output or sys.stdout, lock), daemon=True
-                )
-                child.reader.start()
-            logger.info("launched %s with cluster %s", [c.name for c in children], cluster.as_dict())
-            finishing = [c for c in children if c.task.job_name in _FINISHING_JOBS]
-            while not signals.event.wait(_POLL_SECONDS):
-                if all(c.process.poll() is not None for c in finishing):
-                    break
-            stop_groups([c.process for c in children], grace)
-            if signals.received is not None:
-                logger.info("launch interrupted by signal %d; stopped every task", signals.received)
-                return 128 + signals.received
-            for child in finishing:
-                logger.info("%s exited with status %d", child.name, _status(child.process.returncode))
-            return max(_status(c.process.returncode) for c in finishing)
+        status = _run(command, children, grace=grace, fail_fast=False, output=output,
+                      pass_fds=fds)
     finally:
-        stop_groups([c.process for c in children if c.process.poll() is None], grace)
-        for child in children:
-            if child.reader is not None:
-                child.reader.join(5.0)
-        os.unlink(secret_path)
-        os.rmdir(secret_dir)
+        for fd in fds:
+            os.close(fd)
+    for child in children:
+        if child.finishing and child.process is not None:
+            logger.info("%s exited with status %d", child.name,
+                        exit_status(child.process.returncode))
+    return status
+
+
+# --------------------------------------------------------------------------- replicas
+def replica_env(rank: int, world_size: int, master_port: int,
+                base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """torchrun's environment for local replica ``rank`` of ``world_size``.
+
+    Example:
+        >>> env = replica_env(1, 2, 29500, base={})
+        >>> env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]
+        ('1', '1', '2', '29500')
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+               LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    return env
+
+
+def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
+                   env: Mapping[str, str] | None = None, master_port: int | None = None,
+                   grace_s: float = 10.0, output: IO[str] | None = None) -> int:
+    """Run ``argv`` as ``num_replicas`` replica processes; return the worst exit status.
+
+    Args:
+        argv: the command of every replica (e.g. ``[sys.executable, "-m", "towerflow", ...]``).
+        num_replicas: how many processes (ranks ``0 .. num_replicas - 1``).
+        env: the base environment (default: this process's).
+        master_port: the rendezvous port on 127.0.0.1 (default: a free one).
+        grace_s: how long a stopped replica gets between SIGTERM and SIGKILL.
+        output: where the other replicas' prefixed lines go (default ``sys.stdout``).
+
+    Example:
+        >>> spawn_replicas([sys.executable, "-c", "import os; assert os.environ['WORLD_SIZE'] == '2'"], 2)
+        0
+    """
+    if num_replicas < 1:
+        raise InvalidArgumentError(f"Need at least one replica, got {num_replicas}.")
+    _check_command(argv)
+    port = master_port or free_ports(1)[0]
+    children = [_Child(f"replica {rank}", replica_env(rank, num_replicas, port, env),
+                       None if rank == 0 else f"[replica {rank}] ")
+                for rank in range(num_replicas)]
+    return _run(argv, children, grace=grace_s, fail_fast=True, output=output)

@@ -248,6 +248,11 @@ class Trainer:
         if max_steps is not None:
             self.config = self.config.replace(max_steps=max_steps)
         self._setup()
+        if self.global_step >= self.config.max_steps and self.strategy.is_chief:
+            log.warning("%s already holds global step %d, which reaches max_steps %d: nothing "
+                        "to train. Raise max_steps (--max-steps) or start another train_dir.",
+                        repr(str(self.config.train_dir)) if self.config.train_dir else
+                        "this run", self.global_step, self.config.max_steps)
         hooks = self._hooks()
         for hook in hooks:
             hook.begin(self)
