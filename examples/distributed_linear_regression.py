@@ -17,7 +17,8 @@ Or one terminal per role, with the article's fixed ports 1681-1683::
     python examples/distributed_linear_regression.py --job_name worker --task_index 0
     python examples/distributed_linear_regression.py --job_name worker --task_index 1
 
-TensorBoard: ``tensorboard --logdir /tmp/towerflow_linear``.
+Checkpoints and summaries go to ``log/linear_regression`` under the current
+directory (``--logdir`` to choose). TensorBoard: ``tensorboard --logdir log/linear_regression``.
 """
 
 import argparse
@@ -32,12 +33,26 @@ from towerflow.strategies import OptimizerConfig
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--job_name", default=None, help="ps or worker (default: from TF_CONFIG)")
 parser.add_argument("--task_index", type=int, default=0)
-parser.add_argument("--logdir", default="/tmp/towerflow_linear")
+parser.add_argument("--logdir", default="log/linear_regression",
+                    help="the chief's checkpoints and summaries (default: under this directory)")
 parser.add_argument("--steps", type=int, default=2000, help="stop at this global step")
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--noise", type=float, default=0.3)
 parser.add_argument("--mode", default="async", choices=("async", "sync", "ssp"))
 args = parser.parse_args()
+
+
+def fit(sv: towerflow.Supervisor, sess, model: LinearRegression, data) -> int:  # noqa: ANN001
+    """Train until the global step reaches --steps (or a stop); return the local steps."""
+    local_steps = 0
+    while not sv.should_stop() and int(sv.global_step_tensor) < args.steps:
+        result = sess.run_step(mse_loss, data)
+        local_steps += 1
+        sv.summary_computed(sess, {"loss_function": result.loss}, global_step=result.global_step)
+        if local_steps % 100 == 0:
+            print(f"step {result.global_step}, loss = {float(result.loss):.4f}, "
+                  f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
+    return local_steps
 
 
 def train(server: towerflow.Server, task: TaskInfo) -> None:
@@ -53,18 +68,16 @@ def train(server: towerflow.Server, task: TaskInfo) -> None:
     with sv.managed_session(server, model=model,
                             optimizer=OptimizerConfig("sgd", lr=args.lr)) as sess:
         print(f"sess ok; starting at global step {int(global_step)}", flush=True)
-        local_steps = 0
-        while not sv.should_stop() and int(global_step) < args.steps:
-            result = sess.run_step(mse_loss, (train_x, train_y))
-            local_steps += 1
-            sv.summary_computed(sess, {"loss_function": result.loss},
-                                global_step=result.global_step)
-            if local_steps % 100 == 0:
-                print(f"step {result.global_step}, loss = {float(result.loss):.4f}, "
-                      f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
-        print(f"finished: {local_steps} local steps, global step {int(global_step)}, "
-              f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
-        sv.save()  # a manual save still works next to the automatic ones
+        if int(global_step) >= args.steps:
+            print(f"{args.logdir} already holds global step {int(global_step)} >= --steps "
+                  f"{args.steps}: nothing to train (raise --steps or use another --logdir)",
+                  flush=True)
+        else:
+            local_steps = fit(sv, sess, model, (train_x, train_y))
+            print(f"finished: {local_steps} local steps, global step {int(global_step)}, "
+                  f"W = {model.weight.item():.4f}, b = {model.bias.item():.4f}", flush=True)
+        if sv.is_chief:
+            sv.save(sess)  # a manual save still works next to the automatic ones
     sv.stop()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -45,3 +46,56 @@ def test_article_003_trains_async_saves_and_resumes(tmp_path, python, subprocess
     local = sum(int(m[1]) for m in FINISHED.findall(out))
     assert max(int(m[2]) for m in FINISHED.findall(out)) >= saved + 100
     assert local < saved  # it went on from the checkpoint rather than from step 0
+
+
+@pytest.mark.slow
+def test_default_logdir_rerun_at_steps_and_ctrl_c(tmp_path, python, subprocess_env) -> None:
+    import signal
+    import threading
+
+    from towerflow.checkpoint import CheckpointManager
+
+    base = [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace", "10",
+            "--", python, str(EXAMPLE), "--noise", "0"]
+    logdir = tmp_path / "log" / "linear_regression"  # under the current directory
+    proc = subprocess.run([*base, "--steps", "300"], env=subprocess_env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = CheckpointManager(logdir).restore().step
+    assert saved >= 300
+
+    proc = subprocess.run([*base, "--steps", "300"], env=subprocess_env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"[worker:0] log/linear_regression already holds global step {saved} >= --steps 300: " \
+        "nothing to train" in proc.stdout
+    assert "finished: 0 local steps" not in proc.stdout
+
+    launcher = subprocess.Popen([*base, "--steps", str(10**9)], env=subprocess_env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:
+        for line in launcher.stdout:
+            lines.append(line)
+            if line.startswith("[worker:0] step "):
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(120), "".join(lines)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=120) == 128 + signal.SIGINT
+        reader.join(10)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(30)
+    out = "".join(lines)
+    assert "Traceback" not in out and "UnavailableError" not in out, out
+    last = max(int(line.split()[2].rstrip(",")) for line in lines
+               if line.startswith("[worker:0] step "))
+    assert CheckpointManager(logdir).restore().step >= last > saved
