@@ -6,6 +6,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 import towerflow
 from towerflow.devices import DeviceConfig, configure, get_config, list_local_devices
@@ -128,9 +129,11 @@ def test_log_placement_attaches_a_stderr_handler_only_while_on(
     with configure(log_device_placement=True):
         assert len(logger.handlers) == 1
         assert logger.propagate is False
+        torch.ones(1).sum()
     assert logger.handlers == []
     assert logger.propagate is True
-    assert "Device mapping:" in capsys.readouterr().err
+    assert "sum: (aten::sum): /job:localhost/replica:0/task:0/device:CPU:0" in \
+        capsys.readouterr().err
 
 
 def test_log_placement_uses_the_users_handler_when_there_is_one() -> None:

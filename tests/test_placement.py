@@ -33,6 +33,11 @@ class _ListHandler(logging.Handler):
 @pytest.fixture
 def placement_log() -> Iterator[list[str]]:
     """Turn the placement log on, collecting its lines (header dropped)."""
+    yield from collect_placement_log()
+
+
+def collect_placement_log() -> Iterator[list[str]]:
+    """The body of the ``placement_log`` fixture (shared with other test modules)."""
     logger = logging.getLogger("towerflow.placement")
     handler = _ListHandler()
     logger.addHandler(handler)

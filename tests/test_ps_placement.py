@@ -88,3 +88,39 @@ def test_unplaced_variable_lookup_names_the_placed_ones() -> None:
     with pytest.raises(InvalidArgumentError, match=r"'v' is not placed.*placed variables: w"):
         plan.device_of("v")
     assert plan.device_of("w") == "/job:ps/task:0"
+
+
+def test_setter_call_and_place_agree() -> None:
+    setter = replica_device_setter(ps_tasks=2)
+    assert setter("b", shape=(4,)) == "/job:ps/task:0"
+    plan = setter.place({"w": (4, 4), "b": (4,)})
+    assert plan.device_of("b") == setter("b", shape=(4,)) == "/job:ps/task:0"
+    assert plan.device_of("w") == setter("w", shape=(4, 4)) == "/job:ps/task:1"
+    assert setter.place({"w": (4, 4), "b": (4,)}) == plan
+
+
+def test_setter_as_a_device_function_puts_variables_on_ps_and_the_rest_on_the_worker() -> None:
+    from towerflow.devices import Operation
+
+    setter = replica_device_setter(cluster=CLUSTER, worker_device="/job:worker/task:1")
+    assert setter(Operation("weight", "VariableV2", shape=(3,))) == "/job:ps/task:0"
+    assert setter(Operation("bias", "VariableV2", shape=(3,))) == "/job:ps/task:1"
+    assert setter(Operation("matmul", "matmul")) == "/job:worker/task:1"
+    custom = replica_device_setter(cluster=CLUSTER, ps_ops=["matmul"])
+    assert custom(Operation("matmul", "matmul")) == "/job:ps/task:0"
+
+
+def test_a_variable_asked_again_with_another_shape_is_refused() -> None:
+    setter = replica_device_setter(ps_tasks=2)
+    setter("w", shape=(2,))
+    with pytest.raises(InvalidArgumentError, match=r"Variable 'w' was placed with shape \(2,\) "
+                                                   r"and is now asked about with shape \(3,\)"):
+        setter.place({"w": (3,)})
+
+
+def test_placement_from_tasks_refuses_a_variable_without_a_task() -> None:
+    from towerflow.ps.placement import placement_from_tasks
+
+    with pytest.raises(InvalidArgumentError, match=r"Variable 'b' was given no ps task, and "
+                                                   r"the cluster has 2 ps task\(s\); build every"):
+        placement_from_tasks({"w": (2,), "b": (2,)}, {"w": 1}, 2)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from towerflow import _identity
 from towerflow.cluster.services import HostedService, ServiceFactory, factories_for, load_factory
 from towerflow.cluster.spec import ClusterSpec, TaskInfo, is_loopback_host, parse_address
 from towerflow.cluster.targets import register_server
@@ -216,6 +217,8 @@ class Server:
             with self._lock:
                 self._server = server
                 self.services = tuple(service for service, _ in hosted)
+            # this process's devices are now this task's (placement log, placer)
+            self._identity = _identity.register(self.task.job_name, self.task.task_index)
         logger.info("started %s at %s", self.task.device_name, self.target)
         try:
             for service in self.services:
@@ -287,6 +290,7 @@ class Server:
         with self._lock:
             server, self._server = self._server, None
             channels, self._channels = self._channels, {}
+        _identity.unregister(getattr(self, "_identity", None))
         if server is not None:
             server.stop(grace).wait()
         for channel in channels.values():

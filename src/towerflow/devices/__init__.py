@@ -12,7 +12,9 @@ Example:
 from __future__ import annotations
 
 from towerflow.devices.config import DeviceSettings, configure
-from towerflow.devices.local import DeviceInfo, list_local_devices
+from towerflow.devices.functions import Operation
+from towerflow.devices.local import DeviceInfo, DeviceLocality, list_local_devices
+from towerflow.devices.params import ParameterPlacement, parameter_placements
 from towerflow.devices.placer import current_scope, device, resolve_device
 from towerflow.devices.settings import DeviceConfig, get_config
 from towerflow.devices.spec import DeviceSpec
@@ -20,7 +22,11 @@ from towerflow.devices.spec import DeviceSpec
 __all__ = [
     "DeviceSpec",
     "DeviceInfo",
+    "DeviceLocality",
     "DeviceConfig",
+    "Operation",
+    "ParameterPlacement",
+    "parameter_placements",
     "DeviceSettings",
     "list_local_devices",
     "device",

@@ -11,10 +11,23 @@
   attribute access) are left alone.
 
 Scopes nest: the inner spec is merged into the outer one (``make_merged_spec``,
-inner fields win), and ``device(None)`` clears every outer scope. The job,
-replica and task parts of a spec (``/job:worker/task:1/gpu:0``) are kept as
-placement metadata; the device type and index alone decide where a local
-operation runs.
+inner fields win), and ``device(None)`` clears every outer scope. A scope may
+also be a device function (``towerflow.device(towerflow.replica_device_setter(
+cluster=cluster))``, see :mod:`towerflow.devices.functions`), asked per
+operation.
+
+The job, replica and task of a spec say which process runs the operation.
+This process is its cluster task (registered by ``towerflow.Server``) or
+``/job:localhost/replica:0/task:0``; an operation placed on another task is
+refused with a ``PlacementError`` that names the task, since towerflow runs
+work only in its own task's process. One exception follows TensorFlow's
+variables: under a scope naming a ``ps`` task, tensors may be created and
+parameters built and initialised; the parameters are recorded as assigned to
+that ps task (:func:`towerflow.devices.params.parameter_placements`) and the
+parameter-server strategy keeps them there.
+
+Inside code being compiled by ``torch.compile`` the placer steps aside (the
+compiled module is logged as one region, see :mod:`towerflow.devices.log`).
 
 The placer is a :class:`torch.overrides.TorchFunctionMode` pushed onto the
 current thread's mode stack only while a scope is open, the placement log is
@@ -33,9 +46,13 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from towerflow import _identity
+from towerflow.devices import functions as _functions
+from towerflow.devices import grads as _grads
 from towerflow.devices import log as _log
+from towerflow.devices import params as _params
 from towerflow.devices import settings as _settings
-from towerflow.devices.local import LOCAL_TASK, full_name, gpu_count
+from towerflow.devices.local import full_name, gpu_count, task_prefix
 from towerflow.devices.spec import DeviceSpec
 from towerflow.errors import PlacementError
 
@@ -43,7 +60,7 @@ __all__ = [
     "device", "resolve_device", "current_scope", "refresh_global", "check_default_device",
 ]
 
-_FACTORY, _NEUTRAL, _INPLACE, _COMPUTE = range(4)
+_FACTORY, _NEUTRAL, _INPLACE, _COMPUTE, _BACKWARD = range(5)
 
 _FACTORY_NAMES = (
     "empty", "empty_permuted", "empty_strided", "zeros", "ones", "full", "arange", "range",
@@ -64,7 +81,12 @@ _NEUTRAL_NAMES = frozenset({
     "detach_", "pin_memory", "is_pinned", "share_memory_", "is_shared", "new_empty",
     "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided", "_is_view",
     "is_set_to", "dtype", "device", "shape", "is_nonzero", "equal",
+    # autograd and profiler switches: no tensor work
+    "_set_grad_enabled", "set_grad_enabled", "is_grad_enabled", "_enter_autocast",
+    "_exit_autocast", "_record_function_enter", "_record_function_enter_new",
+    "_record_function_exit", "_RecordFunction",
 })
+_BACKWARD_FUNCS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 _INPLACE_DUNDERS = frozenset({
     "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
     "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
@@ -79,10 +101,12 @@ _KINDS: dict[Callable[..., Any], int] = {}
 def _kind(func: Callable[..., Any]) -> int:
     kind = _KINDS.get(func)
     if kind is None:
-        name = getattr(func, "__name__", "")
+        name = (getattr(func, "__name__", None) or "").rsplit(".", 1)[-1]
         if func in _FACTORIES:
             kind = _FACTORY
-        elif name in _NEUTRAL_NAMES:
+        elif func in _BACKWARD_FUNCS:
+            kind = _BACKWARD
+        elif name in _NEUTRAL_NAMES or "profiler" in (getattr(func, "__module__", "") or ""):
             kind = _NEUTRAL
         elif name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")):
             kind = _INPLACE
@@ -95,25 +119,30 @@ def _kind(func: Callable[..., Any]) -> int:
 class _Target:
     """Where operations of the current scope go (resolved once per scope change)."""
 
-    __slots__ = ("device", "index", "spec", "missing", "note", "soft")
+    __slots__ = ("device", "index", "spec", "missing", "note", "soft", "remote", "ps")
 
     def __init__(self, device: torch.device | None, spec: DeviceSpec | None = None, *,
-                 missing: bool = False, note: str = "", soft: bool = False) -> None:
+                 missing: bool = False, note: str = "", soft: bool = False,
+                 remote: str = "", ps: bool = False) -> None:
         self.device = device
         self.index = -1 if device is None or device.type == "cpu" else int(device.index or 0)
         self.spec = spec          # what was asked for (for messages)
         self.missing = missing    # asked-for device does not exist and no soft placement
         self.note = note          # appended to log lines (soft placement)
         self.soft = soft          # an op with no kernel there falls back to the CPU
+        self.remote = remote      # the full name of another task's device ("" when local)
+        self.ps = ps              # that task holds parameters: creating them is allowed
 
 
 _NO_TARGET = _Target(None)
+_DYNAMIC = _Target(None)  # a device function decides per operation
 _CPU = torch.device("cpu")
 
 
 def _available_devices() -> str:
-    names = [f"{LOCAL_TASK}/device:CPU:0"]
-    names += [f"{LOCAL_TASK}/device:GPU:{i}" for i in range(gpu_count())]
+    prefix = task_prefix()
+    names = [f"{prefix}/device:CPU:0"]
+    names += [f"{prefix}/device:GPU:{i}" for i in range(gpu_count())]
     return ", ".join(names)
 
 
@@ -123,6 +152,47 @@ def _missing_message(what: str, spec: DeviceSpec) -> str:
         f"'{spec.to_string()}' because no devices matching that specification are registered "
         f"in this process; available devices: {_available_devices()}. Set "
         f"allow_soft_placement=True to fall back to a device that exists."
+    )
+
+
+def _remote_message(what: str, target: _Target) -> str:
+    job, replica, task = _identity.current()
+    spec = target.spec.to_string() if target.spec is not None else target.remote
+    other = target.remote.rsplit("/device:", 1)[0]
+    other_job, other_task = target.spec.job if target.spec else None, target.spec.task if \
+        target.spec else None
+    held = (" A ps task holds parameters: create them in this scope, but compute with them "
+            "on this task." if target.ps else "")
+    return (
+        f"Cannot assign a device for {what}: explicit device specification '{spec}' names "
+        f"{other}, another task, and this process is {_identity.prefix()}; towerflow runs "
+        f"operations only in their own task's process.{held} Run this work in a process of "
+        f"{other} (start it there with towerflow.Server(cluster, "
+        f"{other_job or job!r}, {other_task if other_task is not None else 0})), or keep the "
+        f"parameters on the ps tasks with towerflow.device(towerflow.replica_device_setter("
+        f"cluster=cluster, worker_device='/job:{job}/task:{task}'))."
+    )
+
+
+def _other_task(spec: DeviceSpec) -> str:
+    """The task prefix of ``spec`` when it names a task other than this process's, else ``""``."""
+    if spec.job is None and spec.task is None and spec.replica is None:
+        return ""
+    job, replica, task = _identity.current()
+    if spec.job in (None, job) and spec.replica in (None, replica) and spec.task in (None, task):
+        return ""
+    return (f"/job:{spec.job or job}/replica:{spec.replica or 0}/task:"
+            f"{0 if spec.task is None else spec.task}")
+
+
+def full_spec(spec: DeviceSpec) -> DeviceSpec:
+    """``spec`` completed with this process's job / task and the CPU, as a placer would."""
+    job, replica, task = _identity.current()
+    same_job = spec.job in (None, job)
+    return DeviceSpec(
+        spec.job or job, replica if spec.replica is None else spec.replica,
+        (task if same_job else 0) if spec.task is None else spec.task,
+        spec.device_type or "CPU", spec.device_index or 0,
     )
 
 
@@ -156,6 +226,20 @@ def _default_target(config: _settings.DeviceConfig) -> _Target:
     return _target_for(DeviceSpec.from_string(default), config.allow_soft_placement)
 
 
+def _resolve(spec: DeviceSpec | None, config: _settings.DeviceConfig) -> _Target:
+    """The target of operations whose scopes give them ``spec``."""
+    if spec is None:
+        return _default_target(config)
+    other = _other_task(spec)
+    if other:
+        local = _default_target(config).device
+        remote = full_spec(spec).to_string()
+        return _Target(local, spec, remote=remote, ps=spec.job == "ps")
+    if spec.device_type is None:
+        return _default_target(config)
+    return _target_for(spec, config.allow_soft_placement)
+
+
 def check_default_device(config: _settings.DeviceConfig) -> None:
     """Raise ``PlacementError`` now if ``config.default_device`` names no existing device."""
     target = _default_target(config)
@@ -164,14 +248,29 @@ def check_default_device(config: _settings.DeviceConfig) -> None:
         raise PlacementError(_missing_message(what, target.spec))
 
 
+class _Scope:
+    """One open scope: the scopes it is made of since the last ``device(None)``."""
+
+    __slots__ = ("chain", "spec", "dynamic", "source")
+
+    def __init__(self, chain: tuple[_functions.ScopeItem, ...], spec: DeviceSpec | None,
+                 dynamic: bool, source: Any) -> None:
+        self.chain = chain      # outermost first
+        self.spec = spec        # the merged spec (when no device function is in the chain)
+        self.dynamic = dynamic  # a device function is in the chain
+        self.source = source    # the innermost device function, else the merged spec
+
+
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        self.scopes: list[DeviceSpec | None] = []   # merged spec per open scope
+        self.scopes: list[_Scope] = []
         self.mode: _Placer | None = None
         self.users = 0
         self.global_held = False
         self.target: _Target = _NO_TARGET
         self.generation = -1
+        self.identity = -1
+        self.targets: dict[DeviceSpec | None, _Target] = {}  # device functions' answers
 
 
 _state = _ThreadState()
@@ -179,13 +278,52 @@ _state = _ThreadState()
 
 def _refresh(state: _ThreadState) -> _Target:
     config = _settings.get_config()
-    spec = state.scopes[-1] if state.scopes else None
-    if spec is not None and spec.device_type is not None:
-        state.target = _target_for(spec, config.allow_soft_placement)
+    scope = state.scopes[-1] if state.scopes else None
+    state.targets = {}
+    if scope is not None and scope.dynamic:
+        state.target = _DYNAMIC
     else:
-        state.target = _default_target(config)
+        state.target = _resolve(scope.spec if scope is not None else None, config)
     state.generation = _settings.generation()
+    state.identity = _identity.generation()
     return state.target
+
+
+def _current(state: _ThreadState) -> _Target:
+    if state.generation == _settings.generation() and state.identity == _identity.generation():
+        return state.target
+    return _refresh(state)
+
+
+def _dynamic_target(state: _ThreadState, func: Any) -> _Target:
+    """Ask the scope's device functions where ``func`` goes (answers cached per device)."""
+    chain = state.scopes[-1].chain
+    spec = _functions.evaluate(chain, _log.OpNamer.peek(func), _log.python_name(func))
+    target = state.targets.get(spec)
+    if target is None:
+        target = _resolve(spec, _settings.get_config())
+        state.targets[spec] = target
+    return target
+
+
+def _on_parameter(module: torch.nn.Module, name: str, param: torch.Tensor) -> None:
+    """A parameter was registered: name its creation in the log, record its device."""
+    entry = _params.owner_of(param)
+    if entry is None:
+        return
+    if _settings.get_config().log_device_placement:
+        _log.claim(param, entry)
+    scopes = _state.scopes
+    scope = scopes[-1] if scopes else None
+    if scope is None or not scope.chain:
+        return
+    if scope.dynamic:
+        spec = _functions.evaluate(scope.chain, name, _functions.VARIABLE_TYPE,
+                                   tuple(param.shape))
+    else:
+        spec = scope.spec
+    if spec is not None and (spec.job is not None or spec.task is not None):
+        _params.assign(param, full_spec(spec), scope.source)
 
 
 def _acquire(state: _ThreadState) -> None:
@@ -193,6 +331,7 @@ def _acquire(state: _ThreadState) -> None:
         mode = _Placer()
         mode.__enter__()
         state.mode = mode
+        _params.install(_on_parameter)
     state.users += 1
 
 
@@ -200,7 +339,10 @@ def _release(state: _ThreadState) -> None:
     state.users -= 1
     if state.users == 0 and state.mode is not None:
         mode, state.mode = state.mode, None
-        mode.__exit__(None, None, None)
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            _params.uninstall()
 
 
 def refresh_global() -> None:
@@ -217,28 +359,45 @@ def refresh_global() -> None:
     _refresh(state)
 
 
+_Spec = str | DeviceSpec | torch.device | None
+
+
 class _DeviceScope:
     """The context manager returned by :func:`device`."""
 
-    __slots__ = ("_spec", "_depth")
+    __slots__ = ("_item", "_depth")
 
-    def __init__(self, spec: str | DeviceSpec | torch.device | None) -> None:
-        self._spec = None if spec is None else DeviceSpec.from_string(spec)
+    def __init__(self, spec: _Spec | Callable[..., Any]) -> None:
+        if spec is not None and callable(spec) and not isinstance(spec, (str, torch.device)):
+            self._item: _functions.ScopeItem | None = spec
+        else:
+            self._item = None if spec is None else DeviceSpec.from_string(spec)
         self._depth: list[int] = []
+
+    def _scope(self, outer: _Scope | None) -> _Scope:
+        item = self._item
+        if item is None:
+            return _Scope((), None, False, None)
+        chain = (*outer.chain, item) if outer is not None else (item,)
+        if isinstance(item, DeviceSpec) and (outer is None or not outer.dynamic):
+            spec = item if outer is None or outer.spec is None else \
+                outer.spec.make_merged_spec(item)
+            return _Scope(chain, spec, False, spec)
+        source = item if not isinstance(item, DeviceSpec) else outer.source  # type: ignore[union-attr]
+        return _Scope(chain, None, True, source)
 
     def __enter__(self) -> DeviceSpec | None:
         state = _state
-        merged = self._spec
-        if merged is not None and state.scopes and state.scopes[-1] is not None:
-            merged = state.scopes[-1].make_merged_spec(merged)
-        state.scopes.append(merged)
+        scope = self._scope(state.scopes[-1] if state.scopes else None)
+        state.scopes.append(scope)
         self._depth.append(len(state.scopes))
         _acquire(state)
         _refresh(state)
-        return merged
+        return scope.spec  # None under a device function: it decides per operation
 
     def __exit__(self, *exc_info: object) -> None:
         state = _state
+        _log.flush()  # a model built in the scope: its parameters' lines, named now
         try:
             depth = self._depth.pop()
             del state.scopes[depth - 1:]
@@ -247,18 +406,20 @@ class _DeviceScope:
             _refresh(state)
 
 
-def device(spec: str | DeviceSpec | torch.device | None) -> _DeviceScope:
+def device(spec: _Spec | Callable[..., Any]) -> _DeviceScope:
     """Open a placement scope: operations inside run on ``spec``'s device.
 
     Args:
         spec: a device name (``"/gpu:1"``, ``"/cpu:0"``, ``"cuda:0"``,
             ``"/job:worker/task:1/gpu:0"``), a ``DeviceSpec``, a ``torch.device``,
-            or ``None`` to clear the outer scopes.
+            ``None`` to clear the outer scopes, or a device function (a callable
+            taking an :class:`~towerflow.devices.functions.Operation` and returning
+            a device name), such as ``towerflow.replica_device_setter(...)``.
 
     Raises:
         InvalidArgumentError: ``spec`` is malformed (raised here, at the ``with``).
         PlacementError: at the first operation, when the device does not exist
-            and ``allow_soft_placement`` is off.
+            and ``allow_soft_placement`` is off, or belongs to another task.
 
     Example:
         >>> with device("/cpu:0"):
@@ -269,9 +430,17 @@ def device(spec: str | DeviceSpec | torch.device | None) -> _DeviceScope:
 
 
 def current_scope() -> DeviceSpec | None:
-    """Return the merged spec of the innermost open scope (``None`` when none or cleared)."""
+    """Return the merged spec of the innermost open scope (``None`` when none or cleared).
+
+    Under a device function, the device it gives an operation of no particular type.
+    """
     scopes = _state.scopes
-    return scopes[-1] if scopes else None
+    if not scopes:
+        return None
+    scope = scopes[-1]
+    if scope.dynamic:
+        return _functions.evaluate(scope.chain, "", "")
+    return scope.spec
 
 
 def resolve_device(spec: str | DeviceSpec | torch.device | None = None) -> torch.device:
@@ -292,9 +461,10 @@ def resolve_device(spec: str | DeviceSpec | torch.device | None = None) -> torch
     """
     parsed = DeviceSpec.from_string(spec)
     if parsed.device_type is None:
-        state = _state
-        target = state.target if state.generation == _settings.generation() else _refresh(state)
-        if target.device is not None:
+        target = _current(_state)
+        if target is _DYNAMIC:
+            target = _resolve(current_scope(), _settings.get_config())
+        if target.device is not None and not target.remote:
             return target.device
         return torch.device("cuda", 0) if gpu_count() else _CPU
     target = _target_for(parsed, _settings.get_config().allow_soft_placement)
@@ -357,16 +527,25 @@ class _Placer(TorchFunctionMode):
         kind = _KINDS.get(func)
         if kind is None:
             kind = _kind(func)
-        if kind == _NEUTRAL:
+        if kind == _NEUTRAL or torch.compiler.is_compiling():
             return func(*args, **kwargs)
         state = _state
-        target = state.target if state.generation == _settings.generation() else _refresh(state)
+        target = _current(state)
         logging_on = _settings.get_config().log_device_placement
-        if target.device is None and not logging_on:
+        if kind == _BACKWARD:
+            return _grads.run_backward(func, args, kwargs) if logging_on \
+                else func(*args, **kwargs)
+        if target is _DYNAMIC:
+            target = _dynamic_target(state, func)
+        if target.device is None and not logging_on and not target.remote:
             return func(*args, **kwargs)
         if kind == _INPLACE or (kind == _COMPUTE and "out" in kwargs):
-            return _run_logged(func, args, kwargs, None, logging_on) if logging_on \
-                else func(*args, **kwargs)
+            return _run_inplace(func, args, kwargs) if logging_on else func(*args, **kwargs)
+        if target.remote:
+            if kind != _FACTORY or not target.ps:
+                raise PlacementError(_remote_message(
+                    f"operation '{_log.OpNamer.peek(func)}'", target))
+            return _run_logged(func, args, kwargs, target, logging_on)
         if target.device is None:
             return _run_logged(func, args, kwargs, None, logging_on)
         if target.missing:
@@ -419,6 +598,23 @@ def _kernel_fallback(func: Any, args: Any, kwargs: dict[str, Any], target: _Targ
     return _run_logged(func, args, kwargs, soft, logging_on, name)
 
 
+def _run_inplace(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An in-place operation, logged; one on a parameter or buffer is named after it."""
+    changed = args[0] if args else next(iter(kwargs.values()), None)
+    entry = _params.owner_of(changed)
+    recorder = _log.AtenRecorder()
+    with recorder:
+        result = func(*args, **kwargs)
+    device_name = full_name(_result_device(result, None))
+    if entry is not None:
+        _log.log_tensor_op(entry, func, recorder.aten_name(result, _log.python_name(func)),
+                           device_name)
+    else:
+        name = _log.OpNamer.name(func)
+        _log.log_op(name, recorder.aten_name(result, name), device_name)
+    return result
+
+
 def _run_logged(func: Any, args: Any, kwargs: dict[str, Any], target: _Target | None,
                 logging_on: bool, name: str = "") -> Any:
     if not logging_on:
@@ -427,8 +623,15 @@ def _run_logged(func: Any, args: Any, kwargs: dict[str, Any], target: _Target | 
     recorder = _log.AtenRecorder()
     with recorder:
         result = func(*args, **kwargs)
-    fallback = target.device if target is not None else None
-    device_name = full_name(_result_device(result, fallback))
-    _log.log_op(name, recorder.aten_name(result, name), device_name,
-                target.note if target is not None else "")
+    note = target.note if target is not None else ""
+    aten = recorder.aten_name(result, name)
+    if target is not None and target.remote:
+        _log.hold_op(name, aten, target.remote, note, result)
+    elif _KINDS.get(func) == _FACTORY:
+        fallback = target.device if target is not None else None
+        _log.hold_op(name, aten, full_name(_result_device(result, fallback)), note, result)
+    else:
+        fallback = target.device if target is not None else None
+        _log.log_op(name, aten, full_name(_result_device(result, fallback)), note)
+        _grads.hook_result(name, result)
     return result

@@ -21,6 +21,11 @@ Example:
     >>> [s.name for s in plan.shards[0].segments], plan.shards[1].numel
     (['w'], 4)
 
+As a placement scope it puts a module's parameters on the ps tasks::
+
+    with towerflow.device(towerflow.replica_device_setter(cluster=cluster)):
+        model = Model()    # parameters: ps tasks in turn; compute: the worker
+
 This module imports neither torch nor grpc: a ps task loads it to check
 layouts.
 """
@@ -43,6 +48,8 @@ __all__ = [
     "DeviceSetter",
     "replica_device_setter",
     "plan_placement",
+    "placement_from_tasks",
+    "PS_OPS",
     "STRATEGY_NAMES",
 ]
 
@@ -261,6 +268,72 @@ def _split_rows(shape: tuple[int, ...], parts: int) -> list[tuple[int, int]]:
     return spans
 
 
+def _partitioned(shape: tuple[int, ...], num_ps: int, threshold: int | None) -> bool:
+    """Whether a variable of ``shape`` is split along dimension 0 across the ps tasks."""
+    nbytes = math.prod(shape) * _FLOAT32_BYTES
+    return threshold is not None and nbytes > threshold and num_ps > 1 and len(shape) >= 1 \
+        and shape[0] >= 2
+
+
+class _Assigner:
+    """Decides where each variable goes, once: split across the tasks, or the chooser's task."""
+
+    __slots__ = ("num_ps", "threshold", "_chooser")
+
+    def __init__(self, num_ps: int, strategy: str | Callable[[str, int], int] | None,
+                 threshold: int | None) -> None:
+        self.num_ps = num_ps
+        self.threshold = threshold
+        self._chooser = _make_chooser(strategy, num_ps)
+
+    def decide(self, name: str, shape: tuple[int, ...]) -> int | None:
+        """The ps task of ``name``, or ``None`` when it is partitioned across them."""
+        if _partitioned(shape, self.num_ps, self.threshold):
+            return None
+        task = self._chooser(name, math.prod(shape) * _FLOAT32_BYTES)
+        if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < self.num_ps:
+            raise InvalidArgumentError(
+                f"The ps strategy put {name!r} on task {task!r}; it must return an index "
+                f"in 0..{self.num_ps - 1}."
+            )
+        return task
+
+
+def _check_num_ps(num_ps: int) -> None:
+    if num_ps < 1:
+        raise InvalidArgumentError(
+            f"Cannot place variables on {num_ps} ps tasks; the cluster needs a 'ps' job "
+            "with at least one task."
+        )
+
+
+def _layout(items: list[tuple[str, Any]], num_ps: int,
+            decide: Callable[[str, tuple[int, ...]], int | None], ps_device: str) -> Placement:
+    per_shard: list[list[tuple]] = [[] for _ in range(num_ps)]
+    seen: set[str] = set()
+    for name, value in items:
+        if name in seen:
+            raise InvalidArgumentError(f"Variable name {name!r} is placed twice; names must be unique.")
+        seen.add(name)
+        shape = _shape_of(value)
+        numel = math.prod(shape)
+        task = decide(name, shape)
+        if task is None:
+            row = numel // shape[0]
+            spans = _split_rows(shape, min(num_ps, shape[0]))
+            for part, (row_start, rows) in enumerate(spans):
+                per_shard[part].append((name, (rows, *shape[1:]), shape, row_start * row,
+                                        rows * row, part, len(spans)))
+            continue
+        per_shard[task].append((name, shape, shape, 0, numel, 0, 1))
+    shards = tuple(ShardLayout.build(i, parts) for i, parts in enumerate(per_shard))
+    return Placement(shards, ps_device)
+
+
+def _items(variables: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return list(variables.items()) if isinstance(variables, Mapping) else list(variables)
+
+
 def plan_placement(
     variables: Mapping[str, Any] | Sequence[tuple[str, Any]],
     num_ps: int,
@@ -280,85 +353,122 @@ def plan_placement(
         InvalidArgumentError: ``num_ps < 1``, a duplicate name, a bad shape, an
             unknown strategy, or a chooser returning a task out of range.
     """
-    if num_ps < 1:
-        raise InvalidArgumentError(
-            f"Cannot place variables on {num_ps} ps tasks; the cluster needs a 'ps' job "
-            "with at least one task."
-        )
-    items = list(variables.items()) if isinstance(variables, Mapping) else list(variables)
-    chooser = _make_chooser(strategy, num_ps)
-    per_shard: list[list[tuple]] = [[] for _ in range(num_ps)]
-    seen: set[str] = set()
-    for name, value in items:
-        if name in seen:
-            raise InvalidArgumentError(f"Variable name {name!r} is placed twice; names must be unique.")
-        seen.add(name)
-        shape = _shape_of(value)
-        numel = math.prod(shape)
-        nbytes = numel * _FLOAT32_BYTES
-        threshold = partition_threshold_bytes
-        if threshold is not None and nbytes > threshold and num_ps > 1 and len(shape) >= 1 \
-                and shape[0] >= 2:
-            row = numel // shape[0]
-            spans = _split_rows(shape, min(num_ps, shape[0]))
-            for part, (row_start, rows) in enumerate(spans):
-                per_shard[part].append((name, (rows, *shape[1:]), shape, row_start * row,
-                                        rows * row, part, len(spans)))
-            continue
-        task = chooser(name, nbytes)
-        if not isinstance(task, int) or not 0 <= task < num_ps:
-            raise InvalidArgumentError(
-                f"The ps strategy put {name!r} on task {task!r}; it must return an index "
-                f"in 0..{num_ps - 1}."
-            )
-        per_shard[task].append((name, shape, shape, 0, numel, 0, 1))
-    shards = tuple(ShardLayout.build(i, parts) for i, parts in enumerate(per_shard))
-    return Placement(shards, ps_device)
+    _check_num_ps(num_ps)
+    assigner = _Assigner(num_ps, strategy, partition_threshold_bytes)
+    return _layout(_items(variables), num_ps, assigner.decide, ps_device)
+
+
+#: the operation types a device setter puts on the ps tasks (TensorFlow's ``ps_ops``)
+PS_OPS = ("Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable", "MutableHashTable",
+          "MutableHashTableV2", "MutableHashTableOfTensors", "MutableHashTableOfTensorsV2",
+          "MutableDenseHashTable", "MutableDenseHashTableV2")
 
 
 class DeviceSetter:
-    """The callable ``replica_device_setter`` returns.
+    """The device function ``replica_device_setter`` returns.
 
-    ``setter(name, shape=...)`` names the ps device of a variable (deciding
-    its task the first time it is asked, like TF's device function);
-    ``setter.worker_device`` is where the computation runs; and
-    ``setter.place(variables)`` returns the whole :class:`Placement`.
+    As a placement scope (``with towerflow.device(setter):``) it is asked
+    about every operation: a parameter's creation (type ``VariableV2``, one of
+    :data:`PS_OPS`) goes to a ps task chosen by the setter's rule, everything
+    else to ``worker_device``. Asked directly, ``setter(name, shape=...)``
+    names the ps device of a variable (deciding its task the first time it is
+    asked, the same answer afterwards), and ``setter.place(variables)``
+    returns the whole :class:`Placement`, agreeing with every answer the
+    setter already gave: one rule, one sequence of decisions.
     """
 
     __slots__ = ("num_ps", "ps_device", "worker_device", "strategy",
-                 "partition_threshold_bytes", "_chooser", "_assigned")
+                 "partition_threshold_bytes", "ps_ops", "_assigner", "_assigned")
 
     def __init__(self, num_ps: int, ps_device: str, worker_device: str,
                  strategy: str | Callable[[str, int], int] | None,
-                 partition_threshold_bytes: int | None) -> None:
+                 partition_threshold_bytes: int | None,
+                 ps_ops: Sequence[str] = PS_OPS) -> None:
         self.num_ps = num_ps
         self.ps_device = ps_device
         self.worker_device = worker_device
         self.strategy = strategy
         self.partition_threshold_bytes = partition_threshold_bytes
-        self._chooser = _make_chooser(strategy, num_ps)
-        self._assigned: dict[str, str] = {}
+        self.ps_ops = frozenset(ps_ops)
+        self._assigner = _Assigner(num_ps, strategy, partition_threshold_bytes)
+        self._assigned: dict[str, tuple[tuple[int, ...], int | None]] = {}
 
-    def __call__(self, name: str, *, shape: Any = ()) -> str:
-        """Return the ps device of variable ``name`` (same answer on every call)."""
-        device = self._assigned.get(name)
-        if device is None:
-            nbytes = math.prod(_shape_of(shape)) * _FLOAT32_BYTES
-            task = self._chooser(name, nbytes)
-            device = f"{self.ps_device}/task:{task}"
-            self._assigned[name] = device
-        return device
+    def _device(self, task: int | None) -> str:
+        return f"{self.ps_device}/task:{0 if task is None else task}"
+
+    def _decide(self, name: str, shape: tuple[int, ...]) -> int | None:
+        known = self._assigned.get(name)
+        if known is not None:
+            if known[0] != shape and shape:
+                raise InvalidArgumentError(
+                    f"Variable {name!r} was placed with shape {known[0]} and is now asked "
+                    f"about with shape {shape}; give each variable one name and shape."
+                )
+            return known[1]
+        task = self._assigner.decide(name, shape)
+        self._assigned[name] = (shape, task)
+        return task
+
+    def __call__(self, op: Any, *, shape: Any = ()) -> str:
+        """The device of a variable named ``op`` or of an operation ``op``.
+
+        Args:
+            op: a variable's name, or an operation (an object with ``type``,
+                ``name`` and ``shape``, as ``towerflow.device`` passes one).
+            shape: the variable's shape (or a tensor) when ``op`` is a name.
+
+        Returns:
+            ``/job:ps/task:K`` for a variable (the task of its first part when
+            it is partitioned), ``worker_device`` for any other operation.
+        """
+        if isinstance(op, str):
+            return self._device(self._decide(op, _shape_of(shape)))
+        if getattr(op, "type", None) not in self.ps_ops:
+            return self.worker_device
+        return self._device(self._assigner.decide(op.name, _shape_of(op.shape)))
 
     def place(self, variables: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> Placement:
-        """Return the placement of ``variables`` (a fresh chooser: deterministic)."""
-        return plan_placement(
-            variables, self.num_ps, strategy=self.strategy,
-            partition_threshold_bytes=self.partition_threshold_bytes, ps_device=self.ps_device,
-        )
+        """Return the placement of ``variables``; names asked about before keep their task."""
+        return _layout(_items(variables), self.num_ps, self._decide, self.ps_device)
 
     def __repr__(self) -> str:
         return (f"DeviceSetter(num_ps={self.num_ps}, ps_device={self.ps_device!r}, "
                 f"worker_device={self.worker_device!r})")
+
+
+def placement_from_tasks(
+    variables: Mapping[str, Any] | Sequence[tuple[str, Any]],
+    tasks: Mapping[str, int],
+    num_ps: int,
+    *,
+    partition_threshold_bytes: int | None = None,
+    ps_device: str = "/job:ps",
+) -> Placement:
+    """The placement of variables whose ps tasks were decided already (``name -> task``).
+
+    Used for a model built under ``towerflow.device(replica_device_setter(...))``:
+    each parameter keeps the task the setter gave it when it was created.
+
+    Raises:
+        InvalidArgumentError: a variable has no task, or a task is out of range.
+    """
+    _check_num_ps(num_ps)
+
+    def decide(name: str, shape: tuple[int, ...]) -> int | None:
+        if _partitioned(shape, num_ps, partition_threshold_bytes):
+            return None
+        task = tasks.get(name)
+        if task is None or not 0 <= task < num_ps:
+            where = "no ps task" if task is None else f"ps task {task}"
+            raise InvalidArgumentError(
+                f"Variable {name!r} was given {where}, and the cluster has {num_ps} ps "
+                "task(s); build every parameter of the model inside the same "
+                "towerflow.device(towerflow.replica_device_setter(cluster=cluster)) scope, "
+                "for a cluster with the same ps job."
+            )
+        return task
+
+    return _layout(_items(variables), num_ps, decide, ps_device)
 
 
 def replica_device_setter(
@@ -370,6 +480,7 @@ def replica_device_setter(
     ps_strategy: str | Callable[[str, int], int] | None = None,
     *,
     partition_threshold_bytes: int | None = None,
+    ps_ops: Sequence[str] | None = None,
 ) -> DeviceSetter | None:
     """Return a device setter placing variables on ps tasks, computation on the worker.
 
@@ -383,6 +494,8 @@ def replica_device_setter(
             callable ``(name, nbytes) -> task``.
         partition_threshold_bytes: split variables larger than this across
             the ps tasks (``None``: never).
+        ps_ops: the operation types placed on the ps tasks (default
+            :data:`PS_OPS`; a parameter's creation is ``VariableV2``).
 
     Returns:
         A :class:`DeviceSetter`, or ``None`` when there is no ps task (as in TF).
@@ -402,4 +515,4 @@ def replica_device_setter(
     if isinstance(ps_strategy, str) and ps_strategy not in _CHOOSERS:
         _make_chooser(ps_strategy, ps_tasks)
     return DeviceSetter(ps_tasks, ps_device.rstrip("/"), worker_device, ps_strategy,
-                        partition_threshold_bytes)
+                        partition_threshold_bytes, PS_OPS if ps_ops is None else ps_ops)

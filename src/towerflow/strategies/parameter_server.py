@@ -64,7 +64,9 @@ class ParameterServer(Strategy):
             next batch (the reported global step then lags by one push).
         is_chief: override the cluster's rule (the ``chief`` task, else worker 0).
         device_setter: a :func:`towerflow.replica_device_setter` result; its
-            placement strategy, partition threshold and worker device are used.
+            placement and worker device are used. Not needed for a model built
+            inside ``towerflow.device(replica_device_setter(...))``: its
+            parameters stay on the ps tasks the setter gave them.
         server: this task's running ``Server`` (used, not stopped); True
             (default): start one in :meth:`prepare` and stop it in
             :meth:`shutdown` — if it cannot listen (the port is taken, or a
@@ -104,6 +106,7 @@ class ParameterServer(Strategy):
         self.aggregation = AggregationConfig(
             mode=mode, total_num_replicas=self._world, replicas_to_aggregate=replicas_to_aggregate,
             staleness=staleness, timeout=step_timeout)
+        self._setter = device_setter
         if device_setter is not None:
             ps_strategy = ps_strategy or device_setter.strategy
             if partition_threshold_bytes is None:
@@ -171,7 +174,6 @@ class ParameterServer(Strategy):
         """Place the parameters on the ps tasks; the chief initialises, others wait."""
         from towerflow.ps import ps_pb2 as pb
         from towerflow.ps.client import PSClient
-        from towerflow.ps.placement import plan_placement
 
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
@@ -183,9 +185,7 @@ class ParameterServer(Strategy):
                 f"The parameter server keeps float32 parameters; {', '.join(wrong)} are not. "
                 "Call model.float() first (use autocast for lower precision compute)."
             )
-        placement = plan_placement([(n, tuple(p.shape)) for n, p in params],
-                                   self.cluster.num_tasks("ps"), strategy=self._ps_strategy,
-                                   partition_threshold_bytes=self._threshold)
+        placement = self._plan(params, model)
         self._buffers = _FlatBuffers(placement, dict(params), self._device)
         self._opt = optimizer
         self._opt_spec = pb.OptimizerSpec(
@@ -205,6 +205,25 @@ class ParameterServer(Strategy):
             self._step = self._client.wait_until_initialized(self._init_timeout)
             self._pull()
         return model
+
+    def _plan(self, params: list[tuple[str, nn.Parameter]], model: nn.Module) -> Any:
+        """Where the variables live: as the model was built (under a setter scope), else
+        as the ``device_setter`` places them, else by ``ps_strategy``."""
+        from towerflow.devices import parameter_placements
+        from towerflow.ps.placement import placement_from_tasks, plan_placement
+
+        shapes = [(n, tuple(p.shape)) for n, p in params]
+        num_ps = self.cluster.num_tasks("ps")
+        built = parameter_placements(model)
+        if built:
+            source = next(iter(built.values())).source
+            threshold = getattr(source, "partition_threshold_bytes", self._threshold)
+            tasks = {n: p.spec.task for n, p in built.items() if p.spec.job == "ps"}
+            return placement_from_tasks(shapes, tasks, num_ps, partition_threshold_bytes=threshold)
+        if self._setter is not None and self._setter.num_ps == num_ps:
+            return self._setter.place(shapes)
+        return plan_placement(shapes, num_ps, strategy=self._ps_strategy,
+                              partition_threshold_bytes=self._threshold)
 
     @property
     def server(self) -> Any:
