@@ -101,13 +101,14 @@ def auth_cost(mb: int, pairs: int) -> tuple[float, float, float]:
 
 def auth_cpu_cost(calls: int = 20000) -> float:
     """Microseconds of CPU per call to make and check an auth token (both ends)."""
-    from towerflow.cluster.transport import AuthInterceptor, _auth_token
+    from towerflow.cluster.auth import AuthInterceptor, make_token
 
     secret, method = b"s" * 64, "/towerflow.ps.PS/PushPull"
-    check = AuthInterceptor(secret).check
+    interceptor = AuthInterceptor(secret, task="/job:ps/replica:0/task:0")
+    check, server, header = interceptor.check, interceptor.identity, b"h" * 64
     start = time.perf_counter()
     for _ in range(calls):
-        check(method, _auth_token(secret, method))
+        check(method, make_token(secret, method, server, header))
     return (time.perf_counter() - start) / calls * 1e6
 
 

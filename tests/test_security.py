@@ -6,13 +6,14 @@ import ast
 import socket
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from towerflow.cluster.transport import AUTH_METADATA_KEY, _auth_token
+from towerflow.cluster.auth import AUTH_METADATA_KEY, ClientAuth, make_token
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
 from towerflow.ps import ps_pb2 as pb
 from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster
@@ -93,20 +94,26 @@ def test_calls_without_or_with_forged_credentials_reach_no_ps_method(ps_process)
         honest.initialize([start], optimizer=pb.OptimizerSpec(name="sgd"),
                           aggregation=AggregationConfig())
         garbage = b"\x08\x01"
+        with grpc.insecure_channel(address) as raw:
+            server = ClientAuth(secret, raw, address).identity(10.0)
+
+        def token(key: bytes, method: str, **kwargs) -> list[tuple[str, str]]:
+            return [(AUTH_METADATA_KEY, make_token(key, method, server, garbage, **kwargs))]
+
         for name in PS_METHODS:
             method = f"/towerflow.ps.PS/{name}"
             assert _raw_call(address, method, garbage) == grpc.StatusCode.UNAUTHENTICATED, name
-            wrong = [(AUTH_METADATA_KEY, _auth_token(b"guessed", method))]
+            wrong = token(b"guessed", method)
             assert _raw_call(address, method, garbage, wrong) == grpc.StatusCode.UNAUTHENTICATED
             # a genuine token, but minted for another method
-            other = [(AUTH_METADATA_KEY, _auth_token(secret, "/towerflow.cluster.Control/Ping"))]
+            other = token(secret, "/towerflow.cluster.Control/Ping")
             assert _raw_call(address, method, garbage, other) == grpc.StatusCode.UNAUTHENTICATED
             # a genuine token for this method, but from long ago
-            old = [(AUTH_METADATA_KEY, _auth_token(secret, method, now=time.time() - 3600))]
+            old = token(secret, method, now=time.time() - 3600)
             assert _raw_call(address, method, garbage, old) == grpc.StatusCode.UNAUTHENTICATED
         # a sniffed genuine token works once, never twice
         status = "/towerflow.ps.PS/Status"
-        sniffed = [(AUTH_METADATA_KEY, _auth_token(secret, status))]
+        sniffed = [(AUTH_METADATA_KEY, make_token(secret, status, server, b""))]
         assert _raw_call(address, status, b"", sniffed) == grpc.StatusCode.OK
         assert _raw_call(address, status, b"", sniffed) == grpc.StatusCode.UNAUTHENTICATED
         after = np.empty(8, np.float32)
@@ -149,7 +156,13 @@ def test_a_real_server_refuses_a_non_loopback_address_without_a_secret(subproces
         insecure.wait_for_line(r"WITHOUT authentication \(insecure\)", timeout=60)
         insecure.wait_for_line(r"ps task 0 serving at", timeout=60)
     with LocalCluster(spec, command, env=subprocess_env, secret=True) as lc:
-        lc.start("ps", 0).wait_for_line(r"ps task 0 serving at", timeout=60)
+        # a secret authenticates the calls, but the traffic would cross the network readable
+        plaintext = lc.start("ps", 0)
+        assert plaintext.wait(timeout=60) != 0
+        assert plaintext.find(r"non-loopback address \S+ in plaintext \(without TLS\)")
+        lc.start("ps", 0, extra_args=["--insecure"]).wait_for_line(r"ps task 0 serving at",
+                                                                   timeout=60)
+        assert "in plaintext (insecure): calls are authenticated" in lc.task("ps", 0).output()
         assert "WITHOUT authentication" not in lc.task("ps", 0).output()
     assert leftover_processes() == []
 
@@ -203,3 +216,34 @@ def test_the_source_tree_never_unpickles_or_executes_received_code():
     found = [hit for path in files
              for hit in unsafe_constructs(path.read_text(encoding="utf-8"), str(path.relative_to(SRC)))]
     assert found == []
+
+
+@pytest.mark.slow
+def test_unauthenticated_calls_are_refused_before_their_bodies_are_read(ps_process):
+    import psutil
+
+    spec, lc, ps = ps_process
+    address = spec.task_address("ps", 0)
+    server = psutil.Process(ps.pid)
+    body = b"\0" * (60 << 20)
+
+    def call(_: int) -> grpc.StatusCode:
+        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length",
+                                                      128 << 20)]) as channel:
+            try:
+                channel.unary_unary("/towerflow.ps.PS/Status")(body, timeout=30)
+            except grpc.RpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    baseline = server.memory_info().rss
+    peak = baseline
+    with futures.ThreadPoolExecutor(8) as pool:
+        calls = [pool.submit(call, i) for i in range(32)]
+        while not all(c.done() for c in calls):
+            peak = max(peak, server.memory_info().rss)
+            time.sleep(0.005)  # sampling the ps's memory while the calls run
+    assert {c.result() for c in calls} == {grpc.StatusCode.UNAUTHENTICATED}
+    # 32 x 60 MiB were sent; a ps that read them before refusing grew by hundreds of MiB
+    assert (peak - baseline) < 48 << 20, (baseline >> 20, peak >> 20)
+    assert (server.memory_info().rss - baseline) < 24 << 20

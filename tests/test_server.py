@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from test_security import _public_address
 
-from towerflow.cluster import ClusterSpec, Credentials, Server
+from towerflow.cluster import ClusterSpec, Credentials, Server, ServerOptions, TLSConfig
 from towerflow.cluster.transport import make_channel, raw_handlers, unary
 from towerflow.errors import (
     FailedPreconditionError,
@@ -104,10 +106,45 @@ def test_refuses_a_non_loopback_address_without_authentication(caplog):
     cluster = {"ps": ["10.1.2.3:2222"]}
     with pytest.raises(InvalidArgumentError, match="refusing to serve /job:ps/replica:0/task:0 on non-loopback address 10.1.2.3:2222 without authentication"):
         Server(cluster, "ps", 0, credentials=Credentials(), start=False)
-    Server(cluster, "ps", 0, credentials=SECRET, start=False)  # a secret is enough
     with caplog.at_level(logging.WARNING, logger="towerflow.cluster"):
         Server(cluster, "ps", 0, credentials=Credentials(insecure=True), start=False)
     assert "WITHOUT authentication (insecure)" in caplog.text
+
+
+def test_refuses_a_non_loopback_address_in_plaintext_unless_told_so(caplog):
+    cluster = {"ps": ["10.1.2.3:2222"]}
+    with pytest.raises(InvalidArgumentError, match=r"on non-loopback address 10\.1\.2\.3:2222 in "
+                       r"plaintext \(without TLS\); set a cluster secret .* and TLS"):
+        Server(cluster, "ps", 0, credentials=SECRET, start=False)
+    tls = TLSConfig(cert=Path("server.pem"), key=Path("server.key"))
+    Server(cluster, "ps", 0, credentials=Credentials(secret=b"s", tls=tls), start=False)
+    with caplog.at_level(logging.WARNING, logger="towerflow.cluster"):
+        Server(cluster, "ps", 0, credentials=Credentials(secret=b"s", insecure=True), start=False)
+    assert "10.1.2.3:2222 in plaintext (insecure): calls are authenticated" in caplog.text
+
+
+def test_binds_the_address_its_spec_names_and_wider_only_when_told(free_ports):
+    host = _public_address()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    port = free_ports(1)[0]
+    spec = {"ps": [f"{host}:{port}"]}
+    insecure = Credentials(secret=b"s", insecure=True)
+    with Server(spec, "ps", 0, credentials=insecure, services=None):
+        assert _listening(port) == {host}  # not every interface
+    wide = ServerOptions(bind_host="0.0.0.0")
+    with pytest.raises(InvalidArgumentError, match=r"address 0\.0\.0\.0:\d+ in plaintext"):
+        Server({"ps": [f"127.0.0.1:{port}"]}, "ps", 0, credentials=SECRET, options=wide)
+    with Server(spec, "ps", 0, credentials=insecure, options=wide, services=None):
+        assert _listening(port) & {"0.0.0.0", "::"}  # every interface (gRPC may go dual-stack)
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP socket of this process listens on at ``port``."""
+    import psutil
+
+    return {c.laddr.ip.removeprefix("::ffff:") for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
 
 
 def test_handlers_are_added_before_start_and_refused_after(free_ports):

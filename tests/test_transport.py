@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from towerflow.cluster import Credentials, Server, TLSConfig
+from towerflow.cluster.auth import ServerIdentity, make_token
 from towerflow.cluster.server import ServerOptions
 from towerflow.cluster.transport import (
     AuthInterceptor,
     ChannelOptions,
-    _auth_token,
     make_channel,
     raw_handlers,
     read_secret_file,
@@ -212,16 +212,46 @@ def test_every_call_needs_a_finite_deadline(served, timeout):
 
 
 def test_auth_token_cannot_be_replayed_reused_for_another_method_or_used_late():
-    interceptor = AuthInterceptor(SECRET, freshness=60)
+    interceptor = AuthInterceptor(SECRET, freshness=60, task="/job:ps/replica:0/task:0")
     now = 1_700_000_000.0
-    token = _auth_token(SECRET, "/test.Svc/Echo", now=now)
-    assert interceptor.check("/test.Svc/Other", token, now=now) == "wrong credentials"
+    token = make_token(SECRET, "/test.Svc/Echo", interceptor.identity, b"body", now=now)
+    assert interceptor.check("/test.Svc/Other", token, now=now).startswith("wrong credentials")
     assert interceptor.check("/test.Svc/Echo", token, now=now + 61) == (
         "expired credentials (check the clocks)"
     )
     assert interceptor.check("/test.Svc/Echo", token, now=now) is None
     assert interceptor.check("/test.Svc/Echo", token, now=now + 1) == "replayed credentials"
     assert interceptor.check("/test.Svc/Echo", "v1:garbage", now=now) == "malformed credentials"
+
+
+def test_auth_token_is_bound_to_the_task_and_the_incarnation_it_was_issued_for():
+    ps0 = AuthInterceptor(SECRET, task="/job:ps/replica:0/task:0")
+    ps1 = AuthInterceptor(SECRET, task="/job:ps/replica:0/task:1")
+    token = make_token(SECRET, "/test.Svc/Echo", ps0.identity)
+    assert ps1.check("/test.Svc/Echo", token).startswith("wrong credentials")
+    # the same task after a restart: a new incarnation, no remembered nonces
+    restarted = AuthInterceptor(SECRET, task="/job:ps/replica:0/task:0")
+    assert restarted.identity.incarnation != ps0.identity.incarnation
+    verdict = restarted.verify("/test.Svc/Echo", token)
+    assert "restarted since the call was signed" in verdict.reason
+    assert verdict.code.name == "UNAVAILABLE"
+    # a token for an identity nobody has
+    forged = make_token(SECRET, "/test.Svc/Echo", ServerIdentity("/job:ps/replica:0/task:0", "0"))
+    assert "restarted" in ps0.check("/test.Svc/Echo", forged)
+    assert ps0.check("/test.Svc/Echo", token) is None
+
+
+def test_forgotten_nonces_refuse_tokens_older_than_the_oldest_remembered(monkeypatch):
+    import towerflow.cluster.auth as auth
+
+    monkeypatch.setattr(auth, "_MAX_SEEN_NONCES", 3)
+    check = AuthInterceptor(SECRET, freshness=60)
+    now = 1_700_000_000.0
+    tokens = [make_token(SECRET, "/m", check.identity, now=now + i) for i in range(5)]
+    assert [check.check("/m", t, now=now + 5) for t in tokens] == [None] * 5
+    # the first two were forgotten to keep the memory bounded: their replays are still refused
+    assert check.check("/m", tokens[0], now=now + 5).startswith("expired")
+    assert check.check("/m", tokens[4], now=now + 5) == "replayed credentials"
 
 
 def test_credentials_from_env_reads_secret_file_and_tls_paths(tmp_path):

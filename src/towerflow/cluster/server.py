@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from towerflow import _identity
+from towerflow.cluster.auth import RESTARTED
+from towerflow.cluster.limits import RateLimitedLog, StreamLimiter, log_by_default
 from towerflow.cluster.services import HostedService, ServiceFactory, factories_for, load_factory
 from towerflow.cluster.spec import ClusterSpec, TaskInfo, is_loopback_host, parse_address
 from towerflow.cluster.targets import register_server
@@ -81,12 +83,44 @@ class ServerOptions:
         heartbeat: how the hosted services watch their peers (a ps task
             watches the chief and the workers, and names a dead or suspended
             one); None: no heartbeats. ``towerflow server`` turns them on.
+        bind_host: the interface to listen on instead of the host the
+            cluster spec names, e.g. ``"0.0.0.0"`` or ``"::"`` for all (a
+            container whose spec names a service address); None: the spec's
+            host. The port is always the spec's.
+        max_streams: most streaming calls open at once (each holds a handler
+            thread); None: three quarters of ``max_workers``, so unary calls
+            always find a thread. A stream past the cap is refused at once
+            (``ResourceExhaustedError`` naming the cap).
+        max_streams_per_peer: most streaming calls open at once on one
+            connection (an honest worker keeps a few per ps task).
+        warning_interval: a repeated warning (a refused call, ...) is written
+            once per this many seconds, then with the count of the others.
     """
 
     max_workers: int = 256
     channel: ChannelOptions = field(default_factory=ChannelOptions)
     auth_freshness: float = 300.0
     heartbeat: HeartbeatOptions | None = None
+    bind_host: str | None = None
+    max_streams: int | None = None
+    max_streams_per_peer: int = 32
+    warning_interval: float = 10.0
+
+    def stream_cap(self) -> int:
+        """``max_streams``, checked against ``max_workers``.
+
+        Raises:
+            InvalidArgumentError: a cap that is not positive, or not below ``max_workers``.
+        """
+        cap = self.max_streams if self.max_streams is not None else self.max_workers * 3 // 4
+        if not 0 < cap < self.max_workers or self.max_streams_per_peer <= 0:
+            raise InvalidArgumentError(
+                f"ServerOptions(max_streams={self.max_streams}, max_streams_per_peer="
+                f"{self.max_streams_per_peer}, max_workers={self.max_workers}): the stream caps "
+                "must be positive and max_streams below max_workers, so that unary calls always "
+                "find a thread; raise max_workers with max_streams."
+            )
+        return cap
 
 
 class Server:
@@ -137,6 +171,7 @@ class Server:
         self.target = f"grpc://{self.address}"
         self._host, self._port = parse_address(self.address)
         self._bind = self._bind_address()
+        self.options.stream_cap()  # checked now, not when the server starts
         self._handlers: list[grpc.GenericRpcHandler] = list(handlers)
         self._factories = factories_for(job_name, services)
         self.services: tuple[HostedService, ...] = ()
@@ -145,29 +180,40 @@ class Server:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._auth: AuthInterceptor | None = None
+        self.streams: StreamLimiter | None = None
         register_server(self)  # so that ``self.target`` names this task in this process
         if start:
             self.start()
 
     # -- lifecycle ------------------------------------------------------------
     def _bind_address(self) -> str:
-        if is_loopback_host(self._host):
-            return self.address
-        bind = f"[::]:{self._port}"
-        if not self.credentials.authenticated:
-            if not self.credentials.insecure:
+        """The spec's address, or ``bind_host`` with the spec's port; checked for exposure.
+
+        Raises:
+            InvalidArgumentError: a non-loopback address without authentication,
+                or without TLS, unless the credentials say ``insecure=True``.
+        """
+        host = self.options.bind_host
+        bind = self.address if host is None else f"{_bracketed(host)}:{self._port}"
+        if is_loopback_host(self._host if host is None else host):
+            return bind
+        creds = self.credentials
+        if not creds.authenticated or creds.tls is None:
+            missing = ("without authentication" if not creds.authenticated
+                       else "in plaintext (without TLS)")  # fmt: skip
+            if not creds.insecure:
                 raise InvalidArgumentError(
-                    f"refusing to serve {self.task.device_name} on non-loopback address "
-                    f"{self.address} without authentication; set a cluster secret "
-                    "(TOWERFLOW_SECRET_FILE) or mutual TLS (TOWERFLOW_TLS_CERT/KEY/CA), or pass "
+                    f"refusing to serve {self.task.device_name} on non-loopback address {bind} "
+                    f"{missing}; set a cluster secret (TOWERFLOW_SECRET_FILE) and TLS "
+                    "(TOWERFLOW_TLS_CERT/KEY, with TOWERFLOW_TLS_CA for mutual TLS), or pass "
                     "insecure=True (--insecure) on a network you trust."
                 )
-            logger.warning(
-                "serving %s on %s WITHOUT authentication (insecure): anyone who can reach this "
-                "port can read and change its state",
-                self.task.device_name,
-                bind,
-            )
+            what = ("WITHOUT authentication (insecure): anyone who can reach this port can read "
+                    "and change its state" if not creds.authenticated else
+                    "in plaintext (insecure): calls are authenticated, but anyone on the network "
+                    "can read the traffic")  # fmt: skip
+            logger.warning("serving %s on %s %s", self.task.device_name, bind, what)
         return bind
 
     def add_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
@@ -197,11 +243,17 @@ class Server:
                 return
             hosted = self._host_services()
             handlers = [h for _, service_handlers in hosted for h in service_handlers]
-            interceptors = []
+            interceptors: list[grpc.ServerInterceptor] = []
+            warnings = RateLimitedLog(logger, self.options.warning_interval)
             if self.credentials.secret:
-                interceptors.append(
-                    AuthInterceptor(self.credentials.secret, self.options.auth_freshness)
-                )
+                self._auth = AuthInterceptor(
+                    self.credentials.secret, self.options.auth_freshness,
+                    task=self.task.device_name, log=warnings,
+                )  # fmt: skip
+                interceptors.append(self._auth)
+            self.streams = StreamLimiter(self.options.stream_cap(),
+                                         self.options.max_streams_per_peer, self.task.device_name)
+            interceptors.append(self.streams)
             server = grpc.server(
                 futures.ThreadPoolExecutor(
                     self.options.max_workers, thread_name_prefix=f"towerflow-{self.task}"
@@ -255,8 +307,10 @@ class Server:
         if port == 0:
             raise UnavailableError(
                 f"cannot listen on {self._bind} for {self.task.device_name}: the port is taken "
-                "or the host is not an address of this machine; stop the other process or "
-                "change the cluster spec."
+                "or the host is not an address of this machine; stop the other process, change "
+                "the cluster spec, or listen on another interface (ServerOptions(bind_host=...), "
+                "towerflow server --bind 0.0.0.0) when the spec names an address that is not "
+                "this machine's."
             )
 
     def join(self, *, handle_signals: bool = True) -> None:
@@ -366,9 +420,8 @@ class Server:
                 per_call = max(0.05, min(2.0, deadline - time.monotonic()))
                 reasons[task] = self._probe(task, per_call)
                 if reasons[task]:
-                    logger.info(
-                        "waiting for %s at %s (%s; retrying)", task.device_name, address, reasons[task]
-                    )
+                    log_by_default(logger, logging.INFO, "waiting for %s at %s (%s; retrying)",
+                                   task.device_name, address, reasons[task])
             pending = [(t, a) for t, a in pending if reasons[t]]
             remaining = deadline - time.monotonic()
             if pending and (remaining <= 0 or self._stopped.wait(min(backoff, remaining))):
@@ -384,8 +437,8 @@ class Server:
             self.ping(task.job_name, task.task_index, timeout=timeout)
         except UnauthenticatedError:
             raise
-        except UnavailableError:
-            return "failed to connect"
+        except UnavailableError as exc:
+            return "restarted" if RESTARTED in str(exc) else "failed to connect"
         except DeadlineExceededError:
             return "no reply before the deadline"
         except InvalidArgumentError:
@@ -399,6 +452,11 @@ class Server:
             {"job": self.task.job_name, "task": self.task.task_index, "pid": os.getpid()}
         ).encode()
         return raw_handlers(CONTROL_SERVICE, {"Ping": ("unary_unary", lambda _request: identity)})
+
+
+def _bracketed(host: str) -> str:
+    """An IPv6 literal in brackets, as a gRPC address needs it (``::`` -> ``[::]``)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _service_name(handler: grpc.GenericRpcHandler) -> str | None:

@@ -5,15 +5,11 @@ service puts on the wire (protobuf, the tensor codec of
 :mod:`towerflow.cluster.codec`, JSON) is the service's own business and
 nothing is ever unpickled.
 
-Authentication (see ``docs/cluster.md``): with a per-cluster secret, every
-call carries the metadata ``x-towerflow-auth: v1:<unix time>:<nonce>:<mac>``
-where ``mac = HMAC-SHA256(secret, "<method>\\n<time>\\n<nonce>")``. The server
-interceptor accepts it only when the time is within ``freshness`` seconds of
-its own clock, the nonce was not seen before in that window, and the MAC
-matches (``hmac.compare_digest``). A sniffed header is therefore useless for
-another method and cannot be replayed. Any other call is refused with
-``UNAUTHENTICATED`` before its handler runs. TLS (optionally mutual) encrypts
-and authenticates the connection itself.
+Authentication (:mod:`towerflow.cluster.auth`, ``docs/security.md``): with a
+per-cluster secret every call carries a token bound to the server's task and
+incarnation, the method and the call's first request message, usable once;
+the server refuses a call without a valid one before reading its body. TLS
+(optionally mutual) encrypts and authenticates the connection itself.
 
 Example:
     >>> creds = Credentials(secret=b"s3cret")
@@ -23,18 +19,13 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import inspect
 import logging
 import math
 import os
 import secrets
 import stat
-import threading
-import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from towerflow.cluster.auth import AUTH_METADATA_KEY, RESTARTED, AuthInterceptor, ClientAuth
 from towerflow.cluster.spec import parse_address, strip_scheme
 from towerflow.errors import (
     InvalidArgumentError,
@@ -72,7 +64,6 @@ __all__ = [
 
 logger = logging.getLogger("towerflow.cluster")
 
-AUTH_METADATA_KEY = "x-towerflow-auth"
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_STREAM_WINDOW_BYTES = 2 << 20
 _RPC_KINDS = ("unary_unary", "stream_unary", "unary_stream", "stream_stream")
@@ -193,125 +184,6 @@ def read_secret_file(path: str | Path) -> bytes:
     return data
 
 
-# --------------------------------------------------------------------------- auth
-def _mac(secret: bytes, method: str, stamp: str, nonce: str) -> str:
-    return hmac.new(secret, f"{method}\n{stamp}\n{nonce}".encode(), hashlib.sha256).hexdigest()
-
-
-def _auth_token(secret: bytes, method: str, now: float | None = None) -> str:
-    stamp = str(int(time.time() if now is None else now))
-    nonce = secrets.token_hex(12)
-    return f"v1:{stamp}:{nonce}:{_mac(secret, method, stamp, nonce)}"
-
-
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Server interceptor refusing every call without a valid, fresh auth token.
-
-    Args:
-        secret: the cluster secret.
-        freshness: how far (seconds) a token's time may be from this clock.
-    """
-
-    def __init__(self, secret: bytes, freshness: float = 300.0) -> None:
-        self._secret = secret
-        self._freshness = freshness
-        self._seen: OrderedDict[str, float] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def check(self, method: str, token: str | None, now: float | None = None) -> str | None:
-        """Return ``None`` when ``token`` is valid for ``method``, else the reason."""
-        if not token:
-            return "no credentials"
-        parts = token.split(":")
-        if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit():
-            return "malformed credentials"
-        _, stamp, nonce, mac = parts
-        if not hmac.compare_digest(_mac(self._secret, method, stamp, nonce), mac):
-            return "wrong credentials"
-        now = time.time() if now is None else now
-        if abs(now - int(stamp)) > self._freshness:
-            return "expired credentials (check the clocks)"
-        with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now - 2 * self._freshness:
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
-                return "replayed credentials"
-            self._seen[nonce] = now
-        return None
-
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
-        method = handler_call_details.method
-        token = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY:
-                token = value
-                break
-        reason = self.check(method, token)
-        if reason is None:
-            return continuation(handler_call_details)
-        logger.warning("refused call to %s: %s", method, reason)
-        return _refusal_handler(continuation(handler_call_details), f"{method}: {reason}")
-
-
-def _refusal_handler(real: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    def abort(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"call refused: {message}")
-
-    kind = "unary_unary"
-    if real is not None:
-        kind = {
-            (False, False): "unary_unary",
-            (True, False): "stream_unary",
-            (False, True): "unary_stream",
-            (True, True): "stream_stream",
-        }[(bool(real.request_streaming), bool(real.response_streaming))]
-    return getattr(grpc, f"{kind}_rpc_method_handler")(abort)
-
-
-class _ClientAuth(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Adds the auth token of every outgoing call."""
-
-    def __init__(self, secret: bytes) -> None:
-        self._secret = secret
-
-    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = list(details.metadata or ())
-        metadata.append((AUTH_METADATA_KEY, _auth_token(self._secret, details.method)))
-        return _CallDetails(
-            details.method, details.timeout, metadata, details.credentials,
-            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
-        )  # fmt: skip
-
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[override]
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[override]
-        return continuation(self._details(details), request_iterator)
-
-    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[override]
-        return continuation(self._details(details), request)
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[override]
-        return continuation(self._details(details), request_iterator)
-
-
-class _CallDetails(grpc.ClientCallDetails):
-    __slots__ = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
-
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
-        self.method = method
-        self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression
-
-
 # --------------------------------------------------------------------------- channels
 @dataclass(frozen=True, slots=True)
 class ChannelOptions:
@@ -407,7 +279,7 @@ def make_channel(
     else:
         channel = grpc.insecure_channel(target, options=grpc_options)
     if credentials.secret:
-        channel = grpc.intercept_channel(channel, _ClientAuth(credentials.secret))
+        channel = grpc.intercept_channel(channel, ClientAuth(credentials.secret, channel, target))
     _ADDRESSES[channel] = target
     return channel
 
@@ -436,7 +308,7 @@ def map_rpc_error(error: grpc.RpcError, method: str, address: str = "?") -> Towe
     name = code.name if code is not None else "UNKNOWN"
     details = error.details() if hasattr(error, "details") else str(error)
     cls = from_grpc_code(name)
-    hint = _HINTS.get(name, "")
+    hint = _hint(name, details or "")
     return cls(f"call {method} to {address} failed with {name}: {details}{hint}")
 
 
@@ -447,6 +319,15 @@ _HINTS = {
     "DEADLINE_EXCEEDED": "; raise the timeout or check whether the peer is stalled.",
     "RESOURCE_EXHAUSTED": "; stream large payloads in chunks or raise max_message_bytes.",
 }
+
+
+def _hint(code: str, details: str) -> str:
+    """The way out to add to a failure whose message does not already give one."""
+    if code == "RESOURCE_EXHAUSTED" and "raise the cap" in details:
+        return ""  # a stream cap: the server's message names it and how to raise it
+    if code == "UNAVAILABLE" and RESTARTED in details:
+        return ""  # refused by a restarted task before it ran: the message says to retry
+    return _HINTS.get(code, "")
 
 
 def _check_timeout(timeout: float | None, method: str) -> float:

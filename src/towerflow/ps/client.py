@@ -103,9 +103,10 @@ class _SmallStream:
 
     __slots__ = ("_call", "_requests", "_replies", "_usable_until")
 
-    def __init__(self, channel: grpc.Channel, push_timeout: float) -> None:
+    def __init__(self, channel: grpc.Channel, push_timeout: float, first: bytes) -> None:
         window = push_timeout / 4
         self._requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._requests.put(first)  # queued before the call starts: its token binds it
         self._call = channel.stream_stream(_M + "PushPullSmallStream")(
             iter(self._requests.get, None), timeout=push_timeout + window)
         self._replies = iter(self._call)
@@ -116,9 +117,13 @@ class _SmallStream:
         """Whether a round trip started now has a whole push timeout left."""
         return time.monotonic() < self._usable_until
 
-    def round_trip(self, request: bytes) -> bytes:
-        """Send ``request``, return its reply (``grpc.RpcError`` when the call ends)."""
-        self._requests.put(request)
+    def round_trip(self, request: bytes | None) -> bytes:
+        """Send ``request`` (None: the one the stream opened with), return its reply.
+
+        Raises ``grpc.RpcError`` when the call ends.
+        """
+        if request is not None:
+            self._requests.put(request)
         reply = next(self._replies, None)
         if reply is None:
             raise DataLossError("the ps ended a push stream without replying; it will reopen.")
@@ -311,10 +316,11 @@ class ShardClient:
         """One push-and-pull on the long-lived stream (reopened when old or broken)."""
         if self._stream is not None and not self._stream.fresh:
             self.close_stream()
+        opened = None
         if self._stream is None:
-            self._stream = _SmallStream(self.channel, self.push_timeout)
+            self._stream = opened = _SmallStream(self.channel, self.push_timeout, request)
         try:
-            return self._stream.round_trip(request)
+            return self._stream.round_trip(None if opened else request)
         except grpc.RpcError as exc:
             self.close_stream()
             raise map_rpc_error(exc, _M + "PushPullSmallStream", self.address) from None
