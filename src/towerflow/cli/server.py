@@ -9,6 +9,11 @@ watches the chief and workers with heartbeats (every ``--heartbeat`` seconds,
 ``0`` to turn them off; the workers answer through their own ``Server``): a
 dead or suspended worker is logged by name, and a sync step that misses its
 gradient names it. SIGTERM or Ctrl-C stops the server.
+
+The server listens on the address its cluster spec names (``--bind 0.0.0.0``
+to listen on every interface), refuses a non-loopback address without a
+cluster secret and TLS unless ``--insecure``, and refuses a stream past
+``--max-streams`` in all or ``--max-streams-per-peer`` on one connection.
 """
 
 from __future__ import annotations
@@ -43,7 +48,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--insecure",
         action="store_true",
-        help="allow serving a non-loopback address without secret or mutual TLS (logs a warning)",
+        help="allow serving a non-loopback address without a secret or without TLS (plaintext; "
+        "logs a warning)",
+    )
+    parser.add_argument(
+        "--bind",
+        metavar="HOST",
+        help="listen on HOST (e.g. 0.0.0.0 for every interface) with the spec's port, instead "
+        "of the address the cluster spec names (default: that address)",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most streaming calls open at once; one past it is refused (default: 3/4 of the "
+        "256 handler threads, 192)",
+    )
+    parser.add_argument(
+        "--max-streams-per-peer",
+        type=int,
+        default=32,
+        metavar="N",
+        help="most streaming calls open at once on one connection (default 32)",
     )
     parser.add_argument(
         "--heartbeat",
@@ -101,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
             "no cluster and task given; pass --cluster cluster.json --job ps --task 0 or set "
             "TF_CONFIG."
         )
-    options = ServerOptions(heartbeat=heartbeat_from_args(args))
+    options = ServerOptions(heartbeat=heartbeat_from_args(args), bind_host=args.bind,
+                            max_streams=args.max_streams,
+                            max_streams_per_peer=args.max_streams_per_peer)
     server = Server(cluster, task.job_name, task.task_index,
                     credentials=credentials_from_args(args), options=options)
     print(f"serving {task.device_name} at {server.target}", flush=True)
