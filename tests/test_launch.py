@@ -37,7 +37,15 @@ if sys.argv[1] == "block":
     report["grandchild"] = grandchild.pid
 print(json.dumps(report), flush=True)
 print("second line", flush=True)
+marks = os.environ.get("CHILD_MARKS")
+if marks and task["type"] == "ps":
+    open(os.path.join(marks, f"ps-{task['index']}"), "w").close()
 if sys.argv[1] == "exit" and task["type"] in ("worker", "chief"):
+    import time
+    deadline = time.monotonic() + 60  # the ps tasks report before the launch ends
+    while marks and len(os.listdir(marks)) < len(config["cluster"].get("ps", ())):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     sys.exit(int(sys.argv[2]) * task["index"])
 threading.Event().wait()
 '''
@@ -66,8 +74,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_children_get_tf_config_and_one_private_secret_and_the_worst_status(child, subprocess_env, python):
+def test_children_get_tf_config_and_one_private_secret_and_the_worst_status(child, subprocess_env, python,
+                                                                          tmp_path):
     out = io.StringIO()
+    (tmp_path / "marks").mkdir()
+    subprocess_env["CHILD_MARKS"] = str(tmp_path / "marks")
     subprocess_env["TOWERFLOW_SECRET"] = "must-not-leak-into-children"
     status = launch_cluster(
         [python, str(child), "exit", "3"], num_ps=1, num_workers=2, chief=True,
@@ -87,8 +98,10 @@ def test_children_get_tf_config_and_one_private_secret_and_the_worst_status(chil
     assert not _alive(reports["ps:0"]["pid"])
 
 
-def test_status_is_zero_when_every_worker_succeeds(child, subprocess_env, python):
+def test_status_is_zero_when_every_worker_succeeds(child, subprocess_env, python, tmp_path):
     out = io.StringIO()
+    (tmp_path / "marks").mkdir()
+    subprocess_env["CHILD_MARKS"] = str(tmp_path / "marks")
     status = launch_cluster([python, str(child), "exit", "0"], num_ps=2, num_workers=1,
                             env=subprocess_env, output=out, grace=5.0)  # fmt: skip
     assert status == 0
