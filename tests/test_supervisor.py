@@ -224,6 +224,12 @@ def test_a_checkpoint_of_the_supervisor_has_the_trainers_metadata(tmp_path) -> N
     assert metadata["strategy"]["global_step"] == 2
 
 
+def test_a_device_option_places_a_local_session(tmp_path) -> None:
+    sv = Supervisor(logdir=None, device="/cpu:0")
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        assert str(sess.strategy.device) == "cpu"
+
+
 def test_a_ps_option_on_a_session_without_a_cluster_is_refused(tmp_path) -> None:
     sv = Supervisor(logdir=tmp_path, mode="sync")
     with pytest.raises(InvalidArgumentError, match=r"mode='sync'.* trains with SingleDevice \(no "

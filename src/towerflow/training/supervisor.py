@@ -133,7 +133,7 @@ def _known_strategy_options() -> frozenset[str]:
     from towerflow.strategies.base import STRATEGIES
     from towerflow.strategies.choose import strategy_options
 
-    return frozenset().union(*(strategy_options(kind) for kind in STRATEGIES))
+    return frozenset({"device"}).union(*(strategy_options(kind) for kind in STRATEGIES))
 
 
 class Supervisor:
