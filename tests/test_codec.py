@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import pytest
 import torch
@@ -96,22 +97,37 @@ def _entry(**fields) -> dict:
         (b"TF", DataLossError, "shorter than its 8-byte prefix"),
         (b"XXXX\x00\x00\x00\x00", DataLossError, "starts with b'XXXX'"),
         (struct.pack("<4sI", MAGIC, 100) + b"{}", DataLossError, "header length 100 runs past"),
-        (struct.pack("<4sI", MAGIC, 1 << 30), InvalidArgumentError, "header length 1073741824 exceeds"),
-        (_forge([], header=b"{not json"), DataLossError, "header is not valid JSON"),
-        (_forge([], header=b'{"t": 1}'), DataLossError, "has no 'tensors' list"),
+        (struct.pack("<4sI", MAGIC, 1 << 30), InvalidArgumentError, "header length 1073741824 exceeds max_header_bytes=4194304"),
+        (_forge([], header=b"{not json"), InvalidArgumentError, "header is not valid JSON"),
+        (_forge([], header=b'{"t": 1}'), InvalidArgumentError, "exactly one field, a 'tensors' list"),
         (_forge([_entry(dtype="object")], bytes(8)), InvalidArgumentError, "dtype='object', which is not allowed"),
         (_forge([_entry(shape=[-2], nbytes=8)], bytes(8)), InvalidArgumentError, r"negative shape\[0\]=-2"),
-        (_forge([_entry(shape=[2.5])], bytes(8)), DataLossError, r"shape\[0\]=2.5; it must be an integer"),
-        (_forge([_entry(shape="2")], bytes(8)), DataLossError, "shape='2'"),
-        (_forge([_entry(nbytes=12)], bytes(16)), DataLossError, "nbytes=12 but shape \\[2\\] of float32 needs 8"),
-        (_forge([_entry(offset=-8)], bytes(8)), InvalidArgumentError, "negative offset=-8"),
-        (_forge([_entry(offset=4)], bytes(8)), DataLossError, "offset=4 and nbytes=8, past the end"),
+        (_forge([_entry(shape=[2.5])], bytes(8)), InvalidArgumentError, r"the number 2.5; every number of the format is an integer"),
+        (_forge([_entry(shape=[True])], bytes(8)), InvalidArgumentError, r"shape\[0\]=True; it must be an integer"),
+        (_forge([_entry(shape="2")], bytes(8)), InvalidArgumentError, "shape=2; it must be a list of at most 32"),
+        (_forge([_entry(nbytes=12)], bytes(16)), InvalidArgumentError, "nbytes=12 but shape \\[2\\] of float32 needs 8"),
+        (_forge([_entry(offset=-64)], bytes(8)), InvalidArgumentError, "negative offset=-64"),
+        (_forge([_entry(offset=64)], bytes(8)), DataLossError, "offset=64 and nbytes=8, past the end"),
         (_forge([_entry()], bytes(4)), DataLossError, "past the end of the 4-byte data section"),
-        (_forge([_entry(shape=[2**62, 2**62], nbytes=8)], bytes(8)), DataLossError, "more elements than"),
-        (_forge([_entry(name="")], bytes(8)), DataLossError, "name=''"),
-        (_forge([_entry(), _entry()], bytes(8)), DataLossError, "'w' appears twice"),
-        (_forge([_entry(dtype="bool", nbytes=2)], b"\x01\x05"), DataLossError, "bytes other than 0 and 1"),
-        (_forge([_entry(nbytes=True)], bytes(8)), DataLossError, "nbytes=True"),
+        (_forge([_entry(shape=[2**62, 2**62], nbytes=8)], bytes(8)), InvalidArgumentError, r"multiply to more than 4611686018427387904 \(2\*\*62"),
+        (_forge([_entry(name="")], bytes(8)), InvalidArgumentError, "name=''"),
+        (_forge([_entry(), _entry()], bytes(8)), InvalidArgumentError, "'w' appears twice"),
+        (_forge([_entry(dtype="bool", nbytes=2)], b"\x01\x05"), InvalidArgumentError, "bytes other than 0 and 1"),
+        (_forge([_entry(nbytes=True)], bytes(8)), InvalidArgumentError, "nbytes=True"),
+        # the forms that used to escape as raw Python errors or be accepted
+        (_forge([_entry(dtype=["float32"])], bytes(8)), InvalidArgumentError, r"dtype=\"\['float32'\]\", which is not allowed"),
+        (_forge([_entry(shape=[2**64], nbytes=8)], bytes(8)), InvalidArgumentError, "a 20-digit integer; integers of the format have at most 19 digits"),
+        (_forge([_entry(shape=[0, 2**62, 2**62], nbytes=0)], bytes(8)), InvalidArgumentError, r"zero dimensions counted as 1"),
+        (_forge([], header=b'{"tensors":' + b"[" * 100_000 + b"]" * 100_000 + b"}"), InvalidArgumentError, "nested more than 4 levels deep"),
+        (_forge([], header=b'{"tensors":[{"name":"w","dtype":"float32","shape":[' + b"9" * 5000 + b'],"offset":0,"nbytes":8}]}'), InvalidArgumentError, "a 5000-digit integer"),
+        (_forge([_entry(offset=4)], bytes(16)), InvalidArgumentError, "offset=4, not a multiple of 64"),
+        (_forge([_entry(name=f"v{i}", shape=[262144], nbytes=1 << 20) for i in range(100_000)], bytes(1 << 20)), InvalidArgumentError, "exceeds max_header_bytes=4194304"),
+        (_forge([_entry(name=f"v{i}", shape=[262144], nbytes=1 << 20) for i in range(20_000)], bytes(1 << 20)), InvalidArgumentError, "lists 20000 tensors, more than max_tensors=16384"),
+        (_forge([_entry(name="a", shape=[32], nbytes=128), _entry(name="b", shape=[16], nbytes=64, offset=64)], bytes(128)), InvalidArgumentError, "tensor 'b' \\(offset=64\\) overlaps tensor 'a', which ends at 128"),
+        (_forge([_entry(extra=1)], bytes(8)), InvalidArgumentError, r"exactly the fields \['dtype', 'name', 'nbytes', 'offset', 'shape'\]"),
+        (_forge([], header=b'{"tensors": [], "tensors": []}'), InvalidArgumentError, "repeats a key"),
+        (_forge([], header=b'{"tensors": [NaN]}'), InvalidArgumentError, "the number NaN"),
+        (_forge([], header=b'{"tensors": "\xff"}'), InvalidArgumentError, "not UTF-8|not valid JSON"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -125,3 +141,19 @@ def test_decode_refuses_more_tensor_bytes_than_the_limit():
     with pytest.raises(InvalidArgumentError, match="holds 4096 bytes of tensors, more than max_bytes=1000"):
         decode_tensors(message, max_bytes=1000)
     assert decode_tensors(message, max_bytes=4096)["w"].numel() == 1024
+
+
+def test_a_message_of_many_zero_size_tensors_is_refused_before_any_work():
+    header = json.dumps({"tensors": [_entry(name=f"t{i}", shape=[0], nbytes=0)
+                                     for i in range(200_000)]}).encode()
+    started = time.perf_counter()
+    with pytest.raises(InvalidArgumentError, match="exceeds max_header_bytes=4194304"):
+        decode_tensors(_forge([], header=header))
+    assert time.perf_counter() - started < 1.0
+    # within the limits, the most tensors a message may hold decode quickly
+    most = encode_to_bytes({f"t{i}": torch.empty(0) for i in range(16384)})
+    started = time.perf_counter()
+    assert len(decode_tensors(most)) == 16384
+    assert time.perf_counter() - started < 5.0
+    with pytest.raises(InvalidArgumentError, match="lists 16384 tensors, more than max_tensors=100"):
+        decode_tensors(most, max_tensors=100)
