@@ -11,7 +11,8 @@ operators each node runs. When the node is done one line is written::
     gradients/conv1/conv2d_grad: (aten::convolution_backward): /job:localhost/replica:0/task:0/device:CPU:0
 
 naming the node's main operator (the ``*_backward`` one when there is one)
-and the device of the gradient it produced.
+and the device of the gradient it produced. A backward call at top level ends
+a training step: the top-level names start again after it.
 """
 
 from __future__ import annotations
@@ -122,3 +123,5 @@ def run_backward(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) ->
     finally:
         _local.recorder = None
         _local.marks.clear()
+        if len(_log._frames.stack) == 1:
+            _log.restart_names()  # a training step ends with its backward pass

@@ -11,9 +11,10 @@ Lines follow TensorFlow's format::
 The name is the module path (from the module hierarchy, tracked with
 PyTorch's global module forward hooks while the log is on) plus the Python
 operation, made unique (``add``, ``add_1``) as TensorFlow makes names unique
-within a name scope: within one call of a module, and at top level between two
-calls of the same top-level module (one training step), so a training loop
-logs the same names at every step. The wrapper of a model (DDP's ``module``,
+within a name scope: within one call of a module, and at top level within one
+training step (names start again after each backward pass, or, in a loop with
+no backward pass, when a top-level module is called a second time), so a
+training loop logs the same names at every step. The wrapper of a model (DDP's ``module``,
 ``torch.compile``'s ``_orig_mod``) adds no path component. The part in
 brackets is the ATen operator that ran (seen by a dispatch mode entered around
 each logged operation).
@@ -53,7 +54,8 @@ from towerflow.devices import params as _params
 from towerflow.devices.local import list_local_devices, task_prefix
 
 __all__ = ["LOGGER_NAME", "logger", "set_enabled", "device_mapping_lines", "OpNamer",
-           "AtenRecorder", "log_op", "hold_op", "log_tensor_op", "claim", "flush"]
+           "AtenRecorder", "log_op", "hold_op", "log_tensor_op", "claim", "flush",
+           "restart_names"]
 
 LOGGER_NAME = "towerflow.placement"
 logger = logging.getLogger(LOGGER_NAME)
@@ -335,6 +337,11 @@ class _Held:
             if placement is not None:
                 device = placement.spec.to_string()
         logger.info("%s: (%s): %s%s", name, self.aten, device, self.note)
+
+
+def restart_names() -> None:
+    """Start the top-level names again (a training step ended)."""
+    _frames.stack[0].restart()
 
 
 def flush() -> None:

@@ -52,7 +52,9 @@ from towerflow.devices import grads as _grads
 from towerflow.devices import log as _log
 from towerflow.devices import params as _params
 from towerflow.devices import settings as _settings
-from towerflow.devices.local import full_name, gpu_count, task_prefix
+from towerflow.devices.local import full_name, gpu_count
+from towerflow.devices.messages import missing_message as _missing_message
+from towerflow.devices.messages import remote_message as _remote_message
 from towerflow.devices.spec import DeviceSpec
 from towerflow.errors import PlacementError
 
@@ -137,41 +139,6 @@ class _Target:
 _NO_TARGET = _Target(None)
 _DYNAMIC = _Target(None)  # a device function decides per operation
 _CPU = torch.device("cpu")
-
-
-def _available_devices() -> str:
-    prefix = task_prefix()
-    names = [f"{prefix}/device:CPU:0"]
-    names += [f"{prefix}/device:GPU:{i}" for i in range(gpu_count())]
-    return ", ".join(names)
-
-
-def _missing_message(what: str, spec: DeviceSpec) -> str:
-    return (
-        f"Cannot assign a device for {what}: Could not satisfy explicit device specification "
-        f"'{spec.to_string()}' because no devices matching that specification are registered "
-        f"in this process; available devices: {_available_devices()}. Set "
-        f"allow_soft_placement=True to fall back to a device that exists."
-    )
-
-
-def _remote_message(what: str, target: _Target) -> str:
-    job, replica, task = _identity.current()
-    spec = target.spec.to_string() if target.spec is not None else target.remote
-    other = target.remote.rsplit("/device:", 1)[0]
-    other_job, other_task = target.spec.job if target.spec else None, target.spec.task if \
-        target.spec else None
-    held = (" A ps task holds parameters: create them in this scope, but compute with them "
-            "on this task." if target.ps else "")
-    return (
-        f"Cannot assign a device for {what}: explicit device specification '{spec}' names "
-        f"{other}, another task, and this process is {_identity.prefix()}; towerflow runs "
-        f"operations only in their own task's process.{held} Run this work in a process of "
-        f"{other} (start it there with towerflow.Server(cluster, "
-        f"{other_job or job!r}, {other_task if other_task is not None else 0})), or keep the "
-        f"parameters on the ps tasks with towerflow.device(towerflow.replica_device_setter("
-        f"cluster=cluster, worker_device='/job:{job}/task:{task}'))."
-    )
 
 
 def _other_task(spec: DeviceSpec) -> str:
@@ -290,7 +257,8 @@ def _refresh(state: _ThreadState) -> _Target:
 
 
 def _current(state: _ThreadState) -> _Target:
-    if state.generation == _settings.generation() and state.identity == _identity.generation():
+    # module attributes read directly: this runs for every operation
+    if state.generation == _settings._generation and state.identity == _identity._generation:
         return state.target
     return _refresh(state)
 
