@@ -26,7 +26,7 @@ def _small(seed: int) -> nn.Module:
 
 def test_save_writes_safetensors_and_manifest(tmp_path: Path) -> None:
     path = save(_small(0), tmp_path / "m", metadata={"note": "x"})
-    assert sorted(os.listdir(path)) == ["manifest.json", "model.safetensors"]
+    assert sorted(os.listdir(path)) == ["manifest.json", "manifest.sha256", "model.safetensors"]
 
 
 def test_load_into_a_fresh_model_reproduces_its_outputs(tmp_path: Path) -> None:
@@ -100,11 +100,13 @@ def test_load_from_a_train_dir_reads_its_latest_model(tmp_path: Path) -> None:
         load(tmp_path / "run")
 
 
-def test_load_accepts_tf_style_and_torch_device_names(tmp_path: Path) -> None:
+def test_load_takes_torch_devices_and_says_how_to_pass_a_tf_style_name(tmp_path: Path) -> None:
     save(_small(0), tmp_path / "m")
-    for device in ("cpu", "/cpu:0", torch.device("cpu"), None):
+    for device in ("cpu", "cpu:0", torch.device("cpu"), towerflow.resolve_device("/cpu:0"), None):
         tensors = load(tmp_path / "m", device=device)
         assert all(t.device.type == "cpu" for t in tensors.values())
+    with pytest.raises(InvalidArgumentError, match=r"resolve_device\('/cpu:0'\) gives one"):
+        load(tmp_path / "m", device="/cpu:0")
 
 
 @pytest.mark.gpu
@@ -118,7 +120,7 @@ def test_saved_on_gpu_loads_on_cpu_and_back(tmp_path: Path) -> None:
     cpu_model(torch.randn(2, 3, 6, 6))
     load(tmp_path / "gpu", device="cpu", into=cpu_model)
     save(cpu_model, tmp_path / "cpu")
-    on_gpu = load(tmp_path / "cpu", device="/gpu:0")
+    on_gpu = load(tmp_path / "cpu", device=towerflow.resolve_device("/gpu:0"))
     assert all(t.device == torch.device("cuda:0") for t in on_gpu.values())
     for name, value in model.state_dict().items():
         assert torch.equal(on_gpu[name], value), name

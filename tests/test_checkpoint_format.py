@@ -23,14 +23,16 @@ from towerflow.checkpoint.atomic import (
     write_file_atomic,
 )
 from towerflow.checkpoint.format import (
+    DIGEST_NAME,
     FORMAT,
     MANIFEST_NAME,
-    read_checkpoint,
+    digest_line,
     read_manifest,
     verify_checkpoint,
     write_checkpoint_dir,
 )
-from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError
+from towerflow.checkpoint.format import read_checkpoint_dir as read_checkpoint
+from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError, NotFoundError
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -52,10 +54,12 @@ def _write(tmp_path: Path, **groups: dict[str, torch.Tensor]) -> Path:
 
 
 def _edit_manifest(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a manifest and record its new digest, so that what follows the digest is tested."""
     mpath = path / MANIFEST_NAME
     manifest = json.loads(mpath.read_text())
     edit(manifest)
     mpath.write_text(json.dumps(manifest))
+    (path / DIGEST_NAME).write_bytes(digest_line(mpath.read_bytes()))
 
 
 def test_round_trip_preserves_values_dtypes_and_shapes(tmp_path: Path) -> None:
@@ -79,7 +83,9 @@ def test_manifest_records_step_checksums_sizes_dtypes_and_shapes(tmp_path: Path)
     assert len(entry["sha256"]) == 64
     assert entry["tensors"]["f32"] == {"dtype": "float32", "shape": [2, 3]}
     assert entry["tensors"]["scalar"] == {"dtype": "float32", "shape": []}
-    assert sorted(os.listdir(path)) == ["manifest.json", "model.safetensors"]
+    assert sorted(os.listdir(path)) == ["manifest.json", "manifest.sha256", "model.safetensors"]
+    digest = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).hexdigest()
+    assert (path / DIGEST_NAME).read_text() == f"{digest}  manifest.json\n"
 
 
 def test_views_sharing_storage_and_non_contiguous_tensors_are_saved(tmp_path: Path) -> None:
@@ -130,8 +136,19 @@ def test_missing_file_and_missing_manifest_are_data_loss(tmp_path: Path) -> None
 
 def test_manifest_that_is_not_json_is_data_loss(tmp_path: Path) -> None:
     path = _write(tmp_path)
-    (path / MANIFEST_NAME).write_text('{"format": "towerflow.checkpoint/1", "st')
-    with pytest.raises(DataLossError, match=r"manifest\.json.*not valid JSON"):
+    (path / MANIFEST_NAME).write_text('{"format": "towerflow.checkpoint/2", "st')
+    (path / DIGEST_NAME).write_bytes(digest_line((path / MANIFEST_NAME).read_bytes()))
+    with pytest.raises(CheckpointError, match=r"manifest\.json.*not valid JSON"):
+        read_checkpoint(path)
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "1e999", "1" * 5000])
+def test_manifest_numbers_json_cannot_hold_are_refused(tmp_path: Path, number: str) -> None:
+    path = _write(tmp_path)
+    text = (path / MANIFEST_NAME).read_text().replace('"lr": 0.1', f'"lr": {number}')
+    (path / MANIFEST_NAME).write_text(text)
+    (path / DIGEST_NAME).write_bytes(digest_line(text.encode()))
+    with pytest.raises(CheckpointError, match=r"manifest\.json.*not valid JSON"):
         read_checkpoint(path)
 
 
@@ -200,6 +217,18 @@ def test_rewriting_a_checkpoint_replaces_it_whole(tmp_path: Path) -> None:
     assert ckpt.step == 2 and set(ckpt.groups) == {"model"}
     assert torch.equal(ckpt.groups["model"]["w"], torch.zeros(3))
     assert os.listdir(tmp_path) == ["c"]
+
+
+def test_loads_go_to_torch_devices_and_refuse_other_names(tmp_path: Path) -> None:
+    path = _write(tmp_path)
+    for device in ("cpu", torch.device("cpu"), None):
+        assert read_checkpoint(path, device=device).groups["model"]["f32"].device.type == "cpu"
+    with pytest.raises(InvalidArgumentError, match=r"'/gpu:0' is not a torch device name.*"
+                       r"towerflow\.resolve_device\('/gpu:0'\)"):
+        read_checkpoint(path, device="/gpu:0")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgumentError, match=r"'cuda:0' does not exist in this process"):
+            read_checkpoint(path, device="cuda:0")
 
 
 def test_write_file_atomic_replaces_content_and_leaves_no_temp(tmp_path: Path) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from towerflow.checkpoint.format import MANIFEST_NAME, read_checkpoint, write_checkpoint_dir
+from towerflow.checkpoint.format import MANIFEST_NAME, write_checkpoint_dir
+from towerflow.checkpoint.manager import read_checkpoint
 from towerflow.checkpoint.state import load_into_module
 from towerflow.errors import InvalidArgumentError, NotFoundError
 
@@ -83,8 +84,10 @@ def load(
 
     Args:
         path: A directory written by :func:`save`, a checkpoint directory, or
-            a train dir (its latest complete checkpoint is read).
-        device: Where the tensors go: ``"cpu"``, ``"cuda:0"``, ``"/gpu:0"``.
+            a train dir (its newest checkpoint that verifies is read).
+        device: Where the tensors go: a ``torch.device`` or a torch name
+            (``"cpu"``, ``"cuda:0"``); None is the CPU. A TensorFlow-style
+            name goes through ``towerflow.resolve_device("/gpu:0")`` first.
         into: A module to load the tensors into (its tensors keep their own
             device); it must match the saved names, shapes and dtypes.
 
@@ -93,7 +96,8 @@ def load(
 
     Raises:
         NotFoundError: nothing saved at ``path``, or no model in it.
-        DataLossError: a file is corrupt or truncated (the message names it).
+        CheckpointError: the checkpoint is damaged (the message names the
+            file and what is wrong with it).
         InvalidArgumentError: ``into`` does not match (every difference listed).
     """
     ckpt = read_checkpoint(path, device=device)

@@ -5,27 +5,43 @@ A checkpoint is a directory::
     ckpt-00001000/
         model.safetensors        one file per group of tensors
         optimizer.safetensors
-        manifest.json            written last
+        manifest.json            what the files hold
+        manifest.sha256          the manifest's own digest
 
 ``manifest.json`` records the format, the step, the creation time, free JSON
 metadata and, per file, its SHA-256, its size and the name, dtype and shape of
 every tensor in it::
 
-    {"format": "towerflow.checkpoint/1", "step": 1000, "created": 1700000000.0,
+    {"format": "towerflow.checkpoint/2", "step": 1000, "created": 1700000000.0,
      "metadata": {...},
      "files": {"model.safetensors": {"sha256": "...", "bytes": 1234,
                "tensors": {"fc.weight": {"dtype": "float32", "shape": [10, 4]}}}}}
 
-Reading never executes code: the manifest is JSON and tensors come from
-safetensors, whose header is checked against the manifest before use. Any
-disagreement — a checksum, a size, a dtype, a shape, a missing file — is a
-:class:`~towerflow.errors.DataLossError` that names the file.
+``manifest.sha256`` is one line in ``sha256sum`` form
+(``<sha256 of manifest.json>  manifest.json``; ``sha256sum -c manifest.sha256``
+checks it by hand). The digest covers the manifest, the manifest covers every
+data file, so a change to any byte of a checkpoint — one flipped bit, a step
+edited by hand — is detected. Checkpoints of the earlier format
+(``towerflow.checkpoint/1``, no digest file) are still read, with a warning
+that their manifest cannot be verified.
+
+Reading never executes code and never reads outside the checkpoint
+directory: the manifest is JSON of bounded size and depth, every file is
+opened without following links and must be a regular file of the expected
+size (:mod:`towerflow.checkpoint.files`), and tensors come from safetensors,
+whose header is checked against the manifest before use. Any damage — a
+digest, a checksum, a size, a dtype, a shape, a missing file, a link, a FIFO
+— is a :class:`~towerflow.errors.CheckpointError` that names the file.
+
+This module reads one checkpoint directory; train dirs of numbered
+checkpoints are :mod:`towerflow.checkpoint.manager`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import struct
@@ -41,26 +57,48 @@ from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
 from towerflow.checkpoint.atomic import fsync_dir, remove_tree, temp_dir, write_bytes_durable
-from towerflow.devices.placer import resolve_device
-from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError
+from towerflow.checkpoint.files import (
+    MAX_JSON_DEPTH,
+    json_depth_exceeds,
+    loads_bounded,
+    open_dir,
+    read_regular,
+)
+from towerflow.errors import CheckpointError, InvalidArgumentError
 
 __all__ = [
+    "DIGEST_NAME",
     "FORMAT",
+    "LEGACY_FORMAT",
     "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
     "Checkpoint",
+    "as_torch_device",
+    "digest_line",
     "dtype_name",
-    "read_checkpoint",
+    "read_checkpoint_dir",
     "read_manifest",
     "verify_checkpoint",
     "write_checkpoint_dir",
 ]
 
-FORMAT = "towerflow.checkpoint/1"
-MANIFEST_NAME = "manifest.json"
-SUFFIX = ".safetensors"
+logger = logging.getLogger("towerflow.checkpoint")
 
-_GROUP_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+FORMAT = "towerflow.checkpoint/2"
+#: The format before manifests carried a digest; read with a warning.
+LEGACY_FORMAT = "towerflow.checkpoint/1"
+MANIFEST_NAME = "manifest.json"
+DIGEST_NAME = "manifest.sha256"
+SUFFIX = ".safetensors"
+#: The largest manifest read or written (metadata included).
+MAX_MANIFEST_BYTES = 64 << 20
+
+_GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_DIGEST_LINE_RE = re.compile(rb"[0-9a-f]{64}  " + re.escape(MANIFEST_NAME.encode()) + rb"\n")
+_MAX_DIGEST_BYTES = 256
 _MAX_HEADER = 100 << 20
+_RESTORE = "restore an earlier checkpoint"
 
 # safetensors header dtype codes -> torch dtype names (``str(dtype)`` without "torch.").
 _ST_DTYPES = {
@@ -83,6 +121,7 @@ _ST_DTYPES = {
     "F8_E5M2": "float8_e5m2",
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
+_DTYPE_NAMES = frozenset(_ST_DTYPES.values())
 
 
 @dataclass(slots=True)
@@ -115,7 +154,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_group_name(group: str) -> None:
     """Refuse a group name that is not a plain file stem."""
-    if not isinstance(group, str) or not _GROUP_RE.match(group):
+    if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
         raise InvalidArgumentError(
             f"Checkpoint group name {group!r} is not allowed; use letters, digits, '_', '.' or '-' "
             "(e.g. 'model', 'optimizer')."
@@ -177,12 +216,39 @@ def _metadata_json(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     meta = dict(metadata or {})
     try:
         json.dumps(meta, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgumentError(
             f"Checkpoint metadata is not plain JSON ({exc}); keep it to dicts, lists, strings, "
             "finite numbers, booleans and None, and put tensors in a group."
         ) from exc
     return meta
+
+
+def digest_line(manifest_bytes: bytes) -> bytes:
+    """Return the content of ``manifest.sha256`` for a manifest's bytes.
+
+    Example:
+        >>> digest_line(b"{}")[:16], digest_line(b"{}")[64:]
+        (b'44136fa355b3678a', b'  manifest.json\\n')
+    """
+    return f"{hashlib.sha256(manifest_bytes).hexdigest()}  {MANIFEST_NAME}\n".encode()
+
+
+def _manifest_bytes(step: int, meta: dict[str, Any], files: dict[str, Any]) -> bytes:
+    manifest = {"format": FORMAT, "step": step, "created": time.time(), "metadata": meta,
+                "files": files}
+    data = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
+    if json_depth_exceeds(data):
+        raise InvalidArgumentError(
+            f"Checkpoint metadata is nested deeper than the {MAX_JSON_DEPTH} levels a manifest "
+            "may hold; flatten it (a checkpoint reader refuses deeper JSON)."
+        )
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidArgumentError(
+            f"Checkpoint manifest would be {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} "
+            "a reader accepts; keep large values in tensor groups, not in the metadata."
+        )
+    return data
 
 
 def write_checkpoint_dir(
@@ -193,10 +259,11 @@ def write_checkpoint_dir(
 ) -> Path:
     """Write a complete checkpoint directory at ``target`` atomically.
 
-    Files go to a temporary sibling directory, each fsynced, the manifest last;
-    the directory is then renamed to ``target`` (an existing one is replaced)
-    and the parent fsynced. A crash at any moment leaves either no ``target``,
-    the old one, or the complete new one.
+    Files go to a temporary sibling directory, each fsynced, the manifest and
+    its digest last; the directory is then renamed to ``target`` (an existing
+    one, or anything else by that name, is replaced) and the parent fsynced.
+    A crash at any moment leaves either no ``target``, the old one, or the
+    complete new one.
 
     Returns:
         ``target`` as a Path.
@@ -216,205 +283,283 @@ def write_checkpoint_dir(
             write_bytes_durable(tmp / f"{group}{SUFFIX}", data)
             files[f"{group}{SUFFIX}"] = entry
             del data
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "created": time.time(),
-            "metadata": meta,
-            "files": files,
-        }
-        write_bytes_durable(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1).encode("utf-8"))
+        manifest = _manifest_bytes(step, meta, files)
+        write_bytes_durable(tmp / MANIFEST_NAME, manifest)
+        write_bytes_durable(tmp / DIGEST_NAME, digest_line(manifest))
         fsync_dir(tmp)
-        if target.exists():
+        if os.path.lexists(target):
             remove_tree(target)
         os.rename(tmp, target)
     fsync_dir(target.parent)
     return target
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """Read and validate the manifest of the checkpoint directory ``path``.
+def _count(value: Any) -> bool:
+    """Whether ``value`` is a non-negative int (not a bool)."""
+    return type(value) is int and value >= 0
 
-    Raises:
-        NotFoundError: ``path`` is not a directory.
-        DataLossError: the manifest is missing, not JSON, or malformed.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise NotFoundError(
-            f"No checkpoint found at {str(path)!r}: it is not a directory; check the path or "
-            "the train dir."
+
+def _entry_problem(fname: Any, entry: Any) -> str | None:
+    if not (
+        isinstance(fname, str)
+        and fname.endswith(SUFFIX)
+        and _GROUP_RE.fullmatch(fname.removesuffix(SUFFIX))
+        and isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), str)
+        and _SHA256_RE.fullmatch(entry["sha256"])
+        and _count(entry.get("bytes"))
+        and isinstance(entry.get("tensors"), dict)
+    ):
+        return f"its entry for {fname!r} is malformed"
+    for name, info in entry["tensors"].items():
+        if not (
+            name
+            and isinstance(info, dict)
+            and isinstance(info.get("dtype"), str)
+            and info["dtype"] in _DTYPE_NAMES
+            and isinstance(info.get("shape"), list)
+            and all(_count(d) for d in info["shape"])
+        ):
+            return f"its entry for tensor {name!r} in {fname!r} is malformed"
+    return None
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, LEGACY_FORMAT):
+        return f"its format is not {FORMAT!r}"
+    if not _count(manifest.get("step")):
+        return "its step is not a non-negative integer"
+    if not isinstance(manifest.get("metadata", {}), dict):
+        return "its metadata is not an object"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "it lists no files"
+    return next((p for p in (_entry_problem(k, v) for k, v in files.items()) if p), None)
+
+
+def _check_digest(path: Path, manifest: bytes, sealed: bytes) -> None:
+    expected = digest_line(manifest)
+    if sealed == expected:
+        return
+    if _DIGEST_LINE_RE.fullmatch(sealed):
+        raise CheckpointError(
+            f"Checkpoint manifest {str(path / MANIFEST_NAME)!r} does not match its digest in "
+            f"{DIGEST_NAME} (sha256 {expected[:64].decode()}, recorded {sealed[:64].decode()}): "
+            f"one of the two is damaged; {_RESTORE}."
         )
+    raise CheckpointError(
+        f"Checkpoint digest file {str(path / DIGEST_NAME)!r} is malformed (expected one line "
+        f"'<sha256>  {MANIFEST_NAME}'): it is damaged; {_RESTORE}."
+    )
+
+
+def _load_manifest(dir_fd: int, path: Path) -> dict[str, Any]:
+    """Read, authenticate and validate the manifest of the opened checkpoint ``path``."""
     mpath = path / MANIFEST_NAME
-    try:
-        manifest = json.loads(mpath.read_bytes())
-    except FileNotFoundError as exc:
-        raise DataLossError(
-            f"Checkpoint {str(path)!r} has no {MANIFEST_NAME} (an incomplete save); "
-            "restore an earlier checkpoint."
-        ) from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataLossError(
-            f"Checkpoint file {str(mpath)!r} is not valid JSON ({exc}); the file is corrupt, "
-            "restore an earlier checkpoint."
-        ) from exc
-    _check_manifest(mpath, manifest)
+    raw = read_regular(dir_fd, path, MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
+    if raw is None:
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} has no {MANIFEST_NAME} (an incomplete save); {_RESTORE}."
+        )
+    sealed = read_regular(dir_fd, path, DIGEST_NAME, max_bytes=_MAX_DIGEST_BYTES,
+                          what="digest file")
+    if sealed is not None:
+        _check_digest(path, raw, sealed)
+    manifest = loads_bounded(raw, mpath)
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(
+            f"Checkpoint manifest {str(mpath)!r} is not a towerflow checkpoint manifest: "
+            f"{problem}; {_RESTORE}."
+        )
+    if sealed is None:
+        if manifest["format"] != LEGACY_FORMAT:
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} has no {DIGEST_NAME}, so its manifest cannot be "
+                f"verified (the file was lost or removed); {_RESTORE}."
+            )
+        logger.warning(
+            "Checkpoint %s predates manifest digests (format %r): its files are verified but "
+            "its step and metadata cannot be; save it again to add a digest.",
+            path, LEGACY_FORMAT,
+        )
     return manifest
 
 
-def _check_manifest(mpath: Path, manifest: Any) -> None:
-    problem = None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        problem = f"its format is not {FORMAT!r}"
-    elif isinstance(manifest.get("step"), bool) or not isinstance(manifest.get("step"), int):
-        problem = "its step is not an integer"
-    elif not isinstance(manifest.get("metadata", {}), dict):
-        problem = "its metadata is not an object"
-    elif not isinstance(manifest.get("files"), dict) or not manifest["files"]:
-        problem = "it lists no files"
-    else:
-        for fname, entry in manifest["files"].items():
-            stem = fname.removesuffix(SUFFIX)
-            if (
-                not fname.endswith(SUFFIX)
-                or not _GROUP_RE.match(stem)
-                or not isinstance(entry, dict)
-                or not isinstance(entry.get("sha256"), str)
-                or not isinstance(entry.get("bytes"), int)
-                or not isinstance(entry.get("tensors"), dict)
-            ):
-                problem = f"its entry for {fname!r} is malformed"
-                break
-    if problem:
-        raise DataLossError(
-            f"Checkpoint manifest {str(mpath)!r} is not a towerflow checkpoint manifest: {problem}; "
-            "restore an earlier checkpoint."
-        )
+def read_manifest(path: str | Path, *, follow_symlinks: bool = True) -> dict[str, Any]:
+    """Read, authenticate and validate the manifest of the checkpoint directory ``path``.
+
+    Args:
+        path: A checkpoint directory.
+        follow_symlinks: Whether ``path`` itself may be a symbolic link.
+
+    Raises:
+        NotFoundError: ``path`` is not a directory.
+        CheckpointError: the manifest is missing, damaged, malformed or does
+            not match its digest (the message says which).
+    """
+    path = Path(path)
+    with open_dir(path, follow_symlinks=follow_symlinks) as dir_fd:
+        return _load_manifest(dir_fd, path)
 
 
 def _parse_header(fpath: Path, data: bytes) -> dict[str, Any]:
     if len(data) < 8:
-        raise DataLossError(f"Checkpoint file {str(fpath)!r} is truncated ({len(data)} bytes).")
+        raise CheckpointError(f"Checkpoint file {str(fpath)!r} is truncated ({len(data)} bytes).")
     (n,) = struct.unpack("<Q", data[:8])
     if n > min(len(data) - 8, _MAX_HEADER):
-        raise DataLossError(
+        raise CheckpointError(
             f"Checkpoint file {str(fpath)!r} has a header length {n} beyond its size; it is corrupt."
         )
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataLossError(f"Checkpoint file {str(fpath)!r} has a corrupt header ({exc}).") from exc
+    header = loads_bounded(data[8 : 8 + n], fpath)
     if not isinstance(header, dict):
-        raise DataLossError(f"Checkpoint file {str(fpath)!r} has a corrupt header.")
+        raise CheckpointError(f"Checkpoint file {str(fpath)!r} has a corrupt header.")
     header.pop("__metadata__", None)
     return header
 
 
 def _check_file(fpath: Path, data: bytes, entry: Mapping[str, Any], verify: bool) -> None:
-    """Compare one safetensors file's bytes with its manifest entry."""
-    if len(data) != entry["bytes"]:
-        raise DataLossError(
-            f"Checkpoint file {str(fpath)!r} has {len(data)} bytes, the manifest says "
-            f"{entry['bytes']}: it is truncated or corrupt; restore an earlier checkpoint."
-        )
+    """Compare one safetensors file's bytes with its (validated) manifest entry."""
     if verify:
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry["sha256"]:
-            raise DataLossError(
+            raise CheckpointError(
                 f"Checkpoint file {str(fpath)!r} fails its checksum (sha256 {digest}, manifest "
-                f"{entry['sha256']}): it is corrupt; restore an earlier checkpoint."
+                f"{entry['sha256']}): it is corrupt; {_RESTORE}."
             )
     header = _parse_header(fpath, data)
     expected = entry["tensors"]
     if set(header) != set(expected):
-        raise DataLossError(
+        raise CheckpointError(
             f"Checkpoint file {str(fpath)!r} holds tensors {sorted(header)} but the manifest lists "
             f"{sorted(expected)}; it is corrupt."
         )
     for name, info in header.items():
         want = expected[name]
-        got_dtype = _ST_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
-        got_shape = info.get("shape") if isinstance(info, dict) else None
-        if not isinstance(want, dict) or got_dtype != want.get("dtype") or got_shape != want.get("shape"):
-            raise DataLossError(
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str)
+        got_dtype = _ST_DTYPES.get(info["dtype"]) if ok else None
+        got_shape = info.get("shape") if ok else None
+        if got_dtype != want["dtype"] or got_shape != want["shape"]:
+            raise CheckpointError(
                 f"Checkpoint file {str(fpath)!r}: tensor {name!r} is {got_dtype} {got_shape} but the "
                 f"manifest says {want}; it is corrupt."
             )
 
 
-def _read_file(path: Path, fname: str) -> bytes:
-    fpath = path / fname
-    try:
-        return fpath.read_bytes()
-    except FileNotFoundError as exc:
-        raise DataLossError(
-            f"Checkpoint file {str(fpath)!r} listed in the manifest is missing; restore an earlier "
-            "checkpoint."
-        ) from exc
+def _read_group(dir_fd: int, path: Path, fname: str, entry: Mapping[str, Any],
+                verify: bool) -> bytes:
+    """The bytes of one data file, checked against its manifest entry."""
+    data = read_regular(dir_fd, path, fname, max_bytes=entry["bytes"], exact=entry["bytes"],
+                        what="data file")
+    if data is None:
+        raise CheckpointError(
+            f"Checkpoint file {str(path / fname)!r} listed in the manifest is missing; {_RESTORE}."
+        )
+    _check_file(path / fname, data, entry, verify)
+    return data
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check every file of a checkpoint against its manifest; return the manifest.
+def verify_checkpoint(path: str | Path, *, follow_symlinks: bool = True) -> dict[str, Any]:
+    """Check the manifest and every file of a checkpoint directory; return the manifest.
 
     Raises:
-        DataLossError: naming the first file that is missing, truncated or corrupt.
+        NotFoundError: ``path`` is not a directory.
+        CheckpointError: naming the first file that is missing, truncated,
+            corrupt or not a regular file.
     """
     path = Path(path)
-    manifest = read_manifest(path)
-    for fname, entry in manifest["files"].items():
-        _check_file(path / fname, _read_file(path, fname), entry, verify=True)
+    with open_dir(path, follow_symlinks=follow_symlinks) as dir_fd:
+        manifest = _load_manifest(dir_fd, path)
+        for fname, entry in manifest["files"].items():
+            _read_group(dir_fd, path, fname, entry, verify=True)
     return manifest
 
 
-def _holds_checkpoints(path: Path) -> bool:
-    """Whether ``path`` is a train dir (a ``latest`` pointer or ``ckpt-*`` entries)."""
-    if (path / "latest").is_file():
-        return True
-    return path.is_dir() and any(p.name.startswith("ckpt-") for p in path.iterdir())
+def as_torch_device(device: str | torch.device | None) -> torch.device:
+    """Return the ``torch.device`` that loaded tensors go to (None: the CPU).
 
-
-def read_checkpoint(
-    path: str | Path, device: str | torch.device | None = "cpu", verify: bool = True
-) -> Checkpoint:
-    """Read a checkpoint directory onto ``device``.
-
-    Args:
-        path: A checkpoint directory (``.../ckpt-00001000``), or a directory
-            of checkpoints with a ``latest`` pointer, whose latest complete
-            checkpoint is read.
-        device: Where the tensors go (``"cpu"``, ``"cuda:0"``, ``"/gpu:0"``).
-        verify: Check every file's SHA-256 (sizes, dtypes and shapes are
-            always checked).
+    Names are torch's (``"cpu"``, ``"cuda:1"``); a TensorFlow-style name
+    (``"/gpu:0"``) is turned into a device by ``towerflow.resolve_device``.
 
     Raises:
-        NotFoundError: there is no checkpoint at ``path``.
-        DataLossError: a file is missing, truncated or corrupt (the message
-            names it).
-    """
-    path = Path(path)
-    if not (path / MANIFEST_NAME).exists() and _holds_checkpoints(path):
-        from towerflow.checkpoint.manager import latest_checkpoint
+        InvalidArgumentError: the name is not a torch device name, or names a
+            CUDA device this process does not have.
 
-        found = latest_checkpoint(path)
-        if found is None:
-            raise NotFoundError(
-                f"No checkpoint found at {str(path)!r}: none of its checkpoints is complete; "
-                "train again or restore a backup."
-            )
-        path = found
-    target = resolve_device(device)
-    manifest = read_manifest(path)
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for fname, entry in manifest["files"].items():
-        fpath = path / fname
-        data = _read_file(path, fname)
-        _check_file(fpath, data, entry, verify)
+    Example:
+        >>> as_torch_device("cpu"), as_torch_device(None)
+        (device(type='cpu'), device(type='cpu'))
+    """
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, torch.device):
+        target = device
+    elif isinstance(device, str):
         try:
-            tensors = _st_load(data)
-        except (SafetensorError, ValueError, KeyError, AssertionError) as exc:
-            raise DataLossError(f"Checkpoint file {str(fpath)!r} cannot be parsed ({exc}).") from exc
-        del data
-        groups[fname.removesuffix(SUFFIX)] = {k: v.to(target) for k, v in tensors.items()}
+            target = torch.device(device)
+        except (RuntimeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"Device {device!r} is not a torch device name such as 'cpu' or 'cuda:0'; pass "
+                f"one, or a torch.device (towerflow.resolve_device({device!r}) gives one for a "
+                "TensorFlow-style name)."
+            ) from exc
+    else:
+        raise InvalidArgumentError(
+            f"Device {device!r} is a {type(device).__name__}; pass a torch.device or a name such "
+            "as 'cpu' or 'cuda:0'."
+        )
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (target.index or 0) >= count:
+            raise InvalidArgumentError(
+                f"Device {str(target)!r} does not exist in this process ({count} CUDA devices "
+                "visible); load onto 'cpu' or a device that exists."
+            )
+    return target
+
+
+def _to_tensors(fpath: Path, data: bytes, target: torch.device) -> dict[str, torch.Tensor]:
+    try:
+        tensors = _st_load(data)
+    except (SafetensorError, ValueError, KeyError, AssertionError, RuntimeError,
+            TypeError, OverflowError) as exc:
+        raise CheckpointError(f"Checkpoint file {str(fpath)!r} cannot be parsed ({exc}); "
+                              f"{_RESTORE}.") from exc
+    return {k: v.to(target) for k, v in tensors.items()}
+
+
+def read_checkpoint_dir(
+    path: str | Path,
+    device: str | torch.device | None = "cpu",
+    verify: bool = True,
+    *,
+    follow_symlinks: bool = True,
+) -> Checkpoint:
+    """Read the checkpoint directory ``path`` onto ``device``.
+
+    Args:
+        path: A checkpoint directory (``.../ckpt-00001000`` or one written
+            by ``towerflow.save``).
+        device: Where the tensors go: a ``torch.device`` or a torch name
+            (``"cpu"``, ``"cuda:0"``); None is the CPU.
+        verify: Check every data file's SHA-256 (the manifest's digest,
+            sizes, dtypes and shapes are always checked).
+        follow_symlinks: Whether ``path`` itself may be a symbolic link.
+
+    Raises:
+        NotFoundError: there is no checkpoint directory at ``path``.
+        CheckpointError: the checkpoint is damaged (the message names the
+            file and what is wrong with it).
+        InvalidArgumentError: ``device`` is not a device of this process.
+    """
+    target = as_torch_device(device)
+    path = Path(path)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    with open_dir(path, follow_symlinks=follow_symlinks) as dir_fd:
+        manifest = _load_manifest(dir_fd, path)
+        for fname, entry in manifest["files"].items():
+            data = _read_group(dir_fd, path, fname, entry, verify)
+            groups[fname.removesuffix(SUFFIX)] = _to_tensors(path / fname, data, target)
+            del data
     return Checkpoint(
         path=path, step=manifest["step"], groups=groups, metadata=manifest.get("metadata", {})
     )

@@ -14,9 +14,13 @@ then replaces ``latest`` atomically, then deletes the oldest checkpoints beyond
 that names a complete checkpoint (or none yet); temporary entries are ignored
 by readers and removed by the next manager.
 
-Reading picks the checkpoint ``latest`` names, verifying every checksum; if it
-is corrupt or truncated, a warning names the bad file and the newest earlier
-checkpoint that verifies is used instead.
+Reading picks the checkpoint ``latest`` names, verifying the manifest's
+digest and every checksum; if it is damaged — a corrupt or truncated file, a
+manifest that fails its digest, a symbolic link or anything but a real
+directory in place of the checkpoint or of one of its files, a step that
+disagrees with the directory's name — a warning says what is wrong and the
+newest earlier checkpoint that verifies is used instead. A damaged or planted
+``latest`` pointer is likewise warned about and passed over.
 
 Example:
     >>> import tempfile, torch
@@ -30,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -38,21 +43,30 @@ from typing import Any, TypeVar
 import torch
 
 from towerflow.checkpoint.atomic import remove_stale_temps, remove_tree, write_file_atomic
+from towerflow.checkpoint.files import open_dir, read_regular
 from towerflow.checkpoint.format import (
+    MANIFEST_NAME,
     Checkpoint,
     check_step,
-    read_checkpoint,
+    read_checkpoint_dir,
     verify_checkpoint,
     write_checkpoint_dir,
 )
-from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError
+from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError, NotFoundError
 
-__all__ = ["LATEST_NAME", "CheckpointManager", "checkpoint_name", "latest_checkpoint"]
+__all__ = [
+    "LATEST_NAME",
+    "CheckpointManager",
+    "checkpoint_name",
+    "latest_checkpoint",
+    "read_checkpoint",
+]
 
 logger = logging.getLogger("towerflow.checkpoint")
 
 LATEST_NAME = "latest"
-_CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
+_CKPT_RE = re.compile(r"ckpt-(\d{8,})")
+_MAX_POINTER_BYTES = 4096
 _T = TypeVar("_T")
 
 
@@ -67,29 +81,45 @@ def checkpoint_name(step: int) -> str:
 
 
 def _list(directory: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoint directories as (step, path), oldest first."""
+    """Checkpoint entries as (step, path), oldest first.
+
+    Real directories, and symbolic links by a checkpoint's name (which a
+    reader refuses, with a warning); other entries are not checkpoints.
+    """
     try:
-        names = [p for p in directory.iterdir() if p.is_dir()]
+        entries = list(os.scandir(directory))
     except (FileNotFoundError, NotADirectoryError):
         return []
     found = []
-    for p in names:
-        match = _CKPT_RE.match(p.name)
-        if match:
-            found.append((int(match.group(1)), p))
+    for entry in entries:
+        match = _CKPT_RE.fullmatch(entry.name)
+        if match and (entry.is_symlink() or entry.is_dir(follow_symlinks=False)):
+            found.append((int(match.group(1)), directory / entry.name))
     return sorted(found)
 
 
 def _pointer(directory: Path) -> Path | None:
-    """The checkpoint ``latest`` names, if the pointer is well formed and it exists."""
+    """The checkpoint ``latest`` names; None (with a warning if damaged) otherwise."""
     try:
-        name = (directory / LATEST_NAME).read_text(encoding="utf-8").strip()
-    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        with open_dir(directory) as dir_fd:
+            raw = read_regular(dir_fd, directory, LATEST_NAME, max_bytes=_MAX_POINTER_BYTES,
+                               what="latest pointer")
+    except NotFoundError:
         return None
-    if not _CKPT_RE.match(name):
+    except CheckpointError as exc:
+        logger.warning("%s Using the newest checkpoint that verifies instead.", exc)
         return None
+    if raw is None:
+        return None
+    name = raw.decode("utf-8", errors="replace").strip()
     path = directory / name
-    return path if path.is_dir() else None
+    if not _CKPT_RE.fullmatch(name) or not os.path.lexists(path):
+        logger.warning(
+            "The latest pointer %s names %r, which is not a checkpoint in that directory; using "
+            "the newest checkpoint that verifies instead.", directory / LATEST_NAME, name[:80],
+        )
+        return None
+    return path
 
 
 def _candidates(directory: Path) -> Iterator[Path]:
@@ -109,8 +139,31 @@ def _candidates(directory: Path) -> Iterator[Path]:
             yield path
 
 
-def _first_good(directory: Path, attempt: Callable[[Path], _T]) -> _T | None:
-    """Return ``attempt(path)`` for the first candidate that is not corrupt."""
+def _check_name(path: Path, step: int) -> None:
+    """Refuse a ``ckpt-<N>`` directory whose manifest holds another step than N."""
+    match = _CKPT_RE.fullmatch(path.name)
+    if match and int(match.group(1)) != step:
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} holds step {step} but its name says step "
+            f"{int(match.group(1))}: it was copied, renamed or edited; restore an earlier "
+            "checkpoint."
+        )
+
+
+def _read_member(path: Path, device: str | torch.device | None, verify: bool) -> Checkpoint:
+    """Read a checkpoint of a train dir: a real directory whose name matches its step."""
+    ckpt = read_checkpoint_dir(path, device, verify, follow_symlinks=False)
+    _check_name(path, ckpt.step)
+    return ckpt
+
+
+def _verify_member(path: Path) -> Path:
+    _check_name(path, verify_checkpoint(path, follow_symlinks=False)["step"])
+    return path
+
+
+def _first_good(directory: Path, attempt: Callable[[Path], _T]) -> tuple[_T | None, list[str]]:
+    """``attempt(path)`` for the first candidate that is not damaged, and what was damaged."""
     bad: list[str] = []
     for path in _candidates(directory):
         try:
@@ -119,34 +172,79 @@ def _first_good(directory: Path, attempt: Callable[[Path], _T]) -> _T | None:
             logger.debug("Checkpoint %s vanished while being read; trying the previous one.", path)
             continue
         except DataLossError as exc:
-            bad.append(path.name)
-            logger.warning("Skipping corrupt checkpoint: %s Falling back to the previous one.", exc)
+            bad.append(f"{path.name} ({exc})")
+            logger.warning("Skipping damaged checkpoint: %s Falling back to the previous one.", exc)
             continue
         if bad:
-            logger.warning(
-                "Restored checkpoint %s instead of the corrupt %s.", path, ", ".join(bad)
-            )
-        return result
-    if bad:
-        logger.warning(
-            "Every checkpoint in %s is corrupt (%s); starting without one.", directory, ", ".join(bad)
-        )
-    return None
+            logger.warning("Restored checkpoint %s instead of the damaged %s.", path,
+                           ", ".join(b.split(" ", 1)[0] for b in bad))
+        return result, bad
+    return None, bad
+
+
+def _all_damaged(directory: Path, bad: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"Every checkpoint in {str(directory)!r} is damaged: " + "; ".join(bad)
+        + ". Restore a backup of the train dir, or train again in a new one."
+    )
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """Return the newest complete checkpoint in ``directory`` that verifies, or None.
+    """Return the newest checkpoint in the train dir ``directory`` that verifies, or None.
 
-    A corrupt or truncated checkpoint is skipped with a logged warning that
-    names the bad file.
+    A damaged checkpoint is skipped with a logged warning that says what is
+    wrong with it (a corrupt or truncated file, a manifest that fails its
+    digest, a symbolic link, a step that disagrees with the name, ...).
+
+    Raises:
+        CheckpointError: ``directory`` holds checkpoints but every one is
+            damaged (each is named with what is wrong).
     """
     directory = Path(directory)
+    found, bad = _first_good(directory, _verify_member)
+    if found is None and bad:
+        raise _all_damaged(directory, bad)
+    return found
 
-    def check(path: Path) -> Path:
-        verify_checkpoint(path)
-        return path
 
-    return _first_good(directory, check)
+def _holds_checkpoints(path: Path) -> bool:
+    """Whether ``path`` is a train dir (a ``latest`` pointer or ``ckpt-*`` entries)."""
+    return os.path.lexists(path / LATEST_NAME) or bool(_list(path))
+
+
+def read_checkpoint(
+    path: str | Path, device: str | torch.device | None = "cpu", verify: bool = True
+) -> Checkpoint:
+    """Read a checkpoint onto ``device``.
+
+    Args:
+        path: A checkpoint directory (``.../ckpt-00001000``, whose manifest
+            must hold step 1000), or a train dir, whose newest checkpoint that
+            verifies is read (a damaged one is skipped with a warning).
+        device: Where the tensors go: a ``torch.device`` or a torch name
+            (``"cpu"``, ``"cuda:0"``); None is the CPU.
+        verify: Check every data file's SHA-256 (the manifest's digest,
+            sizes, dtypes and shapes are always checked).
+
+    Raises:
+        NotFoundError: there is no checkpoint at ``path``.
+        CheckpointError: the named checkpoint, or every checkpoint of the
+            train dir, is damaged (the message says what is wrong).
+    """
+    path = Path(path)
+    if os.path.lexists(path / MANIFEST_NAME) or not _holds_checkpoints(path):
+        ckpt = read_checkpoint_dir(path, device, verify)
+        _check_name(path, ckpt.step)
+        return ckpt
+    found, bad = _first_good(path, lambda p: _read_member(p, device, verify))
+    if found is None:
+        if bad:
+            raise _all_damaged(path, bad)
+        raise NotFoundError(
+            f"No checkpoint found at {str(path)!r}: none of its checkpoints is complete; "
+            "train again or restore a backup."
+        )
+    return found
 
 
 class CheckpointManager:
@@ -221,14 +319,29 @@ class CheckpointManager:
     def restore(self, device: str | torch.device | None = "cpu") -> Checkpoint | None:
         """Read the newest checkpoint that verifies onto ``device``; None if there is none.
 
-        A corrupt or truncated checkpoint is skipped with a warning naming the
-        bad file, and the previous complete one is read instead.
+        A damaged checkpoint is skipped with a warning saying what is wrong
+        with it, and the previous complete one is read instead; when every
+        checkpoint is damaged a warning lists them and None is returned.
+
+        Args:
+            device: A ``torch.device`` or a torch name (``"cpu"``, ``"cuda:0"``).
         """
-        return _first_good(self.directory, lambda p: read_checkpoint(p, device=device))
+        found, bad = _first_good(self.directory, lambda p: _read_member(p, device, True))
+        if found is None and bad:
+            logger.warning("Every checkpoint in %s is damaged (%s); starting without one.",
+                           self.directory, "; ".join(bad))
+        return found
 
     def restore_or_raise(self, device: str | torch.device | None = "cpu") -> Checkpoint:
-        """Like :meth:`restore`, but a missing checkpoint is a NotFoundError."""
-        ckpt = self.restore(device)
+        """Like :meth:`restore`, but no checkpoint is an error.
+
+        Raises:
+            NotFoundError: the directory holds no checkpoint.
+            CheckpointError: every checkpoint in it is damaged.
+        """
+        ckpt, bad = _first_good(self.directory, lambda p: _read_member(p, device, True))
+        if ckpt is None and bad:
+            raise _all_damaged(self.directory, bad)
         if ckpt is None:
             raise NotFoundError(
                 f"No checkpoint in {str(self.directory)!r}; train first, or point to the train dir "

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from towerflow.checkpoint.format import dtype_name
-from towerflow.errors import DataLossError, InvalidArgumentError
+from towerflow.errors import CheckpointError, InvalidArgumentError
 
 __all__ = ["STATE_FORMAT", "flatten_state", "load_into_module", "unflatten_state"]
 
@@ -137,7 +137,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         (tag, body), = node.items()
         if tag == "__tensor__":
             if body not in tensors:
-                raise DataLossError(
+                raise CheckpointError(
                     f"Saved state refers to tensor {body!r}, which the checkpoint does not hold; "
                     "the checkpoint is incomplete."
                 )
@@ -146,7 +146,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return tuple(_decode(v, tensors) for v in body)
         if tag == "__float__":
             if body not in ("nan", "inf", "-inf"):
-                raise DataLossError(f"Saved state holds an unknown float {body!r}.")
+                raise CheckpointError(f"Saved state holds an unknown float {body!r}.")
             return float(body)
         if tag == "__dict__":
             return {k: _decode(v, tensors) for k, v in body}
@@ -157,20 +157,20 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
     """Rebuild the tree that :func:`flatten_state` split.
 
     Raises:
-        DataLossError: ``meta`` is not a flattened state, or names a tensor
+        CheckpointError: ``meta`` is not a flattened state, or names a tensor
             that ``tensors`` lacks.
     """
     if not isinstance(meta, Mapping) or meta.get("format") != STATE_FORMAT or "tree" not in meta:
-        raise DataLossError(
+        raise CheckpointError(
             f"State description is not in the {STATE_FORMAT!r} format; pass the meta that "
             "flatten_state returned."
         )
     try:
         tree = _decode(meta["tree"], tensors)
-    except (TypeError, ValueError) as exc:
-        raise DataLossError(f"Saved state description is malformed ({exc}).") from exc
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"Saved state description is malformed ({exc}).") from exc
     if not isinstance(tree, dict):
-        raise DataLossError("Saved state description does not describe a dict.")
+        raise CheckpointError("Saved state description does not describe a dict.")
     return tree
 
 
