@@ -20,6 +20,7 @@ from towerflow.strategies.single import SingleDevice
 from towerflow.testing.replicas import run_replicas
 from towerflow.training import TrainConfig, Trainer
 from towerflow.training.hooks import (
+    CheckpointHook,
     Hook,
     NanGuard,
     StepContext,
@@ -230,3 +231,16 @@ def test_article_flags_reach_the_trainer(tmp_path: Path) -> None:
     assert vars(args) == vars(dashed)
     assert (args.train_dir, args.max_steps, args.num_gpus, args.log_device_placement,
             args.batch_size) == (str(tmp_path), 7, 2, True, 64)
+
+
+def test_the_last_checkpoint_is_written_when_another_worker_passed_max_steps(tmp_path) -> None:
+    # async ps: the chief's last push may return a global step beyond max_steps
+    manager = CheckpointManager(tmp_path)
+    trainer = SimpleNamespace(
+        max_steps=300, strategy=SimpleNamespace(is_chief=True), non_finite_state=lambda: None,
+        checkpoint_state=lambda: ({"model": {"w": torch.ones(2)}}, {}))
+    hook = CheckpointHook(manager, every=0)
+    hook.begin(trainer)
+    assert hook.wants_loss(302)
+    hook.after_step(StepContext(302, 300, None, 0.5, 32))
+    assert manager.latest() is not None and manager.latest().name.endswith("302")

@@ -325,7 +325,8 @@ class CheckpointHook(Hook):
         self._trainer = trainer
 
     def _due(self, step: int, max_steps: int) -> bool:
-        return _every(step, self.every) or step == max_steps
+        # >=: in asynchronous training another worker's push may carry the step past max_steps
+        return _every(step, self.every) or step >= max_steps
 
     def wants_loss(self, step: int) -> bool:
         trainer = self._trainer
