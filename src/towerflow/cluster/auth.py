@@ -66,7 +66,7 @@ HELLO_METHOD = "/towerflow.cluster.Auth/Hello"
 RESTARTED = "restarted since the call was signed"
 _VERSION = "v2"
 _UNKNOWN_INCARNATION = "0"
-_MAX_SEEN_NONCES = 200_000
+_MAX_SEEN_NONCES = 100_000  # about 28 MB
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self._secret = secret
         self._freshness = freshness
         self.identity = ServerIdentity(task, incarnation or secrets.token_hex(16))
-        self._seen: OrderedDict[str, int] = OrderedDict()
+        self._seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._floor = -1  # tokens at or before this time were forgotten: refused as expired
         self._lock = threading.Lock()
         self._log = log or RateLimitedLog()
@@ -170,15 +170,24 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return self._consume(nonce, int(stamp), now, digest)
 
     def _consume(self, nonce: str, stamp: int, now: float, digest: str) -> _Verdict:
+        """Remember ``nonce``; refuse it when it was seen (or may have been and was forgotten).
+
+        A nonce is remembered until its token can no longer pass the time check
+        (arrival + 2 x freshness), or, past ``_MAX_SEEN_NONCES`` remembered, until
+        newer ones push it out: every token stamped at or before a forgotten one
+        is then refused as expired, so memory stays bounded and no replay passes.
+        """
         with self._lock:
-            while self._seen and (next(iter(self._seen.values())) < now - self._freshness - 1
-                                  or len(self._seen) >= _MAX_SEEN_NONCES):
-                self._floor = max(self._floor, self._seen.popitem(last=False)[1])
+            seen = self._seen
+            while seen and next(iter(seen.values()))[0] < now - 2 * self._freshness:
+                seen.popitem(last=False)
+            while len(seen) >= _MAX_SEEN_NONCES:
+                self._floor = max(self._floor, seen.popitem(last=False)[1][1])
             if stamp <= self._floor:
                 return _Verdict("expired credentials (issued before the oldest remembered call)")
-            if nonce in self._seen:
+            if nonce in seen:
                 return _Verdict("replayed credentials")
-            self._seen[nonce] = stamp
+            seen[nonce] = (now, stamp)
         return _Verdict(None, digest=digest)
 
     def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
