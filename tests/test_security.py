@@ -247,3 +247,24 @@ def test_unauthenticated_calls_are_refused_before_their_bodies_are_read(ps_proce
     # 32 x 60 MiB were sent; a ps that read them before refusing grew by hundreds of MiB
     assert (peak - baseline) < 48 << 20, (baseline >> 20, peak >> 20)
     assert (server.memory_info().rss - baseline) < 24 << 20
+
+
+@pytest.mark.slow
+def test_towerflow_server_listens_wider_only_with_bind(subprocess_env, free_ports):
+    import psutil
+
+    from towerflow.cluster import ClusterSpec
+
+    port = free_ports(1)[0]
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{port}"]})
+    command = [sys.executable, "-m", "towerflow", "server"]
+    with LocalCluster(spec, command, env=subprocess_env) as lc:
+        refused = lc.start("ps", 0, extra_args=["--bind", "0.0.0.0"])
+        assert refused.wait(timeout=60) != 0
+        assert refused.find(r"non-loopback address 0\.0\.0\.0:\d+ in plaintext")
+        wide = lc.start("ps", 0, extra_args=["--bind", "0.0.0.0", "--insecure"])
+        wide.wait_for_line(r"ps task 0 serving at", timeout=60)
+        listening = {c.laddr.ip for c in psutil.Process(wide.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening & {"0.0.0.0", "::"}, listening
+    assert leftover_processes() == []
