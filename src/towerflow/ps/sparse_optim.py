@@ -1,0 +1,354 @@
+"""Row-wise optimizers a ps shard applies to the rows a push touched, as TensorFlow's.
+
+Each optimizer updates only the given rows of a table and of its slots (its
+optimizer state, one row per table row), with the arithmetic of TensorFlow's
+sparse kernels (``tensorflow/core/kernels/training_ops.cc``) and optimizers:
+
+=============  ==========================================================
+``sgd``        ``var -= lr * g`` (``ScatterSub``, what
+               ``tf.train.GradientDescentOptimizer`` does to an
+               ``IndexedSlices``).
+``adagrad``    ``SparseApplyAdagrad``: ``accum += g * g; var -= lr * g /
+               sqrt(accum)``; ``accum`` starts at ``initial_accumulator_value``
+               (0.1, ``tf.train.AdagradOptimizer``'s default), no epsilon.
+``lazy_adam``  ``tf.contrib.opt.LazyAdamOptimizer``: ``m``, ``v`` and the
+               variable are updated for the touched rows only; ``m = beta1 *
+               m + (1 - beta1) * g``, ``v = beta2 * v + (1 - beta2) * g * g``,
+               ``var -= lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m /
+               (sqrt(v) + epsilon)`` with ``t`` the update's global number (the
+               optimizer's shared beta powers, as TensorFlow's).
+``ftrl``       FTRL-Proximal, ``SparseApplyFtrl`` / ``SparseApplyFtrlV2`` as
+               ``tf.train.FtrlOptimizer`` calls it: with ``p =
+               learning_rate_power`` and ``g' = g + 2 * l2_shrinkage * var``,
+               ``new_accum = accum + g * g; linear += g' - (new_accum^-p -
+               accum^-p) / lr * var; var = (clip(linear, -l1, l1) - linear) /
+               (new_accum^-p / lr + 2 * l2); accum = new_accum``.
+=============  ==========================================================
+
+The gradient must hold each row once (:func:`~towerflow.ps.partition.coalesce`
+sums duplicates first, as TensorFlow does before a sparse apply). The rows are
+gathered with ``index_select``, updated in place with fused ops
+(``addcmul_``, ``addcdiv_``) and written back with ``index_copy_``: on CPU this
+is several times faster than ``torch.optim`` on a sparse gradient.
+
+An optimizer is a small immutable description (name and hyper-parameters);
+:meth:`SparseOptimizer.to_dict` / :func:`sparse_optimizer_from_dict` carry it
+on the wire and in checkpoint manifests. The learning rate and the update's
+number are given to each :meth:`SparseOptimizer.apply`, so a schedule on the
+worker drives them.
+
+Example:
+    >>> import torch
+    >>> opt = SparseAdagrad()
+    >>> var = torch.ones(4, 2)
+    >>> slots = opt.init_slots(4, 2)
+    >>> opt.apply(var, slots, torch.tensor([1]), torch.tensor([[0.3, 0.0]]), lr=0.5, step=1)
+    >>> [round(x, 4) for x in var[1].tolist()], [round(x, 4) for x in slots["accumulator"][1].tolist()]
+    ([0.6559, 1.0], [0.19, 0.1])
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from towerflow.errors import InvalidArgumentError
+
+__all__ = [
+    "SparseOptimizer",
+    "SparseSGD",
+    "SparseAdagrad",
+    "SparseLazyAdam",
+    "SparseFtrl",
+    "SPARSE_OPTIMIZERS",
+    "make_sparse_optimizer",
+    "sparse_optimizer_from_dict",
+]
+
+
+def _number(cls_name: str, name: str, value: object, *, low: float | None = None,
+            high: float | None = None, low_open: bool = False, high_open: bool = False) -> float:
+    """Check one hyper-parameter: a finite real in the stated interval."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        span = f"{left}{'-inf' if low is None else low}, {'inf' if high is None else high}{right}"
+        raise InvalidArgumentError(
+            f"{cls_name}: {name} must be a finite number in {span}, got {value!r}."
+        )
+    return float(value)
+
+
+class SparseOptimizer(abc.ABC):
+    """A row-wise optimizer: state layout, the update, and its description.
+
+    Subclasses are frozen dataclasses of their hyper-parameters.
+    """
+
+    __slots__ = ()
+
+    #: the name on the wire
+    name: ClassVar[str]
+    #: the slots (per-row state tensors), in order
+    slot_names: ClassVar[tuple[str, ...]] = ()
+    #: whether the learning rate may be 0 (FTRL divides by it)
+    _lr_may_be_zero: ClassVar[bool] = True
+
+    def slot_initial_value(self, slot: str) -> float:
+        """The value every element of ``slot`` holds before a row's first update."""
+        if slot not in self.slot_names:
+            raise InvalidArgumentError(
+                f"{self.name} keeps {list(self.slot_names) or 'no slots'}, not {slot!r}."
+            )
+        return 0.0
+
+    def init_slots(self, num_rows: int, dim: int,
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Fresh slots for ``num_rows`` rows of ``dim`` values each."""
+        out = {}
+        for slot in self.slot_names:
+            fill = self.slot_initial_value(slot)
+            out[slot] = (torch.full((num_rows, dim), fill, dtype=dtype) if fill
+                         else torch.zeros((num_rows, dim), dtype=dtype))
+        return out
+
+    def check_step(self, lr: object, step: object) -> tuple[float, int]:
+        """Return ``(lr, step)`` if valid for this optimizer, else raise.
+
+        Raises:
+            InvalidArgumentError: ``lr`` not a finite number >= 0 (> 0 for FTRL),
+                or ``step`` not an integer >= 1.
+        """
+        lr = _number(type(self).__name__, "the learning rate", lr, low=0.0,
+                     low_open=not self._lr_may_be_zero)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: step must be the update's number, an integer >= 1, "
+                f"got {step!r}."
+            )
+        return lr, step
+
+    def apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+              grads: torch.Tensor, lr: float, step: int) -> None:
+        """Update rows ``index`` of ``var`` and of ``slots`` in place from ``grads``.
+
+        Args:
+            var: the table's storage, ``(rows, dim)``.
+            slots: this optimizer's slots, each ``(rows, dim)`` like ``var``.
+            index: int64 storage rows to update, each once (coalesced).
+            grads: ``(len(index), dim)`` gradients of those rows, same dtype as ``var``.
+            lr: the learning rate.
+            step: the update's number, from 1 (Adam's bias correction uses it).
+
+        Rows not in ``index`` and their slots are left untouched, bit for bit.
+        The caller has validated ``index`` and ``grads``; ``lr`` and ``step`` are
+        checked here, before anything changes.
+        """
+        lr, step = self.check_step(lr, step)
+        if index.numel():
+            self._apply(var, slots, index, grads, lr, step)
+
+    @abc.abstractmethod
+    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+               grads: torch.Tensor, lr: float, step: int) -> None:
+        """The update itself (``index`` non-empty, ``lr`` and ``step`` checked)."""
+
+    def hyper(self) -> dict[str, float]:
+        """The hyper-parameters by name."""
+        return asdict(self)  # type: ignore[call-overload]
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"name": ..., "hyper": {...}}``; :func:`sparse_optimizer_from_dict` reads it."""
+        return {"name": self.name, "hyper": self.hyper()}
+
+
+@dataclass(frozen=True, slots=True)
+class SparseSGD(SparseOptimizer):
+    """Plain gradient descent on the touched rows: ``var -= lr * g``."""
+
+    name: ClassVar[str] = "sgd"
+
+    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+               grads: torch.Tensor, lr: float, step: int) -> None:
+        var.index_add_(0, index, grads, alpha=-lr)
+
+
+@dataclass(frozen=True, slots=True)
+class SparseAdagrad(SparseOptimizer):
+    """``SparseApplyAdagrad``: ``accum += g * g; var -= lr * g / sqrt(accum)``.
+
+    Args:
+        initial_accumulator_value: the accumulator's start, > 0 (TensorFlow's 0.1).
+    """
+
+    name: ClassVar[str] = "adagrad"
+    slot_names: ClassVar[tuple[str, ...]] = ("accumulator",)
+    initial_accumulator_value: float = 0.1
+
+    def __post_init__(self) -> None:
+        _number("SparseAdagrad", "initial_accumulator_value", self.initial_accumulator_value,
+                low=0.0, low_open=True)
+
+    def slot_initial_value(self, slot: str) -> float:
+        SparseOptimizer.slot_initial_value(self, slot)
+        return float(self.initial_accumulator_value)
+
+    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+               grads: torch.Tensor, lr: float, step: int) -> None:
+        accum = slots["accumulator"]
+        acc = accum.index_select(0, index).addcmul_(grads, grads)
+        rows = var.index_select(0, index).addcmul_(grads, acc.rsqrt(), value=-lr)
+        accum.index_copy_(0, index, acc)
+        var.index_copy_(0, index, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class SparseLazyAdam(SparseOptimizer):
+    """``tf.contrib.opt.LazyAdamOptimizer``: Adam whose state moves only on touched rows.
+
+    Args:
+        beta1: decay of the first moment, in [0, 1).
+        beta2: decay of the second moment, in [0, 1).
+        epsilon: added to ``sqrt(v)`` (not bias corrected, as TensorFlow's), >= 0.
+    """
+
+    name: ClassVar[str] = "lazy_adam"
+    slot_names: ClassVar[tuple[str, ...]] = ("m", "v")
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+
+    def __post_init__(self) -> None:
+        for key in ("beta1", "beta2"):
+            _number("SparseLazyAdam", key, getattr(self, key), low=0.0, high=1.0,
+                    high_open=True)
+        _number("SparseLazyAdam", "epsilon", self.epsilon, low=0.0)
+
+    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+               grads: torch.Tensor, lr: float, step: int) -> None:
+        b1, b2 = float(self.beta1), float(self.beta2)
+        # beta1_power / beta2_power as TensorFlow's accumulators hold them on update `step`
+        alpha = lr * math.sqrt(1.0 - b2 ** step) / (1.0 - b1 ** step)
+        m_all, v_all = slots["m"], slots["v"]
+        m = m_all.index_select(0, index).mul_(b1).add_(grads, alpha=1.0 - b1)
+        v = v_all.index_select(0, index).mul_(b2).addcmul_(grads, grads, value=1.0 - b2)
+        rows = var.index_select(0, index).addcdiv_(m, v.sqrt().add_(self.epsilon), value=-alpha)
+        m_all.index_copy_(0, index, m)
+        v_all.index_copy_(0, index, v)
+        var.index_copy_(0, index, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class SparseFtrl(SparseOptimizer):
+    """FTRL-Proximal as ``tf.train.FtrlOptimizer`` (``SparseApplyFtrl``, ``...V2``).
+
+    Args:
+        learning_rate_power: ``p`` in ``accum^-p``, <= 0 (-0.5: square root).
+        initial_accumulator_value: the accumulator's start, >= 0.
+        l1_regularization_strength: ``l1`` >= 0.
+        l2_regularization_strength: ``l2`` >= 0.
+        l2_shrinkage_regularization_strength: >= 0; added to the gradient of the
+            linear term only (``SparseApplyFtrlV2``).
+    """
+
+    name: ClassVar[str] = "ftrl"
+    slot_names: ClassVar[tuple[str, ...]] = ("accumulator", "linear")
+    _lr_may_be_zero: ClassVar[bool] = False
+    learning_rate_power: float = -0.5
+    initial_accumulator_value: float = 0.1
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    l2_shrinkage_regularization_strength: float = 0.0
+
+    def __post_init__(self) -> None:
+        _number("SparseFtrl", "learning_rate_power", self.learning_rate_power, high=0.0)
+        for key in ("initial_accumulator_value", "l1_regularization_strength",
+                    "l2_regularization_strength", "l2_shrinkage_regularization_strength"):
+            _number("SparseFtrl", key, getattr(self, key), low=0.0)
+
+    def slot_initial_value(self, slot: str) -> float:
+        SparseOptimizer.slot_initial_value(self, slot)
+        return float(self.initial_accumulator_value) if slot == "accumulator" else 0.0
+
+    def _scaled(self, accum: torch.Tensor) -> torch.Tensor:
+        """``accum ** -learning_rate_power`` (a square root for -0.5, as the kernel)."""
+        if self.learning_rate_power == -0.5:
+            return accum.sqrt()
+        return accum.pow(-self.learning_rate_power)
+
+    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+               grads: torch.Tensor, lr: float, step: int) -> None:
+        accum_all, linear_all = slots["accumulator"], slots["linear"]
+        l1, l2 = self.l1_regularization_strength, self.l2_regularization_strength
+        shrinkage = self.l2_shrinkage_regularization_strength
+        w = var.index_select(0, index)
+        accum = accum_all.index_select(0, index)
+        new_accum = torch.addcmul(accum, grads, grads)
+        scaled_new = self._scaled(new_accum)
+        sigma = scaled_new.sub(self._scaled(accum)).div_(lr)
+        linear = linear_all.index_select(0, index).add_(grads)
+        if shrinkage:
+            linear.add_(w, alpha=2.0 * shrinkage)
+        linear.sub_(sigma.mul_(w))
+        quadratic = scaled_new.div_(lr).add_(2.0 * l2)
+        w = linear.clamp(-l1, l1).sub_(linear).div_(quadratic)
+        accum_all.index_copy_(0, index, new_accum)
+        linear_all.index_copy_(0, index, linear)
+        var.index_copy_(0, index, w)
+
+
+SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
+    cls.name: cls for cls in (SparseSGD, SparseAdagrad, SparseLazyAdam, SparseFtrl)
+}
+
+
+def make_sparse_optimizer(name: str, **hyper: Any) -> SparseOptimizer:
+    """The sparse optimizer ``name`` (``sgd``, ``adagrad``, ``lazy_adam``, ``ftrl``).
+
+    Raises:
+        InvalidArgumentError: unknown name or hyper-parameter, or a value out of range.
+
+    Example:
+        >>> make_sparse_optimizer("ftrl", l1_regularization_strength=0.01).to_dict()["hyper"]["l1_regularization_strength"]
+        0.01
+    """
+    cls = SPARSE_OPTIMIZERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise InvalidArgumentError(
+            f"Unknown sparse optimizer {name!r}; use one of {', '.join(SPARSE_OPTIMIZERS)}."
+        )
+    allowed = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = set(hyper) - allowed
+    if unknown:
+        raise InvalidArgumentError(
+            f"Sparse optimizer {name!r} has no hyper-parameter {sorted(unknown)}; it takes "
+            f"{sorted(allowed) or 'none'}."
+        )
+    return cls(**hyper)
+
+
+def sparse_optimizer_from_dict(data: Mapping[str, Any]) -> SparseOptimizer:
+    """Rebuild an optimizer from :meth:`SparseOptimizer.to_dict`'s dict.
+
+    Raises:
+        InvalidArgumentError: not ``{"name": str, "hyper": dict}``, or what
+            :func:`make_sparse_optimizer` refuses.
+    """
+    if not isinstance(data, Mapping) or set(data) != {"name", "hyper"} or not isinstance(
+        data["hyper"], Mapping
+    ):
+        raise InvalidArgumentError(
+            f"A sparse optimizer is described by {{'name': ..., 'hyper': {{...}}}}, got "
+            f"{data!r:.200}."
+        )
+    return make_sparse_optimizer(data["name"], **dict(data["hyper"]))
