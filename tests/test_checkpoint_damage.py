@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -255,3 +256,25 @@ def test_every_checkpoint_damaged_is_a_checkpoint_error_naming_each(tmp_path: Pa
         latest_checkpoint(run)
     with pytest.raises(CheckpointError, match=r"Every checkpoint"):
         read_checkpoint(run)
+
+
+def test_a_resumed_run_continues_from_the_last_good_step_not_an_edited_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from towerflow.strategies.single import SingleDevice
+    from towerflow.training import TrainConfig, run_training
+
+    def train(max_steps: int) -> None:
+        run_training("digits", TrainConfig(train_dir=tmp_path, max_steps=max_steps, batch_size=16,
+                                           log_every=10 ** 6, summary_every=0,
+                                           checkpoint_every=2),
+                     strategy=SingleDevice("/cpu:0"))
+
+    train(6)
+    manifest = tmp_path / "ckpt-00000006" / MANIFEST_NAME
+    manifest.write_text(manifest.read_text().replace('"step": 6', '"step": 9'))
+    with caplog.at_level(logging.INFO):
+        train(8)
+    assert re.search(r"ckpt-00000006/manifest\.json' does not match its digest", caplog.text)
+    assert re.search(r"restored .*ckpt-00000004 at step 4", caplog.text)
+    assert read_checkpoint(tmp_path / "ckpt-00000008").step == 8

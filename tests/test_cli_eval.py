@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +123,58 @@ def test_a_damaged_data_record_is_named(tmp_path, capsys) -> None:
     assert main(["eval", "cifar10", "--train-dir", str(run), "--device", "/cpu:0"]) == 2
     assert re.search(r"data\.json' does not hold a run's data settings .* delete it",
                      capsys.readouterr().err)
+
+
+def _digits_run(train_dir, steps: int = 4, every: int = 2) -> None:
+    run_training("digits", TrainConfig(train_dir=train_dir, max_steps=steps, batch_size=32,
+                                       log_every=10 ** 6, summary_every=0,
+                                       checkpoint_every=every),
+                 strategy=SingleDevice("/cpu:0"))
+
+
+def _eval_in_a_child(train_dir, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """``python -m towerflow eval digits`` on ``train_dir``, killed if it outlives ``timeout``."""
+    return subprocess.run(
+        [sys.executable, "-m", "towerflow", "eval", "digits", "--train-dir", str(train_dir),
+         "--device", "cpu"], capture_output=True, text=True, timeout=timeout)
+
+
+def _nest_manifest(ckpt, depth: int) -> None:
+    manifest = ckpt / "manifest.json"
+    text = manifest.read_text().replace('"metadata": {', '"metadata": {"deep": '
+                                        + "[" * depth + "]" * depth + ", ", 1)
+    manifest.write_text(text)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    (ckpt / "manifest.sha256").write_text(f"{digest}  manifest.json\n")
+
+
+def test_eval_of_a_manifest_nested_100000_deep_falls_back_or_says_what_is_damaged(
+    tmp_path, capsys, caplog
+) -> None:
+    _digits_run(tmp_path)
+    _nest_manifest(tmp_path / "ckpt-00000004", 100_000)
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="towerflow.checkpoint"):
+        assert main(["eval", "digits", "--train-dir", str(tmp_path), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2:" in out and PRECISION.search(out)
+    assert re.search(r"ckpt-00000004/manifest\.json' is nested deeper than 64 levels",
+                     caplog.text)
+    _nest_manifest(tmp_path / "ckpt-00000002", 100_000)
+    proc = _eval_in_a_child(tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "RecursionError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert re.search(r"towerflow eval: error: Every checkpoint in .* is damaged: "
+                     r"ckpt-00000004 \(.*nested deeper.*ckpt-00000002 \(", proc.stderr)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_eval_with_a_fifo_in_place_of_the_model_file_never_blocks(tmp_path) -> None:
+    _digits_run(tmp_path, steps=2)
+    model_file = tmp_path / "ckpt-00000002" / "model.safetensors"
+    model_file.unlink()
+    os.mkfifo(model_file)
+    proc = _eval_in_a_child(tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"model\.safetensors' is a FIFO, not a regular file", proc.stderr)
