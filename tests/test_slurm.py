@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -133,19 +134,44 @@ def test_local_cluster_start_is_a_no_op_when_it_runs(slurm_env: dict[str, str]) 
         "localhost", "idle"]
 
 
-def test_ps_job_trains_through_the_slurm_resolver_and_ends(submit, tmp_path: Path) -> None:
-    base = _consecutive_free_ports(3)
+def _node_certificates(directory: Path, node: str) -> Path:
+    """A CA and the node's certificate, as docs/cluster.md makes them (ca.pem, NODE.pem/.key)."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True,
+                       timeout=60)
+
+    directory.mkdir()
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=towerflow-ca")
+    openssl("req", *ec, "-keyout", f"{node}.key", "-out", f"{node}.csr", "-subj", f"/CN={node}")
+    (directory / f"{node}.ext").write_text(f"subjectAltName=DNS:{node}\n")
+    openssl("x509", "-req", "-in", f"{node}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{node}.pem", "-days", "2", "-extfile", f"{node}.ext")
+    return directory
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["secret", "secret+tls"])
+def test_ps_job_trains_through_the_slurm_resolver_and_ends(submit, tmp_path: Path,
+                                                           tls: bool) -> None:
+    env = {"TOWERFLOW_PORT": str(base := _consecutive_free_ports(3))}
+    if tls:
+        if shutil.which("openssl") is None:
+            pytest.skip("the openssl command is not installed")
+        env["TOWERFLOW_TLS_DIR"] = str(_node_certificates(tmp_path / "tls", "localhost"))
     started = time.monotonic()
     fields, out = submit("ps.sbatch", ["--nodes=1", "--ntasks=3", "--overcommit"],
                          ["digits", "--train-dir", str(tmp_path / "train"), "--max-steps", "300",
                           "--log-every", "100", "--checkpoint-every", "0", "--no-progress"],
-                         {"TOWERFLOW_PORT": str(base)})
+                         env)
     print(f"ps job {fields['JobId']}: {time.monotonic() - started:.1f} s submit to end")
     # task 0 is ps:0, tasks 1 and 2 are workers 0 and 1, on TOWERFLOW_PORT + k of the node
     assert f"0: ps task 0 serving at grpc://localhost:{base}" in out
     assert f"1: started /job:worker/replica:0/task:0 at grpc://localhost:{base + 1}" in out
     assert f"2: started /job:worker/replica:0/task:1 at grpc://localhost:{base + 2}" in out
     assert read_checkpoint(tmp_path / "train").step >= 300
+    for task in range(3):
+        assert (f"{task}: TLS with {tmp_path}/tls/localhost.pem" in out) == tls, out
     secret = tmp_path / ".towerflow-secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_text()) == 64
     assert not list(tmp_path.glob(".towerflow-done-*"))
