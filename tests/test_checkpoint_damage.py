@@ -278,3 +278,38 @@ def test_a_resumed_run_continues_from_the_last_good_step_not_an_edited_one(
     assert re.search(r"ckpt-00000006/manifest\.json' does not match its digest", caplog.text)
     assert re.search(r"restored .*ckpt-00000004 at step 4", caplog.text)
     assert read_checkpoint(tmp_path / "ckpt-00000008").step == 8
+
+
+def test_a_symlink_planted_where_a_save_writes_is_replaced_and_its_target_untouched(
+    tmp_path: Path,
+) -> None:
+    run = _train_dir(tmp_path, (10,))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    (run / "ckpt-00000020").symlink_to(victim, target_is_directory=True)
+    (run / "ckpt-00000030").symlink_to(tmp_path / "nowhere")  # dangling
+    (run / "latest").unlink()
+    (run / "latest").symlink_to(victim / "precious")
+    mgr = CheckpointManager(run, max_to_keep=None)
+    for step in (20, 30):
+        path = mgr.save(step, {"model": {"w": torch.full((3,), float(step))}})
+        assert path.is_dir() and not path.is_symlink()
+    assert not (run / "latest").is_symlink() and (run / "latest").read_text() == "ckpt-00000030\n"
+    assert sorted(os.listdir(victim)) == ["precious"]
+    assert (victim / "precious").read_text() == "keep me"
+    assert sorted(os.listdir(run)) == ["ckpt-00000010", "ckpt-00000020", "ckpt-00000030", "latest"]
+    assert mgr.restore().step == 30
+
+
+def test_pruning_a_symlinked_checkpoint_removes_the_link_not_what_it_points_to(
+    tmp_path: Path,
+) -> None:
+    run = _train_dir(tmp_path, (10,))
+    victim = tmp_path / "victim"
+    shutil.copytree(run / "ckpt-00000010", victim)
+    (run / "ckpt-00000005").symlink_to(victim, target_is_directory=True)
+    mgr = CheckpointManager(run, max_to_keep=2)
+    mgr.save(20, {"model": {"w": torch.ones(3)}})
+    assert sorted(os.listdir(run)) == ["ckpt-00000010", "ckpt-00000020", "latest"]
+    assert sorted(os.listdir(victim)) == ["manifest.json", "manifest.sha256", "model.safetensors"]

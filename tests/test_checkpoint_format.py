@@ -20,6 +20,7 @@ from towerflow.checkpoint.atomic import (
     remove_stale_temps,
     temp_dir,
     temp_name,
+    write_bytes_durable,
     write_file_atomic,
 )
 from towerflow.checkpoint.format import (
@@ -237,6 +238,18 @@ def test_write_file_atomic_replaces_content_and_leaves_no_temp(tmp_path: Path) -
     write_file_atomic(target, "two\n")
     assert target.read_text() == "two\n"
     assert os.listdir(tmp_path) == ["latest"]
+
+
+def test_a_durable_write_never_writes_through_a_planted_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (tmp_path / "link").symlink_to(victim)
+    (tmp_path / "dangling").symlink_to(tmp_path / "created-through-the-link")
+    for name in ("link", "dangling"):
+        with pytest.raises(FileExistsError):
+            write_bytes_durable(tmp_path / name, b"payload")
+    assert victim.read_text() == "keep me"
+    assert not (tmp_path / "created-through-the-link").exists()
 
 
 def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path: Path) -> None:

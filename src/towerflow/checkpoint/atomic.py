@@ -110,8 +110,12 @@ def write_bytes_durable(path: str | Path, data: bytes | bytearray | memoryview) 
     """Write ``data`` to a new file at ``path`` and fsync it (no rename).
 
     Used for files inside a temporary directory that is renamed as a whole.
+    The file must not exist: an entry already there — a symbolic link
+    planted at the name included — is a ``FileExistsError``, never written
+    through.
     """
-    with open(path, "xb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(os.open(path, flags, 0o644), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -156,8 +160,16 @@ def temp_dir(parent: str | Path, what: str) -> Iterator[Path]:
         try:
             yield path
         finally:
-            if path.exists():
-                shutil.rmtree(path, ignore_errors=True)
+            _remove_entry(path)
+
+
+def _remove_entry(path: Path) -> None:
+    """Delete ``path`` whatever it is; a symbolic link is unlinked, never followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def remove_tree(path: str | Path) -> None:
@@ -165,7 +177,8 @@ def remove_tree(path: str | Path) -> None:
 
     The directory is first renamed to a temporary name (atomic), then deleted;
     a crash in between leaves a temporary directory that
-    :func:`remove_stale_temps` cleans up later.
+    :func:`remove_stale_temps` cleans up later. A symbolic link (or a file)
+    at ``path`` is removed itself: what a link points to is never touched.
     """
     path = Path(path)
     doomed = path.parent / temp_name(f"rm-{path.name}")
@@ -175,7 +188,7 @@ def remove_tree(path: str | Path) -> None:
         except FileNotFoundError:
             return
         fsync_dir(path.parent)
-        shutil.rmtree(doomed, ignore_errors=True)
+        _remove_entry(doomed)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -230,10 +243,6 @@ def remove_stale_temps(directory: str | Path) -> list[str]:
             pid = int(match.group("pid"))
             if pid != me and _pid_alive(pid):
                 continue
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                target.unlink()
+        _remove_entry(target)
         removed.append(name)
     return removed
