@@ -162,7 +162,8 @@ class Partitioner(abc.ABC):
             )
         return ids
 
-    def _check_shard(self, shard: object) -> int:
+    def check_shard(self, shard: object) -> int:
+        """Return ``shard`` if it is a shard of this table, else raise InvalidArgumentError."""
         if isinstance(shard, bool) or not isinstance(shard, int) or not (
             0 <= shard < self.num_shards
         ):
@@ -183,7 +184,7 @@ class Partitioner(abc.ABC):
             InvalidArgumentError: an id out of the table, or owned by another shard
                 (the message names the first one and its owner).
         """
-        shard = self._check_shard(shard)
+        shard = self.check_shard(shard)
         ids = self.check(ids)
         if ids.numel():
             owner = self._shard_of(ids)
@@ -248,11 +249,11 @@ class ModPartitioner(Partitioner):
         return self.num_rows
 
     def rows_in_shard(self, shard: int) -> int:
-        shard, num_rows = self._check_shard(shard), self._bounded()
+        shard, num_rows = self.check_shard(shard), self._bounded()
         return max(0, -(-(num_rows - shard) // self.num_shards))
 
     def global_ids(self, shard: int) -> torch.Tensor:
-        shard, num_rows = self._check_shard(shard), self._bounded()
+        shard, num_rows = self.check_shard(shard), self._bounded()
         return torch.arange(min(shard, num_rows), num_rows, self.num_shards, dtype=torch.int64)
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,11 +295,11 @@ class RangePartitioner(Partitioner):
         return ids - self._start(shard)
 
     def rows_in_shard(self, shard: int) -> int:
-        shard = self._check_shard(shard)
+        shard = self.check_shard(shard)
         return self._start(shard + 1) - self._start(shard)
 
     def global_ids(self, shard: int) -> torch.Tensor:
-        shard = self._check_shard(shard)
+        shard = self.check_shard(shard)
         return torch.arange(self._start(shard), self._start(shard + 1), dtype=torch.int64)
 
     def to_dict(self) -> dict[str, Any]:

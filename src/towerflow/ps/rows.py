@@ -1,0 +1,460 @@
+"""The rows of one shard of a sparse embedding table on a ps task.
+
+A :class:`RowStore` holds the rows a ps shard owns under the table's
+partitioner (:mod:`towerflow.ps.partition`) and their optimizer slots
+(:mod:`towerflow.ps.sparse_optim`). Callers (the ps service, checkpoints)
+speak to it in global ids only:
+
+- :meth:`RowStore.lookup` — the rows of some ids (a pull);
+- :meth:`RowStore.apply` — row gradients of some ids applied by the table's
+  optimizer (a push); duplicate ids are summed first (:func:`coalesce`);
+- :meth:`RowStore.export` / :meth:`RowStore.import_` — ``(ids, rows, slots)``
+  for checkpoints and for re-sharding to another number of ps tasks
+  (:func:`split_export` cuts an export by the new partitioner, so no process
+  ever holds more than one old shard's rows).
+
+Every input is checked in full before anything changes: an id of the wrong
+dtype, negative, out of the table or owned by another shard, a gradient of the
+wrong shape or dtype, a NaN or infinity is refused with an
+:class:`~towerflow.errors.InvalidArgumentError` that names the value, and the
+store is left as it was. A store is not thread-safe: the shard serialises
+calls (an export under the shard's lock holds rows and slots of one moment).
+
+:class:`DenseRowStore` keeps every row of a fixed ``[num_rows, dim]`` table:
+one contiguous ``(rows_in_shard, dim)`` tensor, local row ``i`` holding global
+id ``partitioner.global_ids(shard)[i]``, and one tensor of the same shape per
+optimizer slot. Rows are gathered with ``index_select`` (several times faster
+than advanced indexing) and the optimizers update the touched rows only.
+
+A dynamic table (64-bit hashed feature ids, rows created on first touch,
+admission and eviction, as DeepRec's ``EmbeddingVariable`` and Monolith's
+collisionless tables) implements the same interface, so neither the worker nor
+the wire changes. It would be built as:
+
+- partitioner: ``ModPartitioner(num_shards)`` with no ``num_rows`` (any int64
+  id; ``id % num_shards`` picks the shard);
+- an id -> slot-index map: an open-addressing hash table of int64 keys to
+  int64 slot indices (vectorised probing over torch tensors, or a small C++
+  extension), grown by rehashing at a load factor;
+- storage: the same contiguous ``(capacity, dim)`` row tensor and slot
+  tensors as here, grown by doubling, plus a free list of slot indices that
+  eviction returns and insertion takes first; the optimizers
+  (:meth:`~towerflow.ps.sparse_optim.SparseOptimizer.apply` takes storage
+  indices) run unchanged;
+- per-row counters: access count and last step touched (``int64`` tensors
+  indexed like the rows), updated by ``lookup`` / ``apply`` (``apply``'s
+  ``step`` is the clock);
+- admission: an id not yet admitted is looked up as its initializer's rows
+  (:class:`UniformRows` is a function of the id, so the answer is the same
+  before and after admission) and its gradients are dropped; it is admitted
+  (a slot taken, rows initialised, slots at
+  :meth:`~towerflow.ps.sparse_optim.SparseOptimizer.slot_initial_value`) after
+  ``min_count`` touches (counted in a counting Bloom filter, so unadmitted ids
+  cost no row) or with probability ``p`` per touch;
+- eviction: every N steps (or at a checkpoint), rows with ``step - last_step
+  > ttl`` or a count below a floor go back to the free list;
+- ``export`` returns the present ids with their rows, slots (and counters as
+  extra slots); ``import_`` inserts them; ``num_rows`` and ``nbytes`` count
+  present rows.
+
+Example:
+    >>> import torch
+    >>> from towerflow.ps.partition import ModPartitioner
+    >>> from towerflow.ps.sparse_optim import SparseSGD
+    >>> store = DenseRowStore(ModPartitioner(2, num_rows=6), 1, 2, SparseSGD())
+    >>> store.num_rows, store.lookup(torch.tensor([5, 1])).tolist()
+    (3, [[0.0, 0.0], [0.0, 0.0]])
+    >>> store.apply(torch.tensor([5, 5]), torch.ones(2, 2), lr=0.5, step=1)
+    >>> store.lookup(torch.tensor([5])).tolist()
+    [[-1.0, -1.0]]
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from towerflow.errors import InvalidArgumentError
+from towerflow.ps.partition import Partitioner, coalesce
+from towerflow.ps.sparse_optim import SparseOptimizer
+
+__all__ = [
+    "RowStore",
+    "DenseRowStore",
+    "RowExport",
+    "RowInitializer",
+    "ConstantRows",
+    "UniformRows",
+    "initializer_from_dict",
+    "split_export",
+    "coalesce",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+_CHUNK = 1 << 16  # ids per initializer chunk, to bound temporary memory
+
+
+class RowExport(NamedTuple):
+    """Rows of a table with their optimizer slots, by global id.
+
+    Attributes:
+        ids: int64 ``(n,)`` global ids.
+        rows: ``(n, dim)`` rows, ``rows[i]`` for ``ids[i]``.
+        slots: optimizer slot name -> ``(n, dim)`` tensor, in the same order.
+    """
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    slots: dict[str, torch.Tensor]
+
+
+def split_export(export: RowExport, partitioner: Partitioner) -> list[RowExport]:
+    """Cut an export into one export per shard of ``partitioner`` (re-sharding).
+
+    Example:
+        >>> from towerflow.ps.partition import ModPartitioner
+        >>> parts = split_export(RowExport(torch.arange(3), torch.zeros(3, 1), {}),
+        ...                      ModPartitioner(2, num_rows=3))
+        >>> [p.ids.tolist() for p in parts]
+        [[0, 2], [1]]
+    """
+    out = []
+    for pos, ids in partitioner.split(export.ids):
+        out.append(RowExport(ids, export.rows.index_select(0, pos),
+                             {k: v.index_select(0, pos) for k, v in export.slots.items()}))
+    return out
+
+
+# ---------------------------------------------------------------- initializers
+
+
+class RowInitializer(abc.ABC):
+    """The value of a row before its first update: a function of the id only.
+
+    Being a function of the id, a table's start does not depend on how it is
+    sharded, and a dynamic table can create a row on first touch.
+    """
+
+    __slots__ = ()
+
+    kind: ClassVar[str]
+
+    @abc.abstractmethod
+    def __call__(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """``(len(ids), dim)`` rows for ``ids``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"kind": ..., **fields}``; :func:`initializer_from_dict` reads it."""
+        return {"kind": self.kind, **asdict(self)}  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantRows(RowInitializer):
+    """Every element ``value`` (zeros by default)."""
+
+    kind: ClassVar[str] = "constant"
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not _is_finite_number(self.value):
+            raise InvalidArgumentError(f"ConstantRows: value must be finite, got {self.value!r}.")
+
+    def __call__(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((ids.numel(), dim), float(self.value), dtype=dtype)
+
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (as uint64)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser, element-wise on int64 (wrapping arithmetic)."""
+    z = x + _GOLDEN
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    return z ^ _shift(z, 31)
+
+
+@dataclass(frozen=True, slots=True)
+class UniformRows(RowInitializer):
+    """Uniform in ``[minval, maxval)``, drawn from a hash of ``(seed, id, column)``."""
+
+    kind: ClassVar[str] = "uniform"
+    minval: float = -0.05
+    maxval: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (_is_finite_number(self.minval) and _is_finite_number(self.maxval)
+                and self.minval <= self.maxval):
+            raise InvalidArgumentError(
+                f"UniformRows: need finite minval <= maxval, got {self.minval!r}, "
+                f"{self.maxval!r}."
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+            0 <= self.seed < 2**63
+        ):
+            raise InvalidArgumentError(
+                f"UniformRows: seed must be an integer in [0, 2**63), got {self.seed!r}."
+            )
+
+    def __call__(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        key = _splitmix64(_splitmix64(ids ^ self.seed))
+        cols = torch.arange(dim, dtype=torch.int64) * _GOLDEN
+        bits = _shift(_splitmix64(key[:, None] + cols), 40)  # 24 random bits
+        unit = bits.to(torch.float64) * (1.0 / (1 << 24))
+        return (self.minval + (self.maxval - self.minval) * unit).to(dtype)
+
+
+_INITIALIZERS: dict[str, type[RowInitializer]] = {"constant": ConstantRows,
+                                                  "uniform": UniformRows}
+
+
+def initializer_from_dict(data: Mapping[str, Any]) -> RowInitializer:
+    """Rebuild an initializer from :meth:`RowInitializer.to_dict`'s dict."""
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    if kind not in _INITIALIZERS:
+        raise InvalidArgumentError(
+            f"A row initializer is a dict with 'kind' one of {sorted(_INITIALIZERS)}, got "
+            f"{data!r:.200}."
+        )
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    try:
+        return _INITIALIZERS[kind](**fields)
+    except TypeError as err:
+        raise InvalidArgumentError(f"Bad {kind!r} initializer fields {sorted(fields)}: {err}.") \
+            from None
+
+
+def _is_finite_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+# ---------------------------------------------------------------- the interface
+
+
+class RowStore(abc.ABC):
+    """The rows of one shard of one sparse table, by global id.
+
+    Attributes:
+        partitioner: the table's partitioner.
+        shard: this shard's index under it.
+        dim: values per row.
+        dtype: the rows' dtype (and the slots').
+        optimizer: the row-wise optimizer :meth:`apply` runs.
+        initializer: the value of a row before its first update.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, partitioner: Partitioner, shard: int, dim: int,
+                 optimizer: SparseOptimizer, *, dtype: torch.dtype = torch.float32,
+                 initializer: RowInitializer | None = None) -> None:
+        if not isinstance(partitioner, Partitioner):
+            raise InvalidArgumentError(
+                f"partitioner must be a Partitioner, got {type(partitioner).__name__}."
+            )
+        partitioner.check_shard(shard)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise InvalidArgumentError(f"dim must be an integer >= 1, got {dim!r}.")
+        if not isinstance(optimizer, SparseOptimizer):
+            raise InvalidArgumentError(
+                f"optimizer must be a SparseOptimizer (towerflow.ps.sparse_optim), got "
+                f"{type(optimizer).__name__}."
+            )
+        if dtype not in _FLOAT_DTYPES:
+            raise InvalidArgumentError(
+                f"A table's dtype must be one of {[str(d) for d in _FLOAT_DTYPES]}, got {dtype}."
+            )
+        self.partitioner = partitioner
+        self.shard = shard
+        self.dim = dim
+        self.optimizer = optimizer
+        self.dtype = dtype
+        self.initializer = ConstantRows() if initializer is None else initializer
+
+    @abc.abstractmethod
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ``(len(ids), dim)`` rows of ``ids`` (int64 global ids this shard owns).
+
+        A new tensor: changing it does not change the store.
+        """
+
+    @abc.abstractmethod
+    def apply(self, ids: torch.Tensor, row_grads: torch.Tensor, lr: float, step: int) -> None:
+        """Apply ``row_grads[i]`` to the row of ``ids[i]`` with the store's optimizer.
+
+        Rows of the same id are summed first. ``lr`` is the learning rate,
+        ``step`` the update's number from 1 (the global step after this update;
+        lazy Adam's bias correction and a dynamic table's clock).
+        """
+
+    @abc.abstractmethod
+    def export(self) -> RowExport:
+        """Copies of every row this shard holds, with their slots."""
+
+    @abc.abstractmethod
+    def import_(self, ids: torch.Tensor, rows: torch.Tensor,
+                slots: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Set the rows (and slots) of ``ids``; ``slots=None`` resets their slots.
+
+        ``ids`` must be owned by this shard and unique; ``slots`` must hold
+        exactly the optimizer's slots, each shaped like ``rows``.
+        """
+
+    @property
+    @abc.abstractmethod
+    def num_rows(self) -> int:
+        """Rows held now."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the rows and slots held."""
+
+    def describe(self) -> dict[str, Any]:
+        """The store's description (for a checkpoint manifest or the wire)."""
+        return {"kind": self.kind, "partitioner": self.partitioner.to_dict(),
+                "shard": self.shard, "dim": self.dim,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "optimizer": self.optimizer.to_dict(),
+                "initializer": self.initializer.to_dict()}
+
+    # checks shared by every implementation ------------------------------------------
+
+    def _check_values(self, what: str, values: object, ids: torch.Tensor) -> torch.Tensor:
+        """``values`` if it is a finite ``(len(ids), dim)`` tensor of the table's dtype."""
+        if not isinstance(values, torch.Tensor):
+            raise InvalidArgumentError(
+                f"{what} must be a torch.Tensor, got {type(values).__name__}."
+            )
+        shape = [ids.numel(), self.dim]
+        if list(values.shape) != shape:
+            raise InvalidArgumentError(
+                f"{what} has shape {list(values.shape)} but {ids.numel()} ids of a table with "
+                f"{self.dim} values per row need {shape}; send one row per id."
+            )
+        if values.dtype != self.dtype:
+            raise InvalidArgumentError(
+                f"{what} has dtype {values.dtype} but the table holds {self.dtype}; convert "
+                f"with .to({self.dtype})."
+            )
+        finite = torch.isfinite(values).all(dim=1)
+        if not bool(finite.all()):
+            pos = int((~finite).nonzero()[0, 0])
+            raise InvalidArgumentError(
+                f"{what}[{pos}] (id {int(ids[pos])}) holds {values[pos].tolist()}, not finite; "
+                "nothing was applied. Find where the NaN or infinity comes from (a diverged "
+                "loss: lower the learning rate or clip gradients)."
+            )
+        return values
+
+    def _check_slots(self, slots: object, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        names = self.optimizer.slot_names
+        if not isinstance(slots, Mapping) or set(slots) != set(names):
+            got = sorted(map(str, slots)) if isinstance(slots, Mapping) else type(slots).__name__
+            raise InvalidArgumentError(
+                f"The {self.optimizer.name} optimizer keeps slots {list(names)}, got {got}; "
+                "import rows saved with the same optimizer, or pass slots=None to start "
+                "their optimizer state afresh."
+            )
+        return {k: self._check_values(f"slots[{k!r}]", slots[k], ids) for k in names}
+
+
+# ---------------------------------------------------------------- the dense store
+
+
+class DenseRowStore(RowStore):
+    """Every row of a fixed-size table's shard, in one contiguous tensor.
+
+    Args:
+        partitioner: the table's partitioner; it must bound the table
+            (``num_rows`` given).
+        shard: this shard's index.
+        dim: values per row.
+        optimizer: the row-wise optimizer.
+        dtype: ``torch.float32`` (default) or ``torch.float64``.
+        initializer: the rows' start (:class:`ConstantRows` zeros by default).
+    """
+
+    kind: ClassVar[str] = "dense"
+
+    def __init__(self, partitioner: Partitioner, shard: int, dim: int,
+                 optimizer: SparseOptimizer, *, dtype: torch.dtype = torch.float32,
+                 initializer: RowInitializer | None = None) -> None:
+        super().__init__(partitioner, shard, dim, optimizer, dtype=dtype,
+                         initializer=initializer)
+        if partitioner.num_rows is None:
+            raise InvalidArgumentError(
+                f"A dense row store needs a table of fixed size, but {partitioner!r} has no "
+                "num_rows; give the partitioner num_rows."
+            )
+        n = partitioner.rows_in_shard(shard)
+        self._rows = torch.empty((n, dim), dtype=dtype)
+        ids = partitioner.global_ids(shard)
+        for start in range(0, n, _CHUNK):
+            piece = ids[start:start + _CHUNK]
+            self._rows[start:start + piece.numel()] = self.initializer(piece, dim, dtype)
+        self._slots = optimizer.init_slots(n, dim, dtype)
+
+    @property
+    def num_rows(self) -> int:
+        return self._rows.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self._rows, *self._slots.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _local(self, ids: object) -> torch.Tensor:
+        return self.partitioner.local_index(ids, self.shard)  # type: ignore[arg-type]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._rows.index_select(0, self._local(ids))
+
+    def apply(self, ids: torch.Tensor, row_grads: torch.Tensor, lr: float, step: int) -> None:
+        local = self._local(ids)
+        grads = self._check_values("row_grads", row_grads, ids)
+        lr, step = self.optimizer.check_step(lr, step)
+        if local.numel():
+            local, grads = coalesce(local, grads)
+            self.optimizer.apply(self._rows, self._slots, local, grads, lr, step)
+
+    def export(self) -> RowExport:
+        return RowExport(self.partitioner.global_ids(self.shard), self._rows.clone(),
+                         {k: v.clone() for k, v in self._slots.items()})
+
+    def import_(self, ids: torch.Tensor, rows: torch.Tensor,
+                slots: Mapping[str, torch.Tensor] | None = None) -> None:
+        local = self._local(ids)
+        rows = self._check_values("rows", rows, ids)
+        given = None if slots is None else self._check_slots(slots, ids)
+        unique, counts = torch.unique(ids, return_counts=True)
+        if unique.numel() != ids.numel():
+            dup = int(unique[counts > 1][0])
+            raise InvalidArgumentError(
+                f"import_ got id {dup} more than once; each id's row can be set once per "
+                "import (merge the exports first)."
+            )
+        self._rows.index_copy_(0, local, rows)
+        for name, slot in self._slots.items():
+            if given is None:
+                slot.index_fill_(0, local, self.optimizer.slot_initial_value(name))
+            else:
+                slot.index_copy_(0, local, given[name])
+
+    def __repr__(self) -> str:
+        return (f"DenseRowStore(shard {self.shard} of {self.partitioner!r}, {self.num_rows} x "
+                f"{self.dim} {self.dtype}, {self.optimizer!r})")
