@@ -56,7 +56,7 @@ def test_killed_ps_gives_workers_unavailable_within_the_deadline_and_a_restart_r
 
 @pytest.mark.slow
 def test_a_push_retried_after_a_lost_reply_is_applied_once_by_a_real_ps(subprocess_env):
-    spec = loopback_cluster(1, 1)
+    spec = loopback_cluster(1, 2)
     with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"],
                       env=subprocess_env) as lc:
         lc.start("ps", 0).wait_for_line(r"ps task 0 serving at", timeout=60)
@@ -64,7 +64,7 @@ def test_a_push_retried_after_a_lost_reply_is_applied_once_by_a_real_ps(subproce
                           credentials=lc.credentials, timeout=10.0)
         try:
             client.initialize([np.zeros(4, np.float32)], optimizer=pb.OptimizerSpec(name="sgd"),
-                              aggregation=AggregationConfig())
+                              aggregation=AggregationConfig(total_num_replicas=2))
             shard = client.shards[0]
             grad = np.ones(4, np.float32)
             first = shard.push(grad, worker_id=1, incarnation=5, seq=1, lr=1.0)
@@ -82,4 +82,55 @@ def test_a_push_retried_after_a_lost_reply_is_applied_once_by_a_real_ps(subproce
             assert (stats["applied"], stats["duplicates"], stats["updates"]) == (2, 1, 2)
         finally:
             client.close(done=False)
+    assert leftover_processes() == []
+
+
+@pytest.mark.slow
+def test_a_push_applied_before_a_checkpoint_is_not_applied_again_by_a_restored_ps(
+        subprocess_env, tmp_path):
+    """The (worker, incarnation, seq) table travels with the chief's checkpoint."""
+    import torch
+
+    from towerflow.checkpoint.format import write_checkpoint_dir
+    from towerflow.cluster import TaskInfo
+    from towerflow.strategies.base import OptimizerConfig
+    from towerflow.strategies.parameter_server import ParameterServer
+
+    spec = loopback_cluster(1, 2)
+
+    def chief() -> ParameterServer:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=lc.credentials,
+                                   server=False, timeout=10.0)
+        model = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        strategy.prepare(model, OptimizerConfig("sgd", lr=1.0))
+        return strategy
+
+    with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"],
+                      env=subprocess_env) as lc:
+        ps = lc.start("ps", 0)
+        ps.wait_for_line(r"ps task 0 serving at", timeout=60)
+        first = chief()
+        assert first.global_step == 0  # the chief initialised the ps
+        shard = first.client.shards[0]
+        grad = np.ones(2, np.float32)
+        assert shard.push(grad, worker_id=1, incarnation=500, seq=5, lr=1.0).status == "applied"
+        groups = first.state_dict()
+        path = write_checkpoint_dir(tmp_path / "ckpt", 1, groups,
+                                    {"strategy": first.state_metadata()})
+        first.shutdown()
+        ps.kill()
+        ps.start().wait_for_line(r"ps task 0 serving at", timeout=60)
+        restored = chief()
+        ckpt = read_checkpoint(path)
+        restored.load_state(ckpt.groups, ckpt.metadata.get("strategy"))
+        assert restored.global_step == 1
+        shard = restored.client.shards[0]
+        retry = shard.push(grad, worker_id=1, incarnation=500, seq=5, lr=1.0)
+        assert retry.status == "applied" and retry.duplicate and retry.step == 1
+        params = np.empty(2, np.float32)
+        restored.client.pull([params])
+        np.testing.assert_array_equal(params, [-1.0, -1.0])  # applied once, not twice
+        assert restored.client.stats()[0]["duplicates"] == 1
+        restored.shutdown()
     assert leftover_processes() == []

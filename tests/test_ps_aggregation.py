@@ -70,7 +70,7 @@ def test_sync_averages_one_gradient_per_replica_and_applies_once() -> None:
     w0, w1 = Worker(state, agg, 0), Worker(state, agg, 1)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(w0.push, 2.0)
-        wait_until(lambda: agg._count == 1)
+        wait_until(lambda: agg.counted == 1)
         assert not pending.done() and state.step == 0  # waits for the other replica
         second = w1.push(4.0)
         first = pending.result(timeout=10)
@@ -117,30 +117,27 @@ def test_sync_finished_worker_no_longer_holds_the_step() -> None:
     w0 = Worker(state, agg, 0)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(w0.push, 1.0)
-        wait_until(lambda: agg._count == 1)
+        wait_until(lambda: agg.counted == 1)
         agg.worker_done(1)
         assert pending.result(timeout=10).status == APPLIED
     assert state.step == 1
 
 
-def test_sync_refused_chunk_voids_partial_sum_and_parameters_stay() -> None:
+def test_sync_refused_push_leaves_the_step_sum_alone_and_the_step_completes() -> None:
     state, agg = make("sync", total_num_replicas=2)
     w0, w1 = Worker(state, agg, 0), Worker(state, agg, 1)
     bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.nan, 1], np.float32).tobytes()]
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(w0.push, 1.0)
-        wait_until(lambda: agg._count == 1)
+        wait_until(lambda: agg.counted == 1)
         refused = w1.push(0.0, payload=bad)
-        voided = pending.result(timeout=10)
-    assert refused.status == REFUSED and "NaN or inf in variable 'w'" in refused.message
-    assert voided.status == VOIDED and state.step == 0
-    np.testing.assert_array_equal(state.params, 0.0)
-    # the step is computed again and applies cleanly
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(w0.push, 1.0)
-        assert w1.push(3.0).status == APPLIED
+        assert refused.status == REFUSED and "NaN or inf in variable 'w'" in refused.message
+        assert agg.counted == 1 and not pending.done()  # nothing of it was summed
+        np.testing.assert_array_equal(state.params, 0.0)
+        assert w1.push(3.0).status == APPLIED  # computed again, it completes the step
         assert pending.result(timeout=10).status == APPLIED
     np.testing.assert_allclose(state.params, -2.0)
+    assert state.step == 1
 
 
 def test_ssp_bound_holds_with_a_slow_worker() -> None:
@@ -186,14 +183,14 @@ def test_closing_a_replaced_shard_releases_waiting_pushes() -> None:
     state, agg = make("sync", total_num_replicas=2)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(Worker(state, agg, 0).push, 1.0)
-        wait_until(lambda: agg._count == 1)
+        wait_until(lambda: agg.counted == 1)
         agg.close()
         assert pending.result(timeout=10).status == VOIDED
     assert state.step == 0
 
 
 def streamed(state: ShardState, worker: int, seq: int = 1, incarnation: int = 0) -> PushHeader:
-    """The header of a push whose sender vouched that it is finite (applied as it arrives)."""
+    """The header of a push whose sender vouched that it is finite."""
     return PushHeader(worker, seq, state.step, 1.0, NUMEL, incarnation=incarnation,
                       segments=state.layout.signature, finite=True)
 
@@ -211,52 +208,56 @@ def halves(value: float, first_done: threading.Event | None = None,
     yield np.full(NUMEL // 2, value, np.float32).tobytes()
 
 
-def test_streamed_pushes_apply_on_arrival_and_interleave() -> None:
-    state, agg = make("async", total_num_replicas=2)
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+def test_a_push_stalled_half_way_holds_no_other_push_and_applies_only_whole(mode) -> None:
+    cfg = {"replicas_to_aggregate": 1} if mode == "sync" else {}
+    state, agg = make(mode, total_num_replicas=2, **cfg)
     first_done, release = threading.Event(), threading.Event()
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(agg.push, streamed(state, 0), halves(1.0, first_done, release))
         assert first_done.wait(10)
-        wait_until(lambda: state.params[0] == -1.0)  # applied before the push is complete
-        assert state.step == 0 and list(state.ledger) == []
+        assert state.staged == NUMEL // 2 * 4  # held as it arrived, not applied
+        np.testing.assert_array_equal(state.params, 0.0)
         other = agg.push(streamed(state, 1), halves(2.0))  # not held by the unfinished push
         assert other.status == APPLIED and other.step == 1
+        np.testing.assert_array_equal(state.params, -2.0)
         release.set()
-        assert slow.result(timeout=10).step == 2
-    np.testing.assert_array_equal(state.params, -3.0)
-    assert sorted(w for w, *_ in state.ledger) == [0, 1] and state.optimizer.step == 2
+        late = slow.result(timeout=10)
+    if mode == "sync":  # computed on step 0, which another replica completed meanwhile
+        assert late.status == STALE
+        np.testing.assert_array_equal(state.params, -2.0)
+    else:
+        assert late.status == APPLIED and late.step == 2
+        np.testing.assert_array_equal(state.params, -3.0)
+        assert state.optimizer.step == 2
+    assert state.staged == 0
 
 
-def test_streamed_push_cut_off_part_way_is_resumed_by_its_retry_not_applied_twice() -> None:
+def test_a_push_cut_off_part_way_changes_nothing_and_its_retry_applies_it_once() -> None:
     state, agg = make("async", total_num_replicas=1)
     with pytest.raises(ConnectionResetError):
         agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0, fail=True))
-    np.testing.assert_array_equal(state.params, [-1, -1, -1, 0, 0, 0])
-    assert state.step == 0 and list(state.ledger) == []
+    np.testing.assert_array_equal(state.params, 0.0)
+    assert state.step == 0 and list(state.ledger) == [] and state.staged == 0
     retry = agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0))
-    assert retry.status == APPLIED and retry.step == 1
+    assert retry.status == APPLIED and retry.step == 1 and not retry.duplicate
     np.testing.assert_array_equal(state.params, -1.0)
     assert list(state.ledger) == [(0, 7, 4, 1)] and state.optimizer.step == 1
     again = agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0))
     assert again.duplicate and state.step == 1
 
 
-def test_streamed_push_with_nan_in_a_later_chunk_says_what_was_applied() -> None:
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_push_with_nan_in_a_later_chunk_applies_nothing(finite) -> None:
+    """All or nothing, whatever the header said about the values."""
     state, agg = make("async", total_num_replicas=1)
-    bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.nan, 1], np.float32).tobytes()]
-    outcome = agg.push(streamed(state, 0), bad)
-    assert outcome.status == REFUSED
-    assert re.search(r"NaN or inf in variable 'w'.*its first 3 of 6 elements, declared finite "
-                     r"by the worker, were already applied", outcome.message)
-    np.testing.assert_array_equal(state.params, [-1, -1, -1, 0, 0, 0])  # never a NaN
-    assert state.step == 0 and list(state.ledger) == []
-
-
-def test_unvouched_push_with_nan_in_a_later_chunk_leaves_parameters_unchanged() -> None:
-    state, agg = make("async", total_num_replicas=1)
-    bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.inf, 1], np.float32).tobytes()]
-    head = PushHeader(0, 1, 0, 1.0, NUMEL, segments=state.layout.signature)
+    bad = [np.ones(2, np.float32).tobytes(), np.ones(2, np.float32).tobytes(),
+           np.array([1, np.nan], np.float32).tobytes()]
+    head = PushHeader(0, 1, 0, 1.0, NUMEL, segments=state.layout.signature, finite=finite)
     outcome = agg.push(head, bad)
-    assert outcome.status == REFUSED and "the parameters are unchanged" in outcome.message
+    assert outcome.status == REFUSED
+    assert re.search(r"NaN or inf in variable 'w'.*the parameters are unchanged", outcome.message)
     np.testing.assert_array_equal(state.params, 0.0)
-    assert state.optimizer.step == 0
+    assert state.step == 0 and list(state.ledger) == [] and state.optimizer.step == 0
+    good = agg.push(head, [np.ones(NUMEL, np.float32).tobytes()])  # its retry, corrected
+    assert good.status == APPLIED and not good.duplicate

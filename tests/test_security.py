@@ -70,7 +70,7 @@ def test_every_bad_input_is_refused_by_a_real_ps_and_changes_nothing(ps_process,
     assert "Malformed PushRequest" in details["malformed push header"]
     assert "fails its checksum" in details["corrupt checkpoint"]
     # the ps still serves honest workers after all of that
-    honest = PSClient(spec, plan_placement(PROBE_SHAPES, 1), worker_id=1,
+    honest = PSClient(spec, plan_placement(PROBE_SHAPES, 1), worker_id=0,
                       credentials=lc.credentials, timeout=10.0)
     try:
         result = honest.push([np.ones(68, np.float32)], lr=0.5)

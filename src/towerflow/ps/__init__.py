@@ -33,7 +33,8 @@ from towerflow.ps.placement import (
     plan_placement,
     replica_device_setter,
 )
-from towerflow.ps.shard import PushHeader, PushOutcome, ShardState
+from towerflow.ps.pushes import PushHeader, PushOutcome, PushTable
+from towerflow.ps.shard import ShardState
 
 __all__ = [
     "replica_device_setter",
@@ -44,6 +45,7 @@ __all__ = [
     "ShardState",
     "PushHeader",
     "PushOutcome",
+    "PushTable",
     "AggregationConfig",
     "PSService",
     "ShardHost",
@@ -94,9 +96,11 @@ class ShardHost:
 
             self.monitor = HeartbeatMonitor(server, jobs=jobs, options=server.options.heartbeat,
                                             start=False)
+        jobs_of = server.cluster.as_dict()
+        replicas = len(jobs_of.get("chief", ())) + len(jobs_of.get("worker", ()))
         self.service = PSService(server.task.task_index,
                                  describe_worker=_worker_describer(server.cluster, self.monitor),
-                                 on_worker_done=self._worker_done)
+                                 on_worker_done=self._worker_done, replicas=replicas or None)
 
     def _worker_done(self, replica: int) -> None:
         """A worker said it finished: stop its heartbeats so it is not reported dead."""

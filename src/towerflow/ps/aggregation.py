@@ -3,40 +3,33 @@
 ==========  =================================================================
 ``async``   every gradient is applied when it arrives (article 000's
             asynchronous mode); workers see non-consecutive global steps.
-``sync``    ``tf.train.SyncReplicasOptimizer``'s semantics: the first
-            ``replicas_to_aggregate`` gradients computed on the current step
-            are averaged and applied once; a gradient computed on an older
-            step is stale, dropped and counted. With ``total_num_replicas``
-            greater than ``replicas_to_aggregate`` the extra workers are
-            backups, so a straggler does not hold the step. A push returns
-            when its step has been applied.
+``sync``    ``tf.train.SyncReplicasOptimizer``'s semantics: the gradients of
+            ``replicas_to_aggregate`` distinct replicas computed on the
+            current step are averaged and applied once; a gradient computed
+            on an older step is stale, dropped and counted. With
+            ``total_num_replicas`` greater than ``replicas_to_aggregate`` the
+            extra workers are backups, so a straggler does not hold the step.
+            A push returns when its step has been applied.
 ``ssp``     stale-synchronous parallel: gradients are applied on arrival, but
             a worker's push returns only once it is at most ``staleness``
             pushes ahead of the slowest live worker.
 ==========  =================================================================
 
-Memory does not grow with the number of workers. In async and ssp mode a
-push whose sender declares it finite (``PushHeader.finite``: the
-:class:`~towerflow.ps.client.PSClient` checks before it sends) is applied
-chunk by chunk as it arrives, straight into the parameters, with no receive
-buffer: concurrent pushes interleave chunk by chunk (each chunk is applied
-under the shard's apply lock, each push counts one step, one ledger entry and
-one optimizer update when its last chunk is in). Each chunk is still checked;
-a NaN / inf, a truncated payload or a worker dying part way leaves the chunks
-before it applied (as TensorFlow's ps applies each variable's update on its
-own) and the push is refused or, when its sender retries it with the same
-``(worker, incarnation, seq)``, resumed where it stopped, never applied twice.
-Such a push is in the shard's ledger as *partial*, with the range of elements
-it applied (:class:`~towerflow.ps.shard.LedgerRecord`); the retry that
-completes it makes the same entry complete, so the ledger replays exactly
-onto the parameters.
-Any other push is staged: its received chunks are kept (not copied, one
-staged push at a time) until the last is in and all are checked, so a refused
-push leaves the parameters unchanged. Sync mode sums every gradient straight
-into one accumulator per shard, one push at a time; a sync push refused part
-way through (NaN / inf in a later chunk, or a worker dying mid-push) voids the
-step's partial sum: the workers that contributed to it are told ``voided``
-and compute again, so the parameters never see a refused gradient.
+Only the cluster's replicas count: a push or a ``Done`` from a worker id
+outside ``0 .. total_num_replicas - 1`` is refused before it changes anything,
+and a replica's gradient counts once per sync step (a second push of the same
+step waits for it instead of being summed again).
+
+A push is atomic. Its payload is staged as it arrives (the received bytes
+are kept, not copied) and every chunk is checked; no lock that another push or
+pull needs is held meanwhile, so a peer that stalls half way through its
+payload delays nobody else. Only when the whole payload is in and valid is it
+applied (async / ssp: under the shard's apply lock, in one step) or summed
+into the step's accumulator (sync). A NaN / inf, a truncated payload or a
+sender that goes away leaves the parameters and the sum unchanged, and the
+push's retry (same ``(worker, incarnation, seq)``) is handled afresh. The
+payload bytes a shard holds at once are bounded by its staging limit
+(:func:`~towerflow.ps.shard.default_staging_limit`).
 
 Example:
     >>> AggregationConfig(mode="sync", total_num_replicas=3, replicas_to_aggregate=2).backups
@@ -46,9 +39,9 @@ Example:
 from __future__ import annotations
 
 import abc
-import threading
-import time
-from collections.abc import Callable, Iterable
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,16 +52,24 @@ from towerflow.ps.shard import (
     REFUSED,
     STALE,
     VOIDED,
-    PayloadCutOff,
+    Pending,
     PushHeader,
     PushOutcome,
     ShardState,
+    bounded,
     receive_into,
 )
 
-__all__ = ["AggregationConfig", "Aggregator", "make_aggregator", "MODES"]
+__all__ = ["AggregationConfig", "Aggregator", "make_aggregator", "MODES", "DEFAULT_TIMEOUT"]
 
 MODES = ("async", "sync", "ssp")
+#: seconds a sync / ssp push waits by default
+DEFAULT_TIMEOUT = 120.0
+
+
+def _positive_int(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidArgumentError(f"{name} must be an integer >= {least}, got {value!r}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,39 +78,44 @@ class AggregationConfig:
 
     Attributes:
         mode: ``async``, ``sync`` or ``ssp``.
-        total_num_replicas: number of workers pushing gradients.
+        total_num_replicas: number of workers pushing gradients (their ids are
+            ``0 .. total_num_replicas - 1``).
         replicas_to_aggregate: gradients averaged per step in sync mode
             (default: all replicas).
         staleness: ssp bound: pushes a worker may be ahead of the slowest.
         timeout: seconds a push may wait for its step (sync) or for the
-            slowest worker (ssp) before failing with DeadlineExceededError.
+            slowest worker (ssp) before failing with DeadlineExceededError; a
+            finite positive number, or None to wait forever.
     """
 
     mode: str = "async"
     total_num_replicas: int = 1
     replicas_to_aggregate: int | None = None
     staleness: int = 2
-    timeout: float = 120.0
+    timeout: float | None = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidArgumentError(
-                f"Unknown ps mode {self.mode!r}; use one of {', '.join(MODES)}."
+                f"Unknown ps mode {bounded(repr(self.mode), 100)}; use one of {', '.join(MODES)}."
             )
-        if self.total_num_replicas < 1:
-            raise InvalidArgumentError(
-                f"total_num_replicas must be >= 1, got {self.total_num_replicas}."
-            )
+        _positive_int("total_num_replicas", self.total_num_replicas, 1)
         r = self.replicas_to_aggregate
-        if r is not None and not 1 <= r <= self.total_num_replicas:
+        if r is not None:
+            _positive_int("replicas_to_aggregate", r, 1)
+            if r > self.total_num_replicas:
+                raise InvalidArgumentError(
+                    f"replicas_to_aggregate={r} must be between 1 and total_num_replicas="
+                    f"{self.total_num_replicas}; extra replicas act as backup workers."
+                )
+        _positive_int("staleness", self.staleness, 0)
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)
+                              or not math.isfinite(t) or t <= 0):
             raise InvalidArgumentError(
-                f"replicas_to_aggregate={r} must be between 1 and total_num_replicas="
-                f"{self.total_num_replicas}; extra replicas act as backup workers."
+                f"timeout must be a finite number of seconds > 0, got {t!r}; use timeout=None "
+                "to wait forever."
             )
-        if self.staleness < 0:
-            raise InvalidArgumentError(f"staleness must be >= 0, got {self.staleness}.")
-        if not self.timeout > 0:
-            raise InvalidArgumentError(f"timeout must be positive, got {self.timeout}.")
 
     @property
     def required(self) -> int:
@@ -120,6 +126,15 @@ class AggregationConfig:
     def backups(self) -> int:
         """Number of backup workers (sync mode)."""
         return self.total_num_replicas - self.required
+
+    def check_replica(self, worker_id: int, what: str) -> None:
+        """Raise InvalidArgumentError unless ``worker_id`` is one of the replicas."""
+        if not 0 <= worker_id < self.total_num_replicas:
+            raise InvalidArgumentError(
+                f"{what} from worker {worker_id} was refused: the replicas of this job are "
+                f"0 .. {self.total_num_replicas - 1} (total_num_replicas="
+                f"{self.total_num_replicas}). Give each worker its replica index."
+            )
 
 
 class Aggregator(abc.ABC):
@@ -134,48 +149,79 @@ class Aggregator(abc.ABC):
         self._closed = False
 
     def push(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
-        """Handle one push: de-duplicate, validate, receive, apply (or drop).
+        """Handle one push: check, de-duplicate, stage, validate, apply (or drop).
 
         A refused push returns a ``refused`` outcome (counted, parameters
-        unchanged); a retry of a push already seen returns its outcome again.
+        unchanged); a retry of a push already answered returns its outcome again.
         """
         state = self.state
         try:
-            earlier = state.begin_push(header, self.config.timeout)
+            self.config.check_replica(header.worker_id, f"Push {header.seq}")
+            begun = state.begin_push(header, self.config.timeout)
         except InvalidArgumentError as exc:
-            return state.finish_push(header, PushOutcome(REFUSED, state.step, str(exc)))
-        if earlier is not None:
-            return earlier
+            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc))))
+        if isinstance(begun, PushOutcome):
+            return begun
         with state.cond:
             self._done.discard(header.worker_id)
         try:
-            outcome = self._accept(header, chunks)
-        except PayloadCutOff as exc:
-            if state.resume_point(header)[0]:  # a streamed push cut off part way:
-                state.forget_push(header)      # ledgered partial; its retry completes it
-                raise
-            outcome = PushOutcome(REFUSED, state.step, str(exc))
-        except (InvalidArgumentError, DataLossError) as exc:
-            outcome = PushOutcome(REFUSED, state.step, str(exc))
+            outcome = self._accept(header, begun, chunks)
+        except (InvalidArgumentError, DataLossError) as exc:  # nothing was applied
+            state.drop_push(header)
+            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc))))
         except DeadlineExceededError:
-            raise
+            raise  # a sync push counted in its step: the step answers it (and its retry)
         except BaseException:
-            state.forget_push(header)
+            state.drop_push(header)
             raise
         outcome = state.finish_push(header, outcome)
         if outcome.status == APPLIED:
             self._after_applied(header)
         return outcome
 
+    @contextlib.contextmanager
+    def _staged(self, header: PushHeader,
+                chunks: Iterable[bytes | memoryview]) -> Iterator[list[tuple[int, np.ndarray]]]:
+        """The whole payload as ``(first element, values)`` parts, each checked finite.
+
+        The parts are read-only views of the received chunks (no copy); their
+        bytes count against the shard's staging limit until the block ends.
+        """
+        state, who = self.state, self._who(header)
+        parts: list[tuple[int, np.ndarray]] = []
+        held = 0
+
+        def keep(first: int, values: np.ndarray) -> None:
+            nonlocal held
+            state.reserve(values.nbytes, who)
+            held += values.nbytes
+            bad = state.find_nonfinite(values, base=first)
+            if bad is not None:
+                raise InvalidArgumentError(state.nonfinite_message(header, bad))
+            parts.append((first, values))
+
+        try:
+            receive_into(None, chunks, header.numel, who=who, on_chunk=keep)
+            yield parts
+        finally:
+            parts.clear()
+            state.release(held)
+
     @abc.abstractmethod
-    def _accept(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+    def _accept(self, header: PushHeader, pending: Pending,
+                chunks: Iterable[bytes | memoryview]) -> PushOutcome:
         """Receive the payload and apply or accumulate it."""
 
     def _after_applied(self, header: PushHeader) -> None:
         """Hook run after an applied push has been recorded (ssp waits here)."""
 
     def worker_done(self, worker_id: int) -> None:
-        """Worker ``worker_id`` has finished: stop waiting for it."""
+        """Worker ``worker_id`` has finished: stop waiting for it.
+
+        Raises:
+            InvalidArgumentError: ``worker_id`` is not one of the replicas.
+        """
+        self.config.check_replica(worker_id, "Done")
         with self.state.cond:
             self._done.add(worker_id)
             self.state.cond.notify_all()
@@ -194,64 +240,14 @@ class Aggregator(abc.ABC):
 
 
 class _AsyncAggregator(Aggregator):
-    """Applies every gradient on arrival."""
+    """Applies every gradient once all of it has arrived."""
 
-    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
-        super().__init__(state, config)
-        self._stage_lock = threading.Lock()  # one staged payload at a time
-
-    def _accept(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
-        if header.finite:
-            return self._stream(header, chunks)
-        return self._staged(header, chunks)
-
-    def _staged(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
-        """Keep every chunk (the received bytes, not a copy) until all are checked, then apply."""
-        state = self.state
-        done, update = state.resume_point(header)
-        with self._stage_lock:
-            parts: list[tuple[int, np.ndarray]] = []
-
-            def keep(first: int, values: np.ndarray) -> None:
-                bad = state.find_nonfinite(values, base=first)
-                if bad is not None:
-                    raise InvalidArgumentError(state.nonfinite_message(header, bad))
-                parts.append(_unapplied(first, values, done))
-
-            receive_into(None, chunks, header.numel, who=self._who(header), on_chunk=keep)
-            if not update:
-                self._before_apply(header)
-                update = state.begin_update()
-            for first, values in parts:
-                state.apply_range(first, values, header.lr, update)
-            parts.clear()
-        return PushOutcome(APPLIED, state.commit_update())
-
-    def _stream(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
-        """Apply each chunk as it arrives (the worker checked that the gradient is finite)."""
-        state = self.state
-        done, update = state.resume_point(header)
-
-        def apply(first: int, values: np.ndarray) -> None:
-            nonlocal done, update
-            first, values = _unapplied(first, values, done)
-            if not values.size:
-                return
-            bad = state.find_nonfinite(values, base=first)
-            if bad is not None:
-                raise InvalidArgumentError(state.nonfinite_message(header, bad, applied=done))
-            if not update:
-                self._before_apply(header)
-                update = state.begin_update()
-            state.apply_range(first, values, header.lr, update)
-            done = first + values.size
-            state.note_progress(header, done, update)
-
-        receive_into(None, chunks, header.numel, who=self._who(header), on_chunk=apply)
-        if not update:  # an empty shard
+    def _accept(self, header: PushHeader, pending: Pending,
+                chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+        with self._staged(header, chunks) as parts:
             self._before_apply(header)
-            state.begin_update()
-        return PushOutcome(APPLIED, state.commit_update())
+            step = self.state.apply_parts(parts, header.lr)
+        return PushOutcome(APPLIED, step)
 
     def _before_apply(self, header: PushHeader) -> None:
         """Hook run once per push before it changes the parameters (ssp records the lead)."""
@@ -270,127 +266,115 @@ class _SSPAggregator(_AsyncAggregator):
 
     def _before_apply(self, header: PushHeader) -> None:
         with self.state.cond:
-            clock = self._clocks.setdefault(header.worker_id, self._min_clock())
+            clock = self._clocks[header.worker_id]
             lead = clock - self._min_clock()
             self.state.stats.max_lead = max(self.state.stats.max_lead, lead)
             self._clocks[header.worker_id] = clock + 1
             self.state.cond.notify_all()
 
     def _after_applied(self, header: PushHeader) -> None:
-        state, bound = self.state, self.config.staleness
-        deadline = time.monotonic() + self.config.timeout
+        state, bound, timeout = self.state, self.config.staleness, self.config.timeout
+        deadline = state.deadline(timeout)
+
+        def message() -> str:
+            slowest = self._min_clock()
+            behind = sorted(w for w, c in self._clocks.items()
+                            if c == slowest and w not in self._done)
+            return (f"Worker {header.worker_id} waited {timeout:.0f} s for the slowest workers "
+                    f"({', '.join(map(str, behind))}, at push {slowest}) to come within "
+                    f"staleness {bound}; check that they are alive.")
+
         with state.cond:
             while self._clocks[header.worker_id] - self._min_clock() > bound and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    slowest = self._min_clock()
-                    behind = sorted(w for w, c in self._clocks.items()
-                                    if c == slowest and w not in self._done)
-                    raise DeadlineExceededError(
-                        f"Worker {header.worker_id} waited {self.config.timeout:.0f} s for the "
-                        f"slowest workers ({', '.join(map(str, behind))}, at push {slowest}) "
-                        f"to come within staleness {bound}; check that they are alive."
-                    )
-                state.cond.wait(remaining)
+                state.wait_once(deadline, message)
 
 
 class _SyncAggregator(Aggregator):
-    """Averages ``replicas_to_aggregate`` gradients of the current step, applies once."""
+    """Averages the gradients of ``replicas_to_aggregate`` distinct replicas, applies once."""
 
     def __init__(self, state: ShardState, config: AggregationConfig) -> None:
         super().__init__(state, config)
-        self._recv_lock = threading.Lock()  # one payload summed at a time
         self._acc = np.zeros(state.layout.numel, np.float32)
-        self._count = 0
-        self._contributors: list[int] = []
-        self._epoch = 0     # bumped when the step's sum is applied or voided
-        self._dirty = False  # the accumulator holds part of a push not yet counted
+        #: replicas whose gradient is in the step's sum
+        self._counted: set[int] = set()
+        #: the pushes the step answers when it is applied
+        self._waiting: list[PushHeader] = []
         self._lr = 0.0
 
-    def _accept(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+    def _accept(self, header: PushHeader, pending: Pending,
+                chunks: Iterable[bytes | memoryview]) -> PushOutcome:
         state = self.state
-        with self._recv_lock:
-            with state.cond:
-                if header.token != state.step:
-                    return PushOutcome(STALE, state.step, (
-                        f"gradient of worker {header.worker_id} was computed on step "
-                        f"{header.token} but shard {state.layout.index} is at step {state.step}"))
-                epoch = self._epoch
-            try:
-                receive_into(None, chunks, header.numel, who=self._who(header),
-                             on_chunk=lambda first, values: self._add(header, first, values))
-            except BaseException:
-                if self._dirty:
-                    self._void()
-                raise
-            with state.cond:
-                self._dirty = False
-                self._count += 1
-                self._contributors.append(header.worker_id)
+        with state.cond:
+            if header.token != state.step:
+                return self._stale(header)
+        with self._staged(header, chunks) as parts, state.cond:
+            if header.token != state.step:  # the step was applied while this arrived
+                return self._stale(header)
+            if header.worker_id not in self._counted:  # a replica counts once per step
+                for first, values in parts:
+                    self._acc[first:first + values.size] += values
+                self._counted.add(header.worker_id)
                 self._lr = header.lr
-                if self._count >= min(self.config.required, self._live()):
-                    self._complete()
-                    return PushOutcome(APPLIED, state.step)
-        return self._wait_for_step(header, epoch)
+            self._waiting.append(header)
+            if len(self._counted) >= self._needed():
+                self._complete()
+        return state.wait_outcome(pending, self.config.timeout,
+                                  lambda: self._missing_message(header))
 
-    def _add(self, header: PushHeader, first: int, values: np.ndarray) -> None:
-        bad = self.state.find_nonfinite(values, base=first)
-        if bad is not None:
-            raise InvalidArgumentError(self.state.nonfinite_message(header, bad))
-        self._dirty = True
-        self._acc[first:first + values.size] += values
+    @property
+    def counted(self) -> int:
+        """Replicas whose gradient is in the current step's sum."""
+        with self.state.cond:
+            return len(self._counted)
+
+    def _stale(self, header: PushHeader) -> PushOutcome:
+        return PushOutcome(STALE, self.state.step, (
+            f"gradient of worker {header.worker_id} was computed on step {header.token} but "
+            f"shard {self.state.layout.index} is at step {self.state.step}"))
+
+    def _needed(self) -> int:
+        return min(self.config.required, self._live())
 
     def _complete(self) -> None:
-        """Average and apply the step's sum (caller holds the receive lock and cond)."""
-        self._acc *= np.float32(1.0 / self._count)
-        self.state.apply(self._acc, self._lr)
-        self._reset()
+        """Average and apply the step's sum; answer its pushes (caller holds cond)."""
+        self._acc *= np.float32(1.0 / len(self._counted))
+        step = self.state.apply(self._acc, self._lr)
+        self._answer(PushOutcome(APPLIED, step))
 
-    def _reset(self) -> None:
+    def _answer(self, outcome: PushOutcome) -> None:
+        waiting, self._waiting = self._waiting, []
         self._acc.fill(0.0)
-        self._count = 0
-        self._contributors.clear()
-        self._dirty = False
-        self._epoch += 1
+        self._counted.clear()
+        for header in waiting:
+            self.state.finish_push(header, outcome)
         self.state.cond.notify_all()
-
-    def _void(self) -> None:
-        """Drop the step's partial sum (a push refused part way was summed into it)."""
-        with self.state.cond:
-            self._reset()
-
-    def _wait_for_step(self, header: PushHeader, epoch: int) -> PushOutcome:
-        state = self.state
-        deadline = time.monotonic() + self.config.timeout
-        with state.cond:
-            while self._epoch == epoch and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceededError(self._missing_message(header))
-                state.cond.wait(remaining)
-            if state.step > header.token:
-                return PushOutcome(APPLIED, state.step)
-            return PushOutcome(VOIDED, state.step, (
-                f"step {header.token} of shard {state.layout.index} was voided by a refused "
-                "gradient; compute it again"))
 
     def _missing_message(self, header: PushHeader) -> str:
         state = self.state
-        got = sorted(set(self._contributors))
+        got = sorted(self._counted)
         missing = [w for w in range(self.config.total_num_replicas)
                    if w not in got and w not in self._done]
+        timeout = self.config.timeout or 0.0
         return (f"Step {header.token} of ps shard {state.layout.index} waited "
-                f"{self.config.timeout:.0f} s for {self.config.required} gradients but received "
-                f"{self._count} (from worker {', '.join(map(str, got)) or 'none'}); missing: "
+                f"{timeout:.0f} s for {self.config.required} gradients but received "
+                f"{len(got)} (from worker {', '.join(map(str, got)) or 'none'}); missing: "
                 f"{', '.join(self.describe_worker(w) for w in missing) or 'none'}. "
                 "Restart the missing workers or add backup workers.")
 
     def worker_done(self, worker_id: int) -> None:
-        with self._recv_lock, self.state.cond:
+        self.config.check_replica(worker_id, "Done")
+        with self.state.cond:
             self._done.add(worker_id)
-            if self._count and self._count >= min(self.config.required, self._live()):
+            if self._counted and len(self._counted) >= self._needed():
                 self._complete()
             self.state.cond.notify_all()
+
+    def close(self) -> None:
+        with self.state.cond:
+            self._closed = True
+            self._answer(PushOutcome(VOIDED, self.state.step, (
+                f"ps shard {self.state.layout.index} was re-initialised before step "
+                f"{self.state.step} was applied; compute it again")))
 
 
 _KINDS: dict[str, type[Aggregator]] = {
@@ -413,12 +397,5 @@ def make_aggregator(state: ShardState, config: AggregationConfig,
     return aggregator
 
 
-def _unapplied(first: int, values: np.ndarray, done: int) -> tuple[int, np.ndarray]:
-    """The part of chunk ``values`` (elements ``first..``) from element ``done`` on."""
-    skip = min(max(done - first, 0), values.size)
-    return first + skip, values[skip:]
-
-
 def _worker_label(worker_id: int) -> str:
     return f"/job:worker/task:{worker_id}"
-

@@ -162,12 +162,18 @@ class PushResult:
 
 @dataclass(frozen=True, slots=True)
 class ShardSnapshot:
-    """A shard's parameters and optimizer state, for a checkpoint."""
+    """A shard's parameters, optimizer state and push table, for a checkpoint.
+
+    ``pushes``: the push table's rows ``(worker, incarnation, seq, status)``,
+    read after the parameters, so every push whose update may be in them is
+    listed (a push applied in between is then never applied again: at most once).
+    """
 
     step: int
     optimizer_step: int
     params: np.ndarray
     slots: Mapping[str, np.ndarray]
+    pushes: tuple[tuple[int, int, int, str], ...] = ()
 
 
 class ShardClient:
@@ -220,16 +226,25 @@ class ShardClient:
 
     def init(self, params: np.ndarray, *, optimizer: pb.OptimizerSpec,
              aggregation: AggregationConfig, step: int = 0,
-             slots: Mapping[str, np.ndarray] | None = None, optimizer_step: int = 0) -> None:
-        """Create the shard with ``params`` (and optimizer ``slots``) on the ps."""
+             slots: Mapping[str, np.ndarray] | None = None, optimizer_step: int = 0,
+             pushes: Sequence[tuple[int, int, int, str]] = ()) -> None:
+        """Create the shard with ``params`` (and optimizer ``slots``) on the ps.
+
+        ``pushes``: the shard's push table from a checkpoint (rows
+        ``(worker, incarnation, seq, status)``), so that the pushes it had
+        answered are not applied again.
+        """
         slots = dict(slots or {})
         req = pb.InitRequest(
             shard=self.layout.index, segments=layout_to_proto(self.layout), optimizer=optimizer,
             aggregation=pb.AggregationSpec(
                 mode=aggregation.mode, total_num_replicas=aggregation.total_num_replicas,
                 replicas_to_aggregate=aggregation.replicas_to_aggregate or 0,
-                staleness=aggregation.staleness, timeout=aggregation.timeout),
-            step=step, slots=list(slots), optimizer_step=optimizer_step)
+                staleness=aggregation.staleness, timeout=aggregation.timeout or 0.0,
+                wait_forever=aggregation.timeout is None),
+            step=step, slots=list(slots), optimizer_step=optimizer_step,
+            pushes=[pb.PushRecord(worker_id=w, incarnation=i, seq=q, status=st)
+                    for w, i, q, st in pushes])
 
         def messages() -> Iterator[bytes]:
             yield req.SerializeToString()
@@ -429,11 +444,17 @@ class PSClient:
     def initialize(self, params: Sequence[np.ndarray], *, optimizer: pb.OptimizerSpec,
                    aggregation: AggregationConfig, step: int = 0,
                    slots: Sequence[Mapping[str, np.ndarray]] | None = None,
-                   optimizer_step: int = 0) -> None:
-        """(Chief) create every shard with ``params[i]`` and optional optimizer state."""
+                   optimizer_step: int = 0,
+                   pushes: Sequence[Sequence[tuple[int, int, int, str]]] | None = None) -> None:
+        """(Chief) create every shard with ``params[i]`` and optional optimizer state.
+
+        ``pushes[i]``: shard ``i``'s push table from a checkpoint (see
+        :class:`ShardSnapshot`).
+        """
         self._each(lambda shard, i: shard.init(
             params[i], optimizer=optimizer, aggregation=aggregation, step=step,
-            slots=slots[i] if slots else None, optimizer_step=optimizer_step))
+            slots=slots[i] if slots else None, optimizer_step=optimizer_step,
+            pushes=pushes[i] if pushes else ()))
 
     def wait_until_initialized(self, timeout: float = 300.0, poll: float = 0.2) -> int:
         """(Non-chief) wait until every shard is initialised with this layout; return the step.
@@ -521,7 +542,9 @@ class PSClient:
             for name in status.slots:
                 slots[name] = np.empty(shard.layout.numel, np.float32)
                 shard.pull(slots[name], buffer=name, track=False)
-            return ShardSnapshot(int(head.step), int(head.optimizer_step), params, slots)
+            pushes = tuple((r.worker_id, r.incarnation, r.seq, r.status)
+                           for r in shard.status().pushes)
+            return ShardSnapshot(int(head.step), int(head.optimizer_step), params, slots, pushes)
 
         return self._each(one)
 
@@ -543,7 +566,8 @@ class PSClient:
             for shard in self.shards:
                 try:
                     shard.done(self.worker_id)
-                except (UnavailableError, DeadlineExceededError, FailedPreconditionError) as exc:
+                except (UnavailableError, DeadlineExceededError, FailedPreconditionError,
+                        InvalidArgumentError) as exc:
                     logger.debug("done to ps %d failed: %s", shard.layout.index, exc)
         self._pool.shutdown(wait=True)
         for shard in self.shards:

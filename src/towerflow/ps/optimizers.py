@@ -23,14 +23,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from towerflow.errors import InvalidArgumentError
 
-__all__ = ["ServerOptimizer", "make_optimizer", "OPTIMIZER_NAMES"]
+__all__ = ["ServerOptimizer", "make_optimizer", "canonical_name", "OPTIMIZER_NAMES",
+           "SLOT_NAMES"]
 
 OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adagrad")
+#: the state buffers each optimizer keeps
+SLOT_NAMES = {"sgd": (), "momentum": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"),
+              "adagrad": ("sum",)}
+
+
+def canonical_name(name: str, momentum: float = 0.0) -> str:
+    """The optimizer ``name`` runs as (``sgd`` with momentum is ``momentum``)."""
+    return "momentum" if name == "sgd" and momentum else name
 _BLOCK = 1 << 16  # elements per block: 256 KiB of float32, cache friendly
 
 
@@ -53,13 +63,13 @@ class ServerOptimizer:
 
     def __init__(self, name: str, numel: int, *, momentum: float = 0.0,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, initial_accumulator_value: float = 0.0) -> None:
+                 eps: float = 1e-8, initial_accumulator_value: float = 0.0,
+                 slots: Mapping[str, np.ndarray] | None = None) -> None:
         if name not in OPTIMIZER_NAMES:
             raise InvalidArgumentError(
                 f"Unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}."
             )
-        if name == "sgd" and momentum:
-            name = "momentum"
+        name = canonical_name(name, momentum)
         self.name = name
         self.numel = numel
         self.momentum = float(momentum)
@@ -70,14 +80,23 @@ class ServerOptimizer:
         self.step = 0
         self._scratch = np.empty(min(numel, _BLOCK), np.float32)
         self._decayed = np.empty(min(numel, _BLOCK) if weight_decay else 0, np.float32)
+        given = dict(slots or {})
         self.slots: dict[str, np.ndarray] = {}
-        if name == "momentum":
-            self.slots["momentum_buffer"] = np.zeros(numel, np.float32)
-        elif name == "adam":
-            self.slots["exp_avg"] = np.zeros(numel, np.float32)
-            self.slots["exp_avg_sq"] = np.zeros(numel, np.float32)
-        elif name == "adagrad":
-            self.slots["sum"] = np.full(numel, self.initial_accumulator_value, np.float32)
+        for key in SLOT_NAMES[name]:
+            buf = given.pop(key, None)
+            fill = self.initial_accumulator_value if key == "sum" else 0.0
+            if buf is None:  # zeros are mapped lazily: pages are touched when first written
+                buf = np.full(numel, fill, np.float32) if fill else np.zeros(numel, np.float32)
+            elif buf.dtype != np.float32 or buf.shape != (numel,):
+                raise InvalidArgumentError(
+                    f"Optimizer state {key!r} must be {numel} float32 values, got "
+                    f"{buf.dtype} of shape {list(buf.shape)}."
+                )
+            self.slots[key] = buf
+        if given:
+            raise InvalidArgumentError(
+                f"{name} keeps {list(SLOT_NAMES[name]) or 'no state'}, not {sorted(given)}."
+            )
 
     def load_slots(self, slots: Mapping[str, np.ndarray], step: int) -> None:
         """Replace the state with ``slots`` (from a checkpoint) and the step count."""
@@ -177,13 +196,14 @@ class ServerOptimizer:
         p -= tmp
 
 
-def make_optimizer(name: str, numel: int, **options: float | tuple[float, float]) -> ServerOptimizer:
+def make_optimizer(name: str, numel: int, **options: Any) -> ServerOptimizer:
     """Return a :class:`ServerOptimizer` ``name`` over ``numel`` elements.
 
-    ``options`` are ``momentum``, ``weight_decay``, ``betas``, ``eps`` and
-    ``initial_accumulator_value`` (unknown keys are an error).
+    ``options`` are ``momentum``, ``weight_decay``, ``betas``, ``eps``,
+    ``initial_accumulator_value`` and ``slots`` (state buffers to adopt, e.g.
+    received from the chief; unknown keys are an error).
     """
-    allowed = {"momentum", "weight_decay", "betas", "eps", "initial_accumulator_value"}
+    allowed = {"momentum", "weight_decay", "betas", "eps", "initial_accumulator_value", "slots"}
     unknown = set(options) - allowed
     if unknown:
         raise InvalidArgumentError(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15towerflow/ps/ps.proto\x12\x0ctowerflow.ps\"x\n\x07Segment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x11\n\tvar_shape\x18\x03 \x03(\x03\x12\r\n\x05start\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\x0c\n\x04part\x18\x06 \x01(\x05\x12\x11\n\tnum_parts\x18\x07 \x01(\x05\"\x93\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08momentum\x18\x02 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x05 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x06 \x01(\x01\x12!\n\x19initial_accumulator_value\x18\x07 \x01(\x01\"~\n\x0f\x41ggregationSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1a\n\x12total_num_replicas\x18\x02 \x01(\x05\x12\x1d\n\x15replicas_to_aggregate\x18\x03 \x01(\x05\x12\x11\n\tstaleness\x18\x04 \x01(\x05\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\"\xde\x01\n\x0bInitRequest\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\'\n\x08segments\x18\x02 \x03(\x0b\x32\x15.towerflow.ps.Segment\x12.\n\toptimizer\x18\x03 \x01(\x0b\x32\x1b.towerflow.ps.OptimizerSpec\x12\x32\n\x0b\x61ggregation\x18\x04 \x01(\x0b\x32\x1d.towerflow.ps.AggregationSpec\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\r\n\x05slots\x18\x06 \x03(\t\x12\x16\n\x0eoptimizer_step\x18\x07 \x01(\x03\"\x0f\n\rStatusRequest\"\xa1\x02\n\x0bStatusReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x03\x12\x33\n\x05stats\x18\x05 \x03(\x0b\x32$.towerflow.ps.StatusReply.StatsEntry\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\r\n\x05slots\x18\x07 \x03(\t\x12\x16\n\x0eoptimizer_step\x18\x08 \x01(\x03\x12\x12\n\ngeneration\x18\t \x01(\x03\x12\r\n\x05shard\x18\n \x01(\x05\x12\x10\n\x08refusals\x18\x0b \x03(\t\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"/\n\x10SegmentSignature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xd2\x01\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\r\n\x05token\x18\x04 \x01(\x03\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05numel\x18\x07 \x01(\x03\x12\x30\n\x08segments\x18\x08 \x03(\x0b\x32\x1e.towerflow.ps.SegmentSignature\x12\x13\n\x0bwant_params\x18\t \x01(\x08\x12\x0e\n\x06\x66inite\x18\n \x01(\x08\"\\\n\tPushReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tduplicate\x18\x04 \x01(\x08\x12\r\n\x05numel\x18\x05 \x01(\x03\"0\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\t\"@\n\tPullReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05numel\x18\x02 \x01(\x03\x12\x16\n\x0eoptimizer_step\x18\x03 \x01(\x03\" \n\x0b\x44oneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x1e\n\rLedgerRequest\x12\r\n\x05since\x18\x01 \x01(\x03\"\x8e\x01\n\x0bLedgerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12\x15\n\rapplied_start\x18\x06 \x01(\x03\x12\x14\n\x0c\x61pplied_stop\x18\x07 \x01(\x03\"W\n\x0bLedgerReply\x12\r\n\x05\x66irst\x18\x01 \x01(\x03\x12\r\n\x05total\x18\x02 \x01(\x03\x12*\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x19.towerflow.ps.LedgerEntry\"\x07\n\x05\x45mptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15towerflow/ps/ps.proto\x12\x0ctowerflow.ps\"x\n\x07Segment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x11\n\tvar_shape\x18\x03 \x03(\x03\x12\r\n\x05start\x18\x04 \x01(\x03\x12\r\n\x05numel\x18\x05 \x01(\x03\x12\x0c\n\x04part\x18\x06 \x01(\x05\x12\x11\n\tnum_parts\x18\x07 \x01(\x05\"\x93\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08momentum\x18\x02 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x05 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x06 \x01(\x01\x12!\n\x19initial_accumulator_value\x18\x07 \x01(\x01\"\x94\x01\n\x0f\x41ggregationSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x1a\n\x12total_num_replicas\x18\x02 \x01(\x05\x12\x1d\n\x15replicas_to_aggregate\x18\x03 \x01(\x05\x12\x11\n\tstaleness\x18\x04 \x01(\x05\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\x12\x14\n\x0cwait_forever\x18\x06 \x01(\x08\"Q\n\nPushRecord\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0e\n\x06status\x18\x04 \x01(\t\"\x88\x02\n\x0bInitRequest\x12\r\n\x05shard\x18\x01 \x01(\x05\x12\'\n\x08segments\x18\x02 \x03(\x0b\x32\x15.towerflow.ps.Segment\x12.\n\toptimizer\x18\x03 \x01(\x0b\x32\x1b.towerflow.ps.OptimizerSpec\x12\x32\n\x0b\x61ggregation\x18\x04 \x01(\x0b\x32\x1d.towerflow.ps.AggregationSpec\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\r\n\x05slots\x18\x06 \x03(\t\x12\x16\n\x0eoptimizer_step\x18\x07 \x01(\x03\x12(\n\x06pushes\x18\x08 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\"\x0f\n\rStatusRequest\"\xe1\x02\n\x0bStatusReply\x12\x13\n\x0binitialized\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05numel\x18\x04 \x01(\x03\x12\x33\n\x05stats\x18\x05 \x03(\x0b\x32$.towerflow.ps.StatusReply.StatsEntry\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\r\n\x05slots\x18\x07 \x03(\t\x12\x16\n\x0eoptimizer_step\x18\x08 \x01(\x03\x12\x12\n\ngeneration\x18\t \x01(\x03\x12\r\n\x05shard\x18\n \x01(\x05\x12\x10\n\x08refusals\x18\x0b \x03(\t\x12(\n\x06pushes\x18\x0c \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x14\n\x0cstaged_bytes\x18\r \x01(\x03\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"/\n\x10SegmentSignature\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xd2\x01\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\r\n\x05token\x18\x04 \x01(\x03\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05numel\x18\x07 \x01(\x03\x12\x30\n\x08segments\x18\x08 \x03(\x0b\x32\x1e.towerflow.ps.SegmentSignature\x12\x13\n\x0bwant_params\x18\t \x01(\x08\x12\x0e\n\x06\x66inite\x18\n \x01(\x08\"\\\n\tPushReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tduplicate\x18\x04 \x01(\x08\x12\r\n\x05numel\x18\x05 \x01(\x03\"0\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x0e\n\x06\x62uffer\x18\x02 \x01(\t\"@\n\tPullReply\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\r\n\x05numel\x18\x02 \x01(\x03\x12\x16\n\x0eoptimizer_step\x18\x03 \x01(\x03\" \n\x0b\x44oneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x1e\n\rLedgerRequest\x12\r\n\x05since\x18\x01 \x01(\x03\"\x8e\x01\n\x0bLedgerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x0f\n\x07partial\x18\x05 \x01(\x08\x12\x15\n\rapplied_start\x18\x06 \x01(\x03\x12\x14\n\x0c\x61pplied_stop\x18\x07 \x01(\x03\"W\n\x0bLedgerReply\x12\r\n\x05\x66irst\x18\x01 \x01(\x03\x12\r\n\x05total\x18\x02 \x01(\x03\x12*\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x19.towerflow.ps.LedgerEntry\"\x07\n\x05\x45mptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,34 +37,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEGMENT']._serialized_end=159
   _globals['_OPTIMIZERSPEC']._serialized_start=162
   _globals['_OPTIMIZERSPEC']._serialized_end=309
-  _globals['_AGGREGATIONSPEC']._serialized_start=311
-  _globals['_AGGREGATIONSPEC']._serialized_end=437
-  _globals['_INITREQUEST']._serialized_start=440
-  _globals['_INITREQUEST']._serialized_end=662
-  _globals['_STATUSREQUEST']._serialized_start=664
-  _globals['_STATUSREQUEST']._serialized_end=679
-  _globals['_STATUSREPLY']._serialized_start=682
-  _globals['_STATUSREPLY']._serialized_end=971
-  _globals['_STATUSREPLY_STATSENTRY']._serialized_start=927
-  _globals['_STATUSREPLY_STATSENTRY']._serialized_end=971
-  _globals['_SEGMENTSIGNATURE']._serialized_start=973
-  _globals['_SEGMENTSIGNATURE']._serialized_end=1020
-  _globals['_PUSHREQUEST']._serialized_start=1023
-  _globals['_PUSHREQUEST']._serialized_end=1233
-  _globals['_PUSHREPLY']._serialized_start=1235
-  _globals['_PUSHREPLY']._serialized_end=1327
-  _globals['_PULLREQUEST']._serialized_start=1329
-  _globals['_PULLREQUEST']._serialized_end=1377
-  _globals['_PULLREPLY']._serialized_start=1379
-  _globals['_PULLREPLY']._serialized_end=1443
-  _globals['_DONEREQUEST']._serialized_start=1445
-  _globals['_DONEREQUEST']._serialized_end=1477
-  _globals['_LEDGERREQUEST']._serialized_start=1479
-  _globals['_LEDGERREQUEST']._serialized_end=1509
-  _globals['_LEDGERENTRY']._serialized_start=1512
-  _globals['_LEDGERENTRY']._serialized_end=1654
-  _globals['_LEDGERREPLY']._serialized_start=1656
-  _globals['_LEDGERREPLY']._serialized_end=1743
-  _globals['_EMPTY']._serialized_start=1745
-  _globals['_EMPTY']._serialized_end=1752
+  _globals['_AGGREGATIONSPEC']._serialized_start=312
+  _globals['_AGGREGATIONSPEC']._serialized_end=460
+  _globals['_PUSHRECORD']._serialized_start=462
+  _globals['_PUSHRECORD']._serialized_end=543
+  _globals['_INITREQUEST']._serialized_start=546
+  _globals['_INITREQUEST']._serialized_end=810
+  _globals['_STATUSREQUEST']._serialized_start=812
+  _globals['_STATUSREQUEST']._serialized_end=827
+  _globals['_STATUSREPLY']._serialized_start=830
+  _globals['_STATUSREPLY']._serialized_end=1183
+  _globals['_STATUSREPLY_STATSENTRY']._serialized_start=1139
+  _globals['_STATUSREPLY_STATSENTRY']._serialized_end=1183
+  _globals['_SEGMENTSIGNATURE']._serialized_start=1185
+  _globals['_SEGMENTSIGNATURE']._serialized_end=1232
+  _globals['_PUSHREQUEST']._serialized_start=1235
+  _globals['_PUSHREQUEST']._serialized_end=1445
+  _globals['_PUSHREPLY']._serialized_start=1447
+  _globals['_PUSHREPLY']._serialized_end=1539
+  _globals['_PULLREQUEST']._serialized_start=1541
+  _globals['_PULLREQUEST']._serialized_end=1589
+  _globals['_PULLREPLY']._serialized_start=1591
+  _globals['_PULLREPLY']._serialized_end=1655
+  _globals['_DONEREQUEST']._serialized_start=1657
+  _globals['_DONEREQUEST']._serialized_end=1689
+  _globals['_LEDGERREQUEST']._serialized_start=1691
+  _globals['_LEDGERREQUEST']._serialized_end=1721
+  _globals['_LEDGERENTRY']._serialized_start=1724
+  _globals['_LEDGERENTRY']._serialized_end=1866
+  _globals['_LEDGERREPLY']._serialized_start=1868
+  _globals['_LEDGERREPLY']._serialized_end=1955
+  _globals['_EMPTY']._serialized_start=1957
+  _globals['_EMPTY']._serialized_end=1964
 # @@protoc_insertion_point(module_scope)

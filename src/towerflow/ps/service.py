@@ -40,27 +40,31 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from towerflow.errors import (
+    AbortedError,
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
 )
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.aggregation import AggregationConfig, Aggregator, make_aggregator
-from towerflow.ps.optimizers import make_optimizer
+from towerflow.ps.aggregation import Aggregator, make_aggregator
+from towerflow.ps.initspec import InitPlan, check_init
+from towerflow.ps.optimizers import SLOT_NAMES, canonical_name, make_optimizer
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.shard import (
     CHUNK_BYTES,
     REFUSED,
     PushHeader,
     ShardState,
+    bounded,
+    default_staging_limit,
     receive_into,
     release_free_memory,
     tune_malloc,
@@ -101,27 +105,11 @@ def parse_message(cls: type, data: bytes, what: str):  # noqa: ANN201 - a protob
     """Parse protobuf ``cls`` from ``data``; malformed input is InvalidArgumentError."""
     try:
         return cls.FromString(bytes(data))
-    except (DecodeError, ValueError, TypeError) as exc:
+    except (DecodeError, ValueError, TypeError, RecursionError) as exc:
         raise InvalidArgumentError(
-            f"Malformed {what} message ({len(data)} bytes): {exc}; client and ps must run the "
-            "same towerflow version."
+            f"Malformed {what} message ({len(data)} bytes): {bounded(str(exc), 200)}; client "
+            "and ps must run the same towerflow version."
         ) from None
-
-
-def layout_from_proto(index: int, segments: Iterable[pb.Segment]) -> ShardLayout:
-    """Rebuild a :class:`ShardLayout` from its protobuf segments, validating them."""
-    parts = []
-    for seg in segments:
-        shape, var_shape = tuple(seg.shape), tuple(seg.var_shape)
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if any(d < 0 for d in (*shape, *var_shape)) or numel != seg.numel or seg.start < 0:
-            raise InvalidArgumentError(
-                f"Segment {seg.name!r} of shard {index} has shape {list(shape)} but numel "
-                f"{seg.numel}; the initialising worker sent an inconsistent layout."
-            )
-        parts.append((seg.name, shape, var_shape, int(seg.start), numel, int(seg.part),
-                      int(seg.num_parts) or 1))
-    return ShardLayout.build(index, parts)
 
 
 def layout_to_proto(layout: ShardLayout) -> list[pb.Segment]:
@@ -140,6 +128,22 @@ def _check_memory(nbytes: int, index: int) -> None:
             f"Initialising ps shard {index} needs {nbytes / 2**20:.0f} MiB but only "
             f"{available / 2**20:.0f} MiB are available; add ps tasks or use a larger machine."
         )
+
+
+def _receive_buffers(plan: InitPlan, chunks: Iterator[bytes], index: int
+                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The params and slot buffers of ``plan``, filled from the Init payload.
+
+    The buffers are mapped lazily (``np.empty``): memory grows only as the
+    payload's bytes arrive and are written, never on the header's word.
+    """
+    numel = plan.layout.numel
+    _check_memory(plan.layout.nbytes * (2 + len(SLOT_NAMES[
+        canonical_name(plan.optimizer["name"], plan.optimizer["momentum"])])), index)
+    buffers = [np.empty(numel, np.float32) for _ in range(1 + len(plan.slots))]
+    receive_into(None, chunks, plan.payload_elements, who="the chief's Init",
+                 on_chunk=lambda first, values: _scatter(buffers, first, values))
+    return buffers[0], dict(zip(plan.slots, buffers[1:], strict=True))
 
 
 def _scatter(buffers: list[np.ndarray], first: int, values: np.ndarray) -> None:
@@ -171,6 +175,11 @@ class _Counted:
             for chunk in self._chunks:
                 received += len(chunk)
                 yield chunk
+        except grpc.RpcError:  # the call was cancelled or broke: the push changed nothing
+            raise AbortedError(
+                f"A push's call ended after {received} bytes of its payload; nothing of it was "
+                "applied, and its retry is handled afresh."
+            ) from None
         finally:
             with self._state.cond:
                 self._state.stats.bytes_in += received
@@ -184,6 +193,12 @@ class PSService:
         chunk_bytes: size of streamed reply chunks.
         describe_worker: names a worker replica in messages (e.g. a sync step
             that misses gradients), with its heartbeat state when known.
+        on_worker_done: called with a replica's index when it says it finished.
+        replicas: the cluster's number of training replicas (chief and
+            workers), when known: an Init may not name more, and a ``Done`` must
+            name one of them.
+        staging_bytes: payload bytes a shard may hold while pushes arrive
+            (default :func:`~towerflow.ps.shard.default_staging_limit`).
 
     Creating one tunes this process's malloc for streamed chunks
     (:func:`~towerflow.ps.shard.tune_malloc` with one arena): a ps task then
@@ -192,8 +207,11 @@ class PSService:
 
     def __init__(self, shard_index: int, *, chunk_bytes: int = CHUNK_BYTES,
                  describe_worker: Callable[[int], str] | None = None,
-                 on_worker_done: Callable[[int], None] | None = None) -> None:
+                 on_worker_done: Callable[[int], None] | None = None,
+                 replicas: int | None = None, staging_bytes: int | None = None) -> None:
         tune_malloc(one_arena=True)
+        self.replicas = replicas
+        self.staging_bytes = staging_bytes
         self.shard_index = shard_index
         self.chunk_bytes = chunk_bytes
         self.describe_worker = describe_worker
@@ -235,52 +253,43 @@ class PSService:
 
     # -- handlers -----------------------------------------------------------------------
     def init(self, requests: Iterator[bytes]) -> bytes:
-        """Create (or replace) the shard from an ``InitRequest`` and its payload."""
+        """Create (or replace) the shard from an ``InitRequest`` and its payload.
+
+        The header is checked whole (:func:`~towerflow.ps.initspec.check_init`)
+        before anything is allocated, and the payload received whole before
+        the live shard (if any) is replaced: a refused Init changes nothing.
+        The push table of the replaced shard and the one the Init carries
+        (from a checkpoint) are merged, so no push is applied twice across it.
+        """
         chunks = iter(requests)
         req = parse_message(pb.InitRequest, next(chunks, b""), "InitRequest")
-        if req.shard != self.shard_index:
-            raise InvalidArgumentError(
-                f"Init for shard {req.shard} reached ps task {self.shard_index}; the cluster "
-                "spec's ps addresses differ between the chief and this task."
-            )
-        layout = layout_from_proto(self.shard_index, req.segments)
-        o, a = req.optimizer, req.aggregation
-        config = AggregationConfig(
-            mode=a.mode or "async", total_num_replicas=max(1, a.total_num_replicas),
-            replicas_to_aggregate=a.replicas_to_aggregate or None, staleness=a.staleness,
-            timeout=a.timeout or 120.0)
-        optimizer = make_optimizer(
-            o.name or "sgd", layout.numel, momentum=o.momentum, weight_decay=o.weight_decay,
-            betas=(o.beta1 or 0.9, o.beta2 or 0.999), eps=o.eps or 1e-8,
-            initial_accumulator_value=o.initial_accumulator_value)
-        unknown = [s for s in req.slots if s not in optimizer.slots]
-        if unknown:
-            raise InvalidArgumentError(
-                f"Init sends optimizer state {unknown} but {optimizer.name} keeps "
-                f"{sorted(optimizer.slots) or 'none'}; restore a checkpoint of the same optimizer."
-            )
-        _check_memory(layout.nbytes * (2 + len(optimizer.slots)), self.shard_index)
-        params = np.empty(layout.numel, np.float32)
-        buffers = [params] + [optimizer.slots[s] for s in req.slots]
-        receive_into(params, chunks, layout.numel * len(buffers), who="the chief's Init",
-                     on_chunk=lambda first, values: _scatter(buffers, first, values))
-        optimizer.step = int(req.optimizer_step)
-        state = ShardState(layout, params, optimizer, step=int(req.step))
-        aggregator = make_aggregator(state, config, self.describe_worker)
+        plan = check_init(req, self.shard_index, self.replicas)
+        params, slots = _receive_buffers(plan, chunks, self.shard_index)
+        optimizer = make_optimizer(plan.optimizer["name"], plan.layout.numel, slots=slots,
+                                   **{k: v for k, v in plan.optimizer.items() if k != "name"})
+        optimizer.step = plan.optimizer_step
+        limit = self.staging_bytes or default_staging_limit(plan.layout.nbytes,
+                                                            plan.config.total_num_replicas)
+        state = ShardState(plan.layout, params, optimizer, step=plan.step, staging_limit=limit)
+        state.table.merge(list(plan.pushes), plan.step)
+        aggregator = make_aggregator(state, plan.config, self.describe_worker)
         with self._lock:
             previous, self._shard = self._shard, (state, aggregator)
             self._generation += 1
+            if previous is not None:
+                with previous[0].cond:
+                    state.table.merge(previous[0].table.rows(), plan.step)
         if previous is not None:
             previous[1].close()
         del previous
         release_free_memory()  # the Init chunks
         logger.info("ps shard %d initialised: %d variables, %.1f MiB, step %d, mode %s",
-                    self.shard_index, len(layout.segments), layout.nbytes / 2**20, state.step,
-                    config.mode)
+                    self.shard_index, len(plan.layout.segments), plan.layout.nbytes / 2**20,
+                    state.step, plan.config.mode)
         return pb.Empty().SerializeToString()
 
     def status(self, request: bytes) -> bytes:
-        """Report whether the shard is initialised, its step, layout and counters."""
+        """Report whether the shard is initialised, its step, layout, counters and push table."""
         current = self._shard
         if current is None:
             return pb.StatusReply(initialized=False, shard=self.shard_index).SerializeToString()
@@ -291,7 +300,10 @@ class PSService:
                 numel=state.layout.numel, stats=state.stats.as_dict(),
                 mode=aggregator.config.mode, slots=list(state.optimizer.slots),
                 optimizer_step=state.optimizer.step, generation=self._generation,
-                shard=self.shard_index, refusals=state.stats.refusals)
+                shard=self.shard_index, refusals=state.stats.refusals,
+                staged_bytes=state.staged,
+                pushes=[pb.PushRecord(worker_id=w, incarnation=i, seq=q, status=st)
+                        for w, i, q, st in state.table.rows()])
         return reply.SerializeToString()
 
     def _push(self, chunks: Iterator[bytes]) -> tuple[ShardState, pb.PushRequest, pb.PushReply]:
@@ -360,6 +372,11 @@ class PSService:
     def done(self, request: bytes) -> bytes:
         """A worker has finished: the shard stops waiting for it (sync and ssp)."""
         req = parse_message(pb.DoneRequest, request, "DoneRequest")
+        if self.replicas is not None and not 0 <= req.worker_id < self.replicas:
+            raise InvalidArgumentError(
+                f"Done from worker {req.worker_id} was refused: the cluster's replicas are "
+                f"0 .. {self.replicas - 1}."
+            )
         current = self._shard
         if current is not None:
             current[1].worker_done(req.worker_id)

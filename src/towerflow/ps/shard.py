@@ -30,15 +30,30 @@ import platform
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
 
-from towerflow.errors import DataLossError, DeadlineExceededError, InvalidArgumentError
+from towerflow.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 from towerflow.ps.optimizers import ServerOptimizer
 from towerflow.ps.placement import ShardLayout
+from towerflow.ps.pushes import (
+    APPLIED,
+    REFUSED,
+    STALE,
+    VOIDED,
+    Pending,
+    PushHeader,
+    PushOutcome,
+    PushTable,
+)
 
 __all__ = [
     "LedgerRecord",
@@ -51,6 +66,10 @@ __all__ = [
     "REFUSED",
     "VOIDED",
     "CHUNK_BYTES",
+    "MESSAGE_LIMIT",
+    "STAGING_FLOOR",
+    "default_staging_limit",
+    "bounded",
     "all_finite",
     "tune_malloc",
 ]
@@ -69,60 +88,31 @@ _TRIM_THRESHOLD = 16 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _tuned: bool | None = None
 
-APPLIED = "applied"      # the gradient changed the parameters
-STALE = "stale"          # sync: computed on an older step; dropped and counted
-REFUSED = "refused"      # wrong shape / dtype / NaN / inf; parameters unchanged
-VOIDED = "voided"        # sync: the step's partial sum was voided by a refused push
+#: characters of a refusal message a shard keeps and replies with
+MESSAGE_LIMIT = 1024
+#: refusal messages a shard keeps for its Status reply (the newest)
+REFUSALS_KEPT = 10
+#: the least a shard's staging limit ever is (bytes of payloads still arriving)
+STAGING_FLOOR = 256 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class PushHeader:
-    """What a push says about itself before its payload.
+def default_staging_limit(nbytes: int, replicas: int) -> int:
+    """Bytes of pushed payloads a shard of ``nbytes`` may hold while they arrive.
 
-    Attributes:
-        worker_id: the pushing worker's index.
-        incarnation: distinguishes a restarted worker (its ``seq`` restarts).
-        seq: the push's sequence number for this worker incarnation.
-        token: the shard step the gradient was computed on (sync staleness).
-        lr: the learning rate to apply it with.
-        dtype: dtype name of the payload (``float32``).
-        numel: number of elements in the payload.
-        segments: ``(name, shape)`` of each variable part, in buffer order.
-        finite: the sender checked that every value is finite, so the shard
-            may apply the payload chunk by chunk as it arrives (async / ssp).
+    Every replica may have one push arriving, plus two more (a retry that
+    overtakes its stalled first attempt, a peer's stray call), and never less
+    than :data:`STAGING_FLOOR`. A push's payload is held from its first byte
+    to its application, so this bounds a ps task's memory beyond its
+    parameters and optimizer state, whatever its peers send or withhold.
     """
-
-    worker_id: int
-    seq: int
-    token: int
-    lr: float
-    numel: int
-    dtype: str = "float32"
-    incarnation: int = 0
-    segments: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    finite: bool = False
+    return max(STAGING_FLOOR, (replicas + 2) * nbytes)
 
 
-@dataclass(frozen=True, slots=True)
-class PushOutcome:
-    """What happened to a push.
-
-    Attributes:
-        status: one of ``applied``, ``stale``, ``refused``, ``voided``.
-        step: the shard's step after the push.
-        message: why, for a refused, stale or voided push.
-        duplicate: True when this push was a retry answered from the table.
-    """
-
-    status: str
-    step: int
-    message: str = ""
-    duplicate: bool = False
-
-    @property
-    def applied(self) -> bool:
-        """True when the gradient is part of an applied update."""
-        return self.status == APPLIED
+def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``message`` cut to ``limit`` characters (saying how much was left out)."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message) - limit} more characters)"
 
 
 @dataclass(slots=True)
@@ -136,8 +126,6 @@ class ShardStats:
     refused: int = 0
     duplicates: int = 0
     voided: int = 0
-    #: ledger records of streamed pushes cut off part way and not completed
-    partial: int = 0
     max_lead: int = 0
     pulls: int = 0
     bytes_in: int = 0
@@ -152,13 +140,9 @@ class ShardStats:
 class LedgerRecord(NamedTuple):
     """One entry of a shard's ledger: a push whose gradient is in the parameters.
 
-    A streamed push cut off part way (its stream broken or cancelled, its
-    worker dead, a NaN / inf in a later chunk) is recorded ``partial``: its
-    elements ``applied_start .. applied_stop - 1`` (of the shard's flat buffer)
-    were applied, the others were not, and no step was counted (``step`` is the
-    shard's step when it was cut off). When a retry of the same ``(worker,
-    incarnation, seq)`` completes it, the same entry becomes complete, in
-    place. A complete entry's range is the whole buffer.
+    A push is applied whole or not at all, so an entry's range
+    ``applied_start .. applied_stop - 1`` is the whole buffer and ``partial``
+    is always False (the fields stay for readers of older ledgers).
     """
 
     worker_id: int
@@ -170,19 +154,6 @@ class LedgerRecord(NamedTuple):
     applied_stop: int = 0
 
 
-@dataclass(slots=True)
-class _Entry:
-    incarnation: int
-    seq: int
-    outcome: PushOutcome | None = None
-    #: a streamed push cut off part way: elements already applied and its update number
-    applied: int = 0
-    update: int = 0
-    interrupted: bool = False
-    #: absolute index of its ledger record once it has one (a partial push), else -1
-    ledger_index: int = -1
-
-
 class ShardState:
     """Parameters, optimizer, step and push bookkeeping of one ps task.
 
@@ -191,10 +162,12 @@ class ShardState:
         params: the initial values, ``layout.numel`` float32 elements (owned).
         optimizer: the server-side optimizer over the same number of elements.
         step: the initial step (restored from a checkpoint, else 0).
+        staging_limit: bytes of pushed payloads this shard may hold at once
+            while they arrive (default :func:`staging_limit` of one replica).
     """
 
     def __init__(self, layout: ShardLayout, params: np.ndarray, optimizer: ServerOptimizer,
-                 step: int = 0) -> None:
+                 step: int = 0, *, staging_limit: int | None = None) -> None:
         if params.dtype != np.float32 or params.ndim != 1 or params.size != layout.numel:
             raise InvalidArgumentError(
                 f"Shard {layout.index} needs {layout.numel} float32 initial values in a flat "
@@ -210,38 +183,38 @@ class ShardState:
         self.optimizer = optimizer
         self.step = int(step)
         self.stats = ShardStats()
-        #: guards step, stats and the push table; waiters wait on it
+        #: guards step, stats, the push table and staging; waiters wait on it
         self.cond = threading.Condition(threading.RLock())
-        #: guards the values of params and the optimizer state (held per chunk)
+        #: guards the values of params and the optimizer state
         self.apply_lock = threading.Lock()
-        self._table: dict[int, _Entry] = {}
+        #: the (worker, incarnation, seq) table: each push applied at most once
+        self.table = PushTable()
         #: the newest ledger records, oldest first (see :meth:`ledger_since`)
         self._records: deque[LedgerRecord] = deque(maxlen=LEDGER_CAPACITY)
         #: records ever made (the absolute index of the next one)
         self.ledger_total = 0
+        self.staging_limit = staging_limit or default_staging_limit(layout.nbytes, 1)
+        #: bytes of payloads received and not yet applied
+        self.staged = 0
         self._expected = layout.signature
         self._zeros = np.zeros(min(layout.numel, _CHECK_BLOCK) or 1, np.float32)
 
     # -- updates ----------------------------------------------------------------
     def apply(self, grad: np.ndarray, lr: float) -> int:
         """Apply the whole gradient ``grad`` with rate ``lr``; return the new step."""
-        with self.apply_lock:
-            self.optimizer.apply(self.params, grad, lr)
-        return self.commit_update()
+        return self.apply_parts([(0, grad)], lr)
 
-    def begin_update(self) -> int:
-        """Number the next update of the optimizer (see :meth:`apply_range`)."""
-        with self.apply_lock:
-            return self.optimizer.begin()
+    def apply_parts(self, parts: Sequence[tuple[int, np.ndarray]], lr: float) -> int:
+        """Apply one gradient given as ``(first element, values)`` parts; return the new step.
 
-    def apply_range(self, first: int, grad: np.ndarray, lr: float, update: int) -> None:
-        """Apply ``grad`` to elements ``first..`` as part of update number ``update``.
-
-        Each range is applied under the apply lock, so concurrent pushes
-        interleave range by range and a pull never reads a half-updated range.
+        The whole update is made under the apply lock, in one step: a pull
+        never sees part of it applied to a range it reads.
         """
         with self.apply_lock:
-            self.optimizer.apply_range(self.params, first, grad, lr, update)
+            update = self.optimizer.begin()
+            for first, values in parts:
+                self.optimizer.apply_range(self.params, first, values, lr, update)
+        return self.commit_update()
 
     def commit_update(self) -> int:
         """Count one applied update; return the new step (waking waiters)."""
@@ -251,106 +224,117 @@ class ShardState:
             self.cond.notify_all()
             return self.step
 
-    # -- push bookkeeping ---------------------------------------------------------
-    def begin_push(self, header: PushHeader, timeout: float) -> PushOutcome | None:
-        """Validate ``header`` and register the push.
-
-        Returns:
-            The earlier outcome when ``(worker, seq)`` was already pushed (a
-            retry: the gradient is not applied twice), else ``None``. A retry of
-            a streamed push that was cut off part way resumes it: see
-            :meth:`resume_point`.
+    # -- staging ------------------------------------------------------------------
+    def reserve(self, nbytes: int, who: str) -> None:
+        """Count ``nbytes`` more of received payload held before it is applied.
 
         Raises:
-            InvalidArgumentError: wrong dtype, size or variable shapes
-                (counted; the caller records the refusal with :meth:`finish_push`).
+            ResourceExhaustedError: the shard's staging limit would be exceeded.
         """
         with self.cond:
-            entry = self._table.get(header.worker_id)
-            if entry is not None and entry.incarnation == header.incarnation \
-                    and header.seq <= entry.seq:
-                if entry.interrupted and header.seq == entry.seq:
-                    entry.interrupted = False
-                    self.stats.duplicates += 1
-                    return None
-                self.stats.duplicates += 1
-                outcome = self._wait_outcome(entry, header, timeout)
-                return replace(outcome, duplicate=True)
-            self._table[header.worker_id] = _Entry(header.incarnation, header.seq)
-            self.stats.pushes += 1
-        self.validate_header(header)
-        return None
-
-    def resume_point(self, header: PushHeader) -> tuple[int, int]:
-        """``(elements already applied, update number)`` of ``header``'s push.
-
-        ``(0, 0)`` for a fresh push; for the retry of a streamed push cut off
-        part way, the part applied before, which the retry skips.
-        """
-        with self.cond:
-            entry = self._table.get(header.worker_id)
-            if entry is None or entry.seq != header.seq:
-                return 0, 0
-            return entry.applied, entry.update
-
-    def note_progress(self, header: PushHeader, applied: int, update: int) -> None:
-        """Record that ``applied`` elements of a streamed push are in the parameters."""
-        entry = self._table.get(header.worker_id)
-        if entry is not None and entry.seq == header.seq:
-            entry.applied, entry.update = applied, update
-
-    def _wait_outcome(self, entry: _Entry, header: PushHeader, timeout: float) -> PushOutcome:
-        if header.seq < entry.seq:
-            return PushOutcome(STALE, self.step, f"push {header.seq} of worker "
-                               f"{header.worker_id} was superseded by push {entry.seq}")
-        deadline = time.monotonic() + timeout
-        while entry.outcome is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError(
-                    f"Push {header.seq} of worker {header.worker_id} is a retry of a push still "
-                    f"in progress on shard {self.layout.index} after {timeout:.0f} s; retry later."
+            if self.staged + nbytes > self.staging_limit:
+                raise ResourceExhaustedError(
+                    f"ps shard {self.layout.index} holds {self.staged} bytes of payloads still "
+                    f"arriving; {nbytes} more from {who} would pass its staging limit of "
+                    f"{self.staging_limit} bytes. The push was refused; retry it (a peer "
+                    "that stalls mid-push holds its bytes until its call ends)."
                 )
-            self.cond.wait(remaining)
-        return entry.outcome
+            self.staged += nbytes
 
-    def forget_push(self, header: PushHeader) -> None:
-        """An interrupted push: drop its record so that its retry is handled afresh.
-
-        A streamed push that already changed part of the parameters is kept
-        instead, so that its retry applies only the rest.
-        """
+    def release(self, nbytes: int) -> None:
+        """Payload bytes applied or dropped."""
         with self.cond:
-            entry = self._table.get(header.worker_id)
-            if entry is not None and entry.seq == header.seq and entry.outcome is None:
-                if entry.applied:
-                    entry.interrupted = True
-                    self._record_partial(header, entry)
-                else:
-                    del self._table[header.worker_id]
+            self.staged -= nbytes
+
+    # -- push bookkeeping ---------------------------------------------------------
+    def begin_push(self, header: PushHeader, timeout: float | None) -> PushOutcome | Pending:
+        """Check ``header`` against the push table and the layout; register the push.
+
+        Returns:
+            The earlier outcome (``duplicate``) when this push was answered
+            already (a retry: the gradient is not applied twice), after waiting
+            for it when it is still in progress; else the new push's
+            :class:`~towerflow.ps.pushes.Pending` record.
+
+        Raises:
+            InvalidArgumentError: a superseded incarnation, or a header that
+                does not match the layout (nothing is registered).
+            DeadlineExceededError: a retry whose first attempt is still in
+                progress after ``timeout`` seconds (None: no limit).
+        """
+        deadline = self.deadline(timeout)
+        with self.cond:
+            while True:
+                found = self.table.lookup(header, self.step)
+                if found.kind == "superseded":
+                    raise InvalidArgumentError(found.message)
+                if found.kind == "done":
+                    self.stats.duplicates += 1
+                    return replace(found.outcome, duplicate=True)
+                if found.kind == "new":
+                    break
+                self.wait_once(deadline, lambda: (
+                    f"Push {header.seq} of worker {header.worker_id} is a retry of a push still "
+                    f"in progress on shard {self.layout.index} after {timeout:.0f} s; retry "
+                    "later."))
+            self.validate_header(header)
+            self.stats.pushes += 1
+            return self.table.register(header)
+
+    @staticmethod
+    def deadline(timeout: float | None) -> float | None:
+        """The monotonic time ``timeout`` seconds from now (None: no deadline)."""
+        return None if timeout is None else time.monotonic() + timeout
+
+    def wait_once(self, deadline: float | None, message: Callable[[], str]) -> None:
+        """Wait on the condition once (caller holds it) or raise DeadlineExceededError."""
+        if deadline is None:
+            self.cond.wait()
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceededError(message())
+        self.cond.wait(remaining)
+
+    def wait_outcome(self, pending: Pending, timeout: float | None,
+                     message: Callable[[], str]) -> PushOutcome:
+        """Wait until ``pending`` is answered (a sync step completes it)."""
+        deadline = self.deadline(timeout)
+        with self.cond:
+            while pending.outcome is None:
+                self.wait_once(deadline, message)
+            return pending.outcome
+
+    def drop_push(self, header: PushHeader) -> None:
+        """A push cut off before it changed anything: forget it, so its retry is handled afresh."""
+        with self.cond:
+            self.table.drop(header)
             self.cond.notify_all()
 
-    def finish_push(self, header: PushHeader, outcome: PushOutcome) -> PushOutcome:
-        """Record ``outcome`` for ``header``'s push (answers its retries); return it."""
+    def refuse(self, outcome: PushOutcome) -> PushOutcome:
+        """Count a refusal that registered nothing; keep its (bounded) message."""
         with self.cond:
-            entry = self._table.get(header.worker_id)
-            if entry is not None and entry.seq == header.seq \
-                    and entry.incarnation == header.incarnation:
-                entry.outcome = outcome
-            else:
-                entry = None
+            self.stats.refused += 1
+            self.stats.refusals = [*self.stats.refusals[-(REFUSALS_KEPT - 1):], outcome.message]
+        return outcome
+
+    def finish_push(self, header: PushHeader, outcome: PushOutcome) -> PushOutcome:
+        """Answer ``header``'s push with ``outcome`` (answers its retries); return it.
+
+        An answer given already (a sync step answers all its pushes) is not
+        counted again.
+        """
+        with self.cond:
+            if not self.table.settle(header, outcome):
+                return outcome
             if outcome.status == APPLIED:
                 self.stats.applied += 1
-                if entry is not None and entry.ledger_index >= 0:
-                    self.stats.partial -= 1  # a retry completed it
-                self._ledger_put(entry, LedgerRecord(
+                self._records.append(LedgerRecord(
                     header.worker_id, header.incarnation, header.seq, outcome.step,
                     applied_stop=self.layout.numel))
+                self.ledger_total += 1
             elif outcome.status == REFUSED:
-                if entry is not None and entry.applied:
-                    self._record_partial(header, entry)
-                self.stats.refused += 1
-                self.stats.refusals = [*self.stats.refusals[-9:], outcome.message]
+                self.refuse(outcome)
             elif outcome.status == STALE:
                 self.stats.stale += 1
             elif outcome.status == VOIDED:
@@ -358,43 +342,21 @@ class ShardState:
             self.cond.notify_all()
         return outcome
 
-    def _record_partial(self, header: PushHeader, entry: _Entry) -> None:
-        """Ledger the part of ``entry``'s streamed push already applied (caller holds cond)."""
-        if entry.ledger_index < 0:
-            self.stats.partial += 1
-        self._ledger_put(entry, LedgerRecord(
-            header.worker_id, header.incarnation, header.seq, self.step, partial=True,
-            applied_stop=entry.applied))
-
-    def _ledger_put(self, entry: _Entry | None, record: LedgerRecord) -> None:
-        """Append ``record``, or replace ``entry``'s earlier (partial) record in place."""
-        first = self.ledger_total - len(self._records)
-        if entry is not None and entry.ledger_index >= first:
-            self._records[entry.ledger_index - first] = record
-            return
-        self._records.append(record)
-        if entry is not None:
-            entry.ledger_index = self.ledger_total
-        self.ledger_total += 1
-
     @property
     def ledger(self) -> list[tuple[int, int, int, int]]:
-        """``(worker_id, incarnation, seq, step)`` of each push applied whole, oldest first.
+        """``(worker_id, incarnation, seq, step)`` of each applied push, oldest first.
 
-        Of the newest :data:`LEDGER_CAPACITY` records; :meth:`ledger_since`
-        also returns the partial ones.
+        Of the newest :data:`LEDGER_CAPACITY` records.
         """
         with self.cond:
-            return [(r.worker_id, r.incarnation, r.seq, r.step) for r in self._records
-                    if not r.partial]
+            return [(r.worker_id, r.incarnation, r.seq, r.step) for r in self._records]
 
     def ledger_since(self, since: int) -> tuple[int, list[LedgerRecord]]:
         """``(index of the first record returned, records)`` of the ledger from ``since`` on.
 
-        Records are in the order the pushes were first applied to (a partial
-        record completed by a retry keeps its place). Records older than the
-        newest :data:`LEDGER_CAPACITY` are forgotten; the returned index then
-        exceeds ``since``.
+        Records are in the order the pushes were applied. Records older than
+        the newest :data:`LEDGER_CAPACITY` are forgotten; the returned index
+        then exceeds ``since``.
         """
         with self.cond:
             first = self.ledger_total - len(self._records)
@@ -406,10 +368,10 @@ class ShardState:
         """Raise :class:`InvalidArgumentError` unless the push matches the layout."""
         who = f"worker {header.worker_id}"
         if header.dtype != "float32":
-            raise InvalidArgumentError(
+            raise InvalidArgumentError(bounded(
                 f"Gradient pushed by {who} to ps shard {self.layout.index} has dtype "
-                f"{header.dtype}; the parameters are float32. Cast gradients to float32."
-            )
+                f"{bounded(header.dtype, 64)}; the parameters are float32. Cast gradients to float32."
+            ))
         if header.segments and header.segments != self._expected:
             raise InvalidArgumentError(self._describe_mismatch(header, who))
         if header.numel != self.layout.numel:
@@ -437,9 +399,12 @@ class ShardState:
                      for name, shape in header.segments if name not in expected]
         if not problems:
             problems.append("the variables are in a different order")
-        return (f"Gradient pushed by {who} to ps shard {self.layout.index} does not match "
-                f"its parameters: {'; '.join(problems)}. It was refused and the parameters "
-                "are unchanged; push gradients of the same model.")
+        shown = "; ".join(bounded(p, 200) for p in problems[:8])
+        if len(problems) > 8:
+            shown += f"; and {len(problems) - 8} more differences"
+        return bounded(f"Gradient pushed by {who} to ps shard {self.layout.index} does not "
+                       f"match its parameters: {shown}. It was refused and the parameters "
+                       "are unchanged; push gradients of the same model.")
 
     @staticmethod
     def _listing(items: Sequence[tuple[str, tuple[int, ...]]]) -> str:
@@ -456,18 +421,13 @@ class ShardState:
         bad = _first_nonfinite(values, self._zeros)
         return None if bad is None else base + bad
 
-    def nonfinite_message(self, header: PushHeader, index: int, applied: int = 0) -> str:
-        """The refusal message for a NaN / inf at buffer ``index``.
-
-        ``applied``: elements of the push already applied (a streamed push).
-        """
+    def nonfinite_message(self, header: PushHeader, index: int) -> str:
+        """The refusal message for a NaN / inf at buffer ``index``."""
         seg = self.layout.segment_at(index)
-        fate = "the parameters are unchanged" if not applied else (
-            f"its first {applied} of {header.numel} elements, declared finite by the worker, "
-            "were already applied")
         return (f"Gradient pushed by worker {header.worker_id} to ps shard {self.layout.index} "
                 f"contains NaN or inf in variable {seg.label!r} (shape {list(seg.shape)}); it "
-                f"was refused and {fate}. Lower the learning rate or clip the gradients.")
+                "was refused and the parameters are unchanged. Lower the learning rate or clip "
+                "the gradients.")
 
     # -- reads ----------------------------------------------------------------------
     def buffer(self, name: str) -> np.ndarray:
@@ -477,8 +437,8 @@ class ShardState:
         slot = self.optimizer.slots.get(name)
         if slot is None:
             raise InvalidArgumentError(
-                f"Shard {self.layout.index} has no buffer {name!r}; it has params"
-                f"{''.join(', ' + k for k in self.optimizer.slots)}."
+                f"Shard {self.layout.index} has no buffer {bounded(repr(name), 100)}; it has "
+                f"params{''.join(', ' + k for k in self.optimizer.slots)}."
             )
         return slot
 

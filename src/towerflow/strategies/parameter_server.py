@@ -125,7 +125,7 @@ class ParameterServer(Strategy):
         self._model: nn.Module | None = None
         self._pending: Future | None = None
         self._needs_init = False
-        self._restore: tuple[list[np.ndarray], list[dict[str, np.ndarray]], int, int] | None = None
+        self._restore: tuple[Any, ...] | None = None
         self._step = 0
         self._meta: dict[str, Any] = {}
 
@@ -251,11 +251,11 @@ class ParameterServer(Strategy):
             return
         buffers = self._buffers
         if self._restore is not None:
-            params, slots, step, opt_step = self._restore
+            params, slots, step, opt_step, pushes = self._restore
         else:
-            params, slots, step, opt_step = buffers.host_params(), None, 0, 0
+            params, slots, step, opt_step, pushes = buffers.host_params(), None, 0, 0, None
         self.client.initialize(params, optimizer=self._opt_spec, aggregation=self.aggregation,
-                               step=step, slots=slots, optimizer_step=opt_step)
+                               step=step, slots=slots, optimizer_step=opt_step, pushes=pushes)
         self._needs_init, self._restore, self._step = False, None, step
         log.info("chief initialised %d ps task(s) at step %d (mode %s)",
                  buffers.placement.num_shards, step, self.aggregation.mode)
@@ -326,7 +326,8 @@ class ParameterServer(Strategy):
                            for slot in snaps[0].slots for name in placement.names()}
         self._meta = {"global_step": snaps[0].step, "optimizer_step": snaps[0].optimizer_step,
                       "optimizer": self._opt.name, "mode": self.aggregation.mode}
-        return {"model": model_group, "optimizer": optimizer_group}
+        pushes = {f"shard_{i}": _table_tensor(snap.pushes) for i, snap in enumerate(snaps)}
+        return {"model": model_group, "optimizer": optimizer_group, PUSH_TABLE_GROUP: pushes}
 
     def state_metadata(self) -> dict[str, Any]:
         return dict(self._meta)
@@ -360,8 +361,11 @@ class ParameterServer(Strategy):
                 per_shard = _split(placement, lambda name, s=slot: optimizer_group[f"{name}/{s}"])
                 for shard_slots, values in zip(slots, per_shard, strict=True):
                     shard_slots[slot] = values
+        tables = groups.get(PUSH_TABLE_GROUP, {})
+        pushes = [_table_rows(tables.get(f"shard_{i}")) for i in range(len(params))]
         self._restore = (params, slots, int(metadata.get("global_step", 0)),
-                         int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
+                         int(metadata.get("optimizer_step", metadata.get("global_step", 0))),
+                         pushes)
         self._buffers.load_from(params)
         self._needs_init = True
 
@@ -383,6 +387,32 @@ class ParameterServer(Strategy):
             if owned:
                 self._server = None
                 server.stop(grace=1.0)
+
+
+#: checkpoint group of the ps shards' push tables (``shard_<i>``: int64 rows
+#: ``worker, incarnation, seq, status code``), so a restored ps applies no push twice
+PUSH_TABLE_GROUP = "ps_pushes"
+_STATUS_CODES = ("applied", "stale", "voided")
+
+
+def _table_tensor(rows: Any) -> torch.Tensor:
+    """A shard's push-table rows as an int64 ``[n, 4]`` tensor."""
+    data = [(w, i, q, _STATUS_CODES.index(st) if st in _STATUS_CODES else 0)
+            for w, i, q, st in rows]
+    return torch.tensor(data, dtype=torch.int64).reshape(-1, 4)
+
+
+def _table_rows(tensor: torch.Tensor | None) -> list[tuple[int, int, int, str]]:
+    """The rows of a :func:`_table_tensor` (none when the checkpoint has no table)."""
+    if tensor is None:
+        return []
+    if tensor.dtype != torch.int64 or tensor.dim() != 2 or tensor.shape[1] != 4:
+        raise InvalidArgumentError(
+            f"The checkpoint's push table is {tensor.dtype} of shape {list(tensor.shape)}, not "
+            "int64 rows of 4; restore a checkpoint written by towerflow."
+        )
+    return [(int(w), int(i), int(q), _STATUS_CODES[int(c)] if 0 <= c < 3 else "applied")
+            for w, i, q, c in tensor.tolist()]
 
 
 def _assemble(placement: Any, snaps: list[Any], name: str, buffer: str) -> torch.Tensor:

@@ -87,8 +87,8 @@ def _probes(cluster: Any, credentials: Credentials, honest: Any,
     address = cluster.task_address("ps", 0)
 
     def pushing(creds: Credentials, shapes: dict[str, tuple[int, ...]],
-                check: Callable[[Callable[[], Any]], str]) -> str:
-        other = PSClient(cluster, plan_placement(shapes, 1), worker_id=7, credentials=creds,
+                check: Callable[[Callable[[], Any]], str], worker: int = 0) -> str:
+        other = PSClient(cluster, plan_placement(shapes, 1), worker_id=worker, credentials=creds,
                          timeout=5.0, on_bad_gradient="skip")
         try:
             return check(lambda: other.push(_grad(other, 1.0), lr=0.1))
@@ -101,7 +101,18 @@ def _probes(cluster: Any, credentials: Credentials, honest: Any,
     def wrong_dtype() -> str:
         shard = honest.shards[0]
         grad = np.ones(shard.layout.numel, np.float64)
-        return _refused_push(shard.push(grad, worker_id=7, incarnation=1, seq=1, lr=0.1))
+        return _refused_push(shard.push(grad, worker_id=0, incarnation=honest.incarnation,
+                                        seq=1 << 40, lr=0.1))
+
+    def stray_worker() -> str:
+        return pushing(credentials, PROBE_SHAPES, lambda push: _refused_push(push()), worker=7)
+
+    def superseded_incarnation() -> str:
+        payload_disagrees_with_header()  # registers the honest incarnation, changes nothing
+        shard = honest.shards[0]
+        grad = np.ones(shard.layout.numel, np.float32)
+        return _refused_push(shard.push(grad, worker_id=0, incarnation=honest.incarnation - 1,
+                                        seq=1, lr=0.1))
 
     def unauthenticated(creds: Credentials) -> Callable[[], str]:
         return lambda: pushing(creds, PROBE_SHAPES,
@@ -127,8 +138,8 @@ def _probes(cluster: Any, credentials: Credentials, honest: Any,
         from towerflow.ps import ps_pb2 as pb
 
         layout = honest.shards[0].layout
-        head = pb.PushRequest(worker_id=7, incarnation=2, seq=1, lr=0.1, dtype="float32",
-                              numel=layout.numel).SerializeToString()
+        head = pb.PushRequest(worker_id=0, incarnation=honest.incarnation, seq=(1 << 40) + 1,
+                              lr=0.1, dtype="float32", numel=layout.numel).SerializeToString()
         channel = make_channel(address, credentials)
         try:
             reply = pb.PushReply.FromString(stream_unary(
@@ -140,6 +151,8 @@ def _probes(cluster: Any, credentials: Credentials, honest: Any,
     return {
         "wrong shape": wrong_shape,
         "wrong dtype": wrong_dtype,
+        "push from a worker outside the replica set": stray_worker,
+        "push from a superseded incarnation": superseded_incarnation,
         "NaN": lambda: _refused_push(honest.push(_grad(honest, float("nan")), lr=0.1)),
         "inf": lambda: _refused_push(honest.push(_grad(honest, float("inf")), lr=0.1)),
         "unauthenticated call": unauthenticated(Credentials()),

@@ -1,0 +1,215 @@
+"""What a push says, what became of it, and the table that applies each push at most once.
+
+Every push carries ``(worker_id, incarnation, seq)``: the replica that sent
+it, that replica's incarnation (a restarted worker takes a larger one: its
+start time in nanoseconds) and the push's number within the incarnation. A
+:class:`PushTable` keeps, per replica, its newest incarnation, the highest
+``seq`` that reached a final outcome and the pushes still in progress, so:
+
+- a retry of a push already answered gets the same answer, not a second update;
+- a retry of a push still in progress waits for that push's answer;
+- a push cut off before it changed anything (cancelled, its payload short) is
+  forgotten, so its retry is handled afresh while older pushes stay answered;
+- a push from a superseded incarnation is refused, naming both incarnations;
+- the table is small (one row per replica) and travels with the checkpoint
+  (:meth:`PushTable.rows` / :meth:`PushTable.merge`), so a ps restarted from
+  a checkpoint still refuses the retries of the pushes it had applied.
+
+The table does no locking: its :class:`~towerflow.ps.shard.ShardState` calls
+it with its condition held.
+
+Example:
+    >>> table = PushTable()
+    >>> head = PushHeader(worker_id=0, seq=1, token=0, lr=0.1, numel=4, incarnation=7)
+    >>> table.lookup(head).kind, table.register(head) is not None
+    ('new', True)
+    >>> table.settle(head, PushOutcome(APPLIED, 1))
+    True
+    >>> table.lookup(head).kind, table.rows()
+    ('done', [(0, 7, 1, 'applied')])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+__all__ = [
+    "APPLIED",
+    "STALE",
+    "REFUSED",
+    "VOIDED",
+    "PushHeader",
+    "PushOutcome",
+    "PushTable",
+    "Pending",
+    "Lookup",
+]
+
+APPLIED = "applied"      # the gradient changed the parameters
+STALE = "stale"          # sync: computed on an older step; dropped and counted
+REFUSED = "refused"      # wrong shape / dtype / NaN / inf; parameters unchanged
+VOIDED = "voided"        # sync: the step was abandoned (its shard re-initialised)
+
+#: outcomes a retry is answered with (a refused push may be sent again)
+_FINAL = (APPLIED, STALE, VOIDED)
+
+
+@dataclass(frozen=True, slots=True)
+class PushHeader:
+    """What a push says about itself before its payload.
+
+    Attributes:
+        worker_id: the pushing worker's replica index.
+        incarnation: distinguishes a restarted worker (its ``seq`` restarts).
+        seq: the push's sequence number for this worker incarnation.
+        token: the shard step the gradient was computed on (sync staleness).
+        lr: the learning rate to apply it with.
+        dtype: dtype name of the payload (``float32``).
+        numel: number of elements in the payload.
+        segments: ``(name, shape)`` of each variable part, in buffer order.
+        finite: the sender checked that every value is finite (informative:
+            the shard checks every value itself).
+    """
+
+    worker_id: int
+    seq: int
+    token: int
+    lr: float
+    numel: int
+    dtype: str = "float32"
+    incarnation: int = 0
+    segments: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    finite: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PushOutcome:
+    """What happened to a push.
+
+    Attributes:
+        status: one of ``applied``, ``stale``, ``refused``, ``voided``.
+        step: the shard's step after the push.
+        message: why, for a refused, stale or voided push.
+        duplicate: True when this push was a retry answered from the table.
+    """
+
+    status: str
+    step: int
+    message: str = ""
+    duplicate: bool = False
+
+    @property
+    def applied(self) -> bool:
+        """True when the gradient is part of an applied update."""
+        return self.status == APPLIED
+
+
+@dataclass(slots=True)
+class Pending:
+    """A push in progress; ``outcome`` is set when it is answered."""
+
+    outcome: PushOutcome | None = None
+
+
+@dataclass(slots=True)
+class _Replica:
+    incarnation: int
+    done_seq: int = 0
+    outcome: PushOutcome | None = None
+    pending: dict[int, Pending] = field(default_factory=dict)
+
+
+class Lookup(NamedTuple):
+    """What the table knows of a push.
+
+    ``kind``: ``new`` (never seen), ``pending`` (in progress: ``pending``),
+    ``done`` (answered: ``outcome``) or ``superseded`` (``message`` says by
+    which incarnation).
+    """
+
+    kind: str
+    pending: Pending | None = None
+    outcome: PushOutcome | None = None
+    message: str = ""
+
+
+class PushTable:
+    """``(worker, incarnation, seq)`` bookkeeping of one shard (see the module doc)."""
+
+    __slots__ = ("_replicas",)
+
+    def __init__(self) -> None:
+        self._replicas: dict[int, _Replica] = {}
+
+    def lookup(self, header: PushHeader, step: int = 0) -> Lookup:
+        """Classify ``header``'s push (``step``: the shard's step, for a stale answer)."""
+        rec = self._replicas.get(header.worker_id)
+        if rec is None or header.incarnation > rec.incarnation:
+            return Lookup("new")
+        if header.incarnation < rec.incarnation:
+            return Lookup("superseded", message=(
+                f"Push {header.seq} of worker {header.worker_id} comes from its incarnation "
+                f"{header.incarnation}, superseded by incarnation {rec.incarnation} (the worker "
+                "restarted); it was refused and not applied. Only the newest incarnation of a "
+                "worker may push."))
+        pending = rec.pending.get(header.seq)
+        if pending is not None:
+            return Lookup("pending", pending=pending)
+        if header.seq == rec.done_seq and rec.outcome is not None:
+            return Lookup("done", outcome=rec.outcome)
+        if header.seq < rec.done_seq:
+            return Lookup("done", outcome=PushOutcome(STALE, step, (
+                f"push {header.seq} of worker {header.worker_id} was superseded by its push "
+                f"{rec.done_seq}; it is not applied again")))
+        return Lookup("new")
+
+    def register(self, header: PushHeader) -> Pending:
+        """Start ``header``'s push (a new incarnation replaces the older one's row)."""
+        rec = self._replicas.get(header.worker_id)
+        if rec is None or header.incarnation > rec.incarnation:
+            rec = self._replicas[header.worker_id] = _Replica(header.incarnation)
+        pending = rec.pending[header.seq] = Pending()
+        return pending
+
+    def drop(self, header: PushHeader) -> None:
+        """Forget an unanswered push that changed nothing (its retry is handled afresh)."""
+        rec = self._replicas.get(header.worker_id)
+        if rec is not None and rec.incarnation == header.incarnation:
+            rec.pending.pop(header.seq, None)
+
+    def settle(self, header: PushHeader, outcome: PushOutcome) -> bool:
+        """Answer ``header``'s push with ``outcome``; False when it was answered already.
+
+        A refused push is answered but not remembered: its retry is checked again.
+        """
+        rec = self._replicas.get(header.worker_id)
+        if rec is None or rec.incarnation != header.incarnation:
+            return True  # a superseded incarnation's push still in flight
+        pending = rec.pending.pop(header.seq, None)
+        if pending is None:
+            return False  # answered already (a sync step answers all its pushes)
+        pending.outcome = outcome
+        if outcome.status in _FINAL and header.seq > rec.done_seq:
+            rec.done_seq, rec.outcome = header.seq, outcome
+        return True
+
+    def rows(self) -> list[tuple[int, int, int, str]]:
+        """``(worker, incarnation, highest answered seq, its status)`` of every replica."""
+        return [(w, r.incarnation, r.done_seq, r.outcome.status if r.outcome else APPLIED)
+                for w, r in sorted(self._replicas.items())]
+
+    def merge(self, rows: list[tuple[int, int, int, str]], step: int) -> None:
+        """Take in ``rows`` (from a checkpoint or a replaced shard); newer facts win."""
+        for worker, incarnation, seq, status in rows:
+            rec = self._replicas.get(worker)
+            if rec is not None and (rec.incarnation, rec.done_seq) >= (incarnation, seq):
+                continue
+            if rec is None or incarnation > rec.incarnation:
+                rec = self._replicas[worker] = _Replica(incarnation)
+            rec.done_seq = seq
+            rec.outcome = PushOutcome(status if status in _FINAL else APPLIED, step,
+                                      "answered before the ps was restored")
+
+    def __len__(self) -> int:
+        return len(self._replicas)
