@@ -309,7 +309,11 @@ class CheckpointManager:
             remove_tree(path)
 
     def checkpoints(self) -> list[Path]:
-        """Complete checkpoint directories, oldest first (not verified)."""
+        """Checkpoint entries, oldest first, not verified.
+
+        A damaged one, or a symbolic link by a checkpoint's name, is refused
+        only when it is read.
+        """
         return [p for _, p in _list(self.directory)]
 
     def latest(self) -> Path | None:
