@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from towerflow.checkpoint import latest_checkpoint, load_into_module, read_checkpoint
 from towerflow.cli import main
@@ -103,8 +103,8 @@ def test_eval_of_a_synthetic_run_uses_synthetic_data_and_flags_override_it(tmp_p
     run = tmp_path / "run"
     _train_cifar10(run, "--data", "synthetic", "--synthetic-examples", "12",
                    "--data-dir", str(tmp_path / "nowhere"), "--no-download")
-    saved = json.loads((run / "data.json").read_text())
-    assert saved["synthetic"] is True and saved["synthetic_examples"] == 12
+    saved = yaml.safe_load((run / "run.yaml").read_text())
+    assert saved["data"] == "synthetic" and saved["synthetic_examples"] == 12
     capsys.readouterr()
     base = ["eval", "cifar10", "--train-dir", str(run), "--device", "/cpu:0"]
     assert main(base) == 0
@@ -119,9 +119,9 @@ def test_eval_of_a_synthetic_run_uses_synthetic_data_and_flags_override_it(tmp_p
 def test_a_damaged_data_record_is_named(tmp_path, capsys) -> None:
     run = tmp_path / "run"
     _train_cifar10(run, "--data", "synthetic", "--synthetic-examples", "4")
-    (run / "data.json").write_text("[1, 2]")
+    (run / "run.yaml").write_text("[1, 2]")
     assert main(["eval", "cifar10", "--train-dir", str(run), "--device", "/cpu:0"]) == 2
-    assert re.search(r"data\.json' does not hold a run's data settings .* delete it",
+    assert re.search(r"run\.yaml' does not hold a run's settings .* delete it",
                      capsys.readouterr().err)
 
 

@@ -57,10 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_argv(argv: list[str]) -> list[str]:
+    """The arguments after the command's name (``towerflow`` itself takes no option values)."""
+    for index, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return argv[index + 1:]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``towerflow`` console script; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = _command_argv(argv)  # what was given on the command line, for --config
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(message)s",

@@ -21,11 +21,11 @@ import argparse
 __all__ = ["argv_from_namespace"]
 
 
-def _option(action: argparse.Action, value: object) -> list[str]:
+def _option(action: argparse.Action, value: object, defaults: bool) -> list[str]:
     flag = action.option_strings[0]
     if action.nargs == 0:  # store_true / store_false / store_const
         return [flag] if value != action.default else []
-    if value is None or value == action.default:
+    if value is None or (value == action.default and not defaults):
         return []
     if isinstance(value, list):
         if isinstance(action, argparse._AppendAction):
@@ -34,8 +34,14 @@ def _option(action: argparse.Action, value: object) -> list[str]:
     return [flag, str(value)]
 
 
-def argv_from_namespace(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The arguments that make ``parser`` parse ``args`` again (sub-commands aside)."""
+def argv_from_namespace(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                        defaults: bool = False) -> list[str]:
+    """The arguments that make ``parser`` parse ``args`` again (sub-commands aside).
+
+    With ``defaults``, an option whose value is its default is written too
+    (switches that are off and options that are None excepted), so that the
+    line names every setting explicitly.
+    """
     argv: list[str] = []
     positionals: list[str] = []
     for action in parser._actions:
@@ -44,7 +50,7 @@ def argv_from_namespace(parser: argparse.ArgumentParser, args: argparse.Namespac
             continue
         value = getattr(args, action.dest)
         if action.option_strings:
-            argv += _option(action, value)
+            argv += _option(action, value, defaults)
         elif isinstance(value, list):
             positionals += map(str, value)
         elif value is not None:

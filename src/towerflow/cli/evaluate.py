@@ -8,10 +8,11 @@
 Prints ``precision @ 1 = 0.861`` (article 001's ``cifar10_eval.py``); exits
 non-zero with a message naming the directory when it holds no checkpoint.
 
-The test split comes from the data the run was trained with: ``towerflow
-train`` records its data options (``--data``, ``--data-dir``,
-``--synthetic-examples``, ``--no-download``) in ``data.json`` in the train
-dir. An option given here overrides the recorded one.
+The model and the test split come from the run's record: ``towerflow
+train`` writes its settings to ``run.yaml`` in the train dir, among them the
+model and the data options (``--data``, ``--data-dir``,
+``--synthetic-examples``, ``--no-download``); an option given here overrides
+the recorded one, and ``towerflow eval --train-dir runs/c10`` needs no model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("towerflow.training")
 
-_AS_TRAINED = "default: as the run was trained (data.json in --train-dir), else "
+_AS_TRAINED = "default: as the run was trained (run.yaml in --train-dir), else "
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -32,7 +33,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "eval", help="evaluate the latest checkpoint on the test split",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", choices=("cifar10", "digits"), help="which built-in model")
+    parser.add_argument("model", nargs="?", choices=("cifar10", "digits"), default=None,
+                        help="which built-in model; default: the one run.yaml in --train-dir "
+                        "names")
     parser.add_argument("--train-dir", "--train_dir", default=None, metavar="DIR",
                         help="where training wrote its checkpoints; default: /tmp/<model>_train")
     parser.add_argument("--device", default=None,
@@ -51,16 +54,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _data_options(args: argparse.Namespace, train_dir: str) -> Any:
+def _data_options(args: argparse.Namespace, saved: dict[str, Any] | None) -> Any:
     """The recorded data options of the run, with the options given here on top."""
     import dataclasses
 
-    from towerflow.training.evaluate import DATA_FILE, load_data_options
+    from towerflow.training.evaluate import data_options_from
     from towerflow.training.tasks import DataOptions
 
-    saved = load_data_options(train_dir)
-    if saved is not None:
-        log.info("test data as trained: %s/%s", train_dir, DATA_FILE)
     given: dict[str, Any] = {}
     if args.data is not None:
         given["synthetic"] = args.data == "synthetic"
@@ -70,16 +70,42 @@ def _data_options(args: argparse.Namespace, train_dir: str) -> Any:
         given["synthetic_examples"] = args.synthetic_examples
     if args.no_download:
         given["download"] = False
-    return dataclasses.replace(saved or DataOptions(), **given)
+    base = data_options_from(saved) if saved is not None else DataOptions()
+    return dataclasses.replace(base, **given)
+
+
+def _model(args: argparse.Namespace, train_dir: str | None,
+           saved: dict[str, Any] | None) -> str:
+    """The model named here, which must be the one the run trained, else the recorded one."""
+    from towerflow.errors import InvalidArgumentError
+
+    recorded = (saved or {}).get("model")
+    if args.model is not None and recorded is not None and args.model != recorded:
+        raise InvalidArgumentError(
+            f"{train_dir!r} holds a run of model {recorded}, not {args.model}; run `towerflow "
+            f"eval {recorded} --train-dir {train_dir}`, or pass the --train-dir of a "
+            f"{args.model} run.")
+    if args.model is None and recorded is None:
+        where = f" ({train_dir!r} has none)" if train_dir else ""
+        raise InvalidArgumentError(
+            "towerflow eval needs a model: name it (cifar10 or digits), or pass the "
+            f"--train-dir of a run whose run.yaml names it{where}.")
+    return args.model or recorded
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate and print the precision; a missing checkpoint is a NotFoundError."""
     from towerflow.training.evaluate import evaluate_checkpoint
+    from towerflow.training.runconfig import RUN_FILE, load_run_settings
 
-    train_dir = args.train_dir or f"/tmp/{args.model}_train"
-    result = evaluate_checkpoint(args.model, train_dir, device=args.device,
-                                 data=_data_options(args, train_dir), batch_size=args.batch_size)
+    train_dir = args.train_dir or (args.model and f"/tmp/{args.model}_train")
+    saved = load_run_settings(train_dir) if train_dir else None
+    if saved is not None:
+        log.info("model and test data as trained: %s/%s", train_dir, RUN_FILE)
+    model = _model(args, train_dir, saved)
+    train_dir = train_dir or f"/tmp/{model}_train"
+    result = evaluate_checkpoint(model, train_dir, device=args.device,
+                                 data=_data_options(args, saved), batch_size=args.batch_size)
     weights = "moving averages" if result.averaged else "parameters"
     print(f"step {result.step}: {weights} of {result.path} on {result.num_examples} "
           "test examples")

@@ -21,19 +21,48 @@ Running the same command again resumes from the latest checkpoint in
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import re
 import sys
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from towerflow.cli._argv import argv_from_namespace
 
 if TYPE_CHECKING:  # torch stays out of the command line's start-up
+    from towerflow.strategies.base import OptimizerConfig, Strategy
     from towerflow.training.config import TrainConfig
     from towerflow.training.tasks import DataOptions
 
 __all__ = ["add_parser", "add_train_arguments", "build_config", "build_data_options",
-           "replica_argv", "require_gpus", "run"]
+           "build_optimizer", "build_strategy", "byte_count", "replica_argv", "require_gpus",
+           "resolve_args", "strategy_options", "run"]
+
+log = logging.getLogger("towerflow.training")
 
 _MODELS = ("cifar10", "digits")
+_MODES = ("async", "sync", "ssp")  # towerflow.ps.aggregation.MODES
+_PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
+_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
+
+#: option dest -> (the strategy that takes it, its keyword there)
+_STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
+    "mode": ("ps", "mode"), "staleness": ("ps", "staleness"),
+    "replicas_to_aggregate": ("ps", "replicas_to_aggregate"),
+    "ps_strategy": ("ps", "ps_strategy"), "partition_threshold": ("ps", "partition_threshold_bytes"),
+    "ps_timeout": ("ps", "timeout"), "step_timeout": ("ps", "step_timeout"),
+    "init_timeout": ("ps", "init_timeout"), "on_bad_gradient": ("ps", "on_bad_gradient"),
+    "ps_prefetch": ("ps", "prefetch"),
+    "backend": ("mirrored", "backend"), "collective_timeout": ("mirrored", "timeout_s"),
+}
+#: ps options that only one update mode uses
+_MODE_OPTIONS = {"staleness": "ssp", "replicas_to_aggregate": "sync"}
+_KINDS = {"ps": "the parameter-server strategy (--ps K, or a cluster with a ps job)",
+          "mirrored": "all-reduce replicas (--replicas N or --num-gpus N, or a cluster "
+          "without a ps job)", "single": "one process"}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,18 +72,23 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     ``--max_steps``, ``--num_gpus``, ``--log_device_placement``,
     ``--batch_size``, ``--data_dir``).
     """
-    parser.add_argument("model", choices=_MODELS, help="which built-in model to train")
+    parser.add_argument("model", nargs="?", choices=_MODELS, default=None,
+                        help="which built-in model to train; default: the one --config or "
+                        "the resumed run's run.yaml names")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="a YAML or JSON file of settings named as these options "
+                        "(batch_size: 64); flags given here override it")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--num-gpus", "--num_gpus", type=int, default=None, metavar="N",
                        help="replicas on this machine, one per GPU (NCCL); default: one process")
-    where.add_argument("--replicas", type=int, default=None, metavar="N",
-                       help="replicas on this machine as CPU processes (Gloo); "
-                       "default: one process")
+    where.add_argument("--replicas", "--workers", type=int, default=None, metavar="N",
+                       help="replicas (with --ps: workers) on this machine as CPU processes "
+                       "(Gloo); default: one process")
     parser.add_argument("--device", default=None,
                         help="device of a single-process run, e.g. /cpu:0 or /gpu:1; "
                         "default: the first GPU, else the CPU")
     parser.add_argument("--train-dir", "--train_dir", default=None, metavar="DIR",
-                        help="checkpoints and summaries; default: /tmp/<model>_train")
+                        help="checkpoints, summaries and run.yaml; default: /tmp/<model>_train")
     parser.add_argument("--max-steps", "--max_steps", type=int, default=1000000, metavar="N",
                         help="global step at which training stops")
     parser.add_argument("--batch-size", "--batch_size", type=int, default=128, metavar="N",
@@ -80,12 +114,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(0: only at the last)")
     parser.add_argument("--max-to-keep", type=int, default=5, metavar="N",
                         help="how many recent checkpoints to keep")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="initial learning rate; default: 0.1")
-    parser.add_argument("--lr-decay-factor", type=float, default=0.1, metavar="F",
-                        help="the learning rate is multiplied by F every --epochs-per-decay")
-    parser.add_argument("--epochs-per-decay", type=float, default=None, metavar="E",
-                        help="epochs between learning-rate decays; default: 350")
     parser.add_argument("--ema-decay", type=float, default=0.9999, metavar="D",
                         help="decay of the parameters' moving averages, which eval "
                         "scores (0: none)")
@@ -93,11 +121,92 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="seed of the initialisation, the data order and the distortions")
     parser.add_argument("--no-progress", action="store_true",
                         help="never show a progress bar (shown when stderr is a terminal)")
-    parser.add_argument("--ps", type=int, default=0, metavar="K",
-                        help="train with K local parameter-server tasks instead of all-reduce")
-    parser.add_argument("--mode", choices=("async", "sync", "ssp"), default="async",
-                        help="parameter-server update mode (with --ps)")
+    _add_optimizer_arguments(parser.add_argument_group(
+        "optimizer (applied by the ps tasks with --ps)"))
+    _add_ps_arguments(parser.add_argument_group(
+        "parameter-server strategy (with --ps K, or a cluster with a ps job)"))
+    mirrored = parser.add_argument_group(
+        "all-reduce replicas (with --replicas / --num-gpus, or a cluster without a ps job)")
+    mirrored.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                          help="collective backend; default: nccl on GPUs, gloo on CPUs")
+    mirrored.add_argument("--collective-timeout", type=float, default=1800.0, metavar="SECONDS",
+                          help="how long a collective waits for the other replicas")
     return parser
+
+
+def _add_optimizer_arguments(group: Any) -> None:
+    group.add_argument("--optimizer", choices=_OPTIMIZERS, default="sgd",
+                       help="'momentum' is SGD with --momentum")
+    group.add_argument("--lr", type=float, default=None,
+                       help="initial learning rate; default: 0.1")
+    group.add_argument("--lr-decay-factor", type=float, default=0.1, metavar="F",
+                       help="the learning rate is multiplied by F every --epochs-per-decay")
+    group.add_argument("--epochs-per-decay", type=float, default=None, metavar="E",
+                       help="epochs between learning-rate decays; default: 350")
+    group.add_argument("--momentum", type=float, default=0.0, metavar="M",
+                       help="momentum of 'momentum' (and of 'sgd' when not 0)")
+    group.add_argument("--weight-decay", type=float, default=0.0, metavar="W",
+                       help="L2 penalty added to every gradient")
+    group.add_argument("--adam-beta1", type=float, default=0.9, metavar="B",
+                       help="Adam's first-moment decay")
+    group.add_argument("--adam-beta2", type=float, default=0.999, metavar="B",
+                       help="Adam's second-moment decay")
+    group.add_argument("--eps", type=float, default=1e-8,
+                       help="Adam's and Adagrad's epsilon")
+    group.add_argument("--initial-accumulator-value", type=float, default=0.1, metavar="V",
+                       help="Adagrad's initial accumulator")
+
+
+def _add_ps_arguments(group: Any) -> None:
+    group.add_argument("--ps", type=int, default=0, metavar="K",
+                       help="train with K local parameter-server tasks instead of all-reduce")
+    group.add_argument("--mode", choices=_MODES, default="async",
+                       help="how the ps tasks apply the workers' gradients")
+    group.add_argument("--staleness", type=int, default=2, metavar="N",
+                       help="--mode ssp: pushes a worker may run ahead of the slowest")
+    group.add_argument("--replicas-to-aggregate", type=int, default=None, metavar="N",
+                       help="--mode sync: gradients averaged per step; the workers beyond N "
+                       "are backups; default: every worker")
+    group.add_argument("--ps-strategy", choices=_PS_STRATEGIES, default="round_robin",
+                       help="how variables are spread over the ps tasks: in turn, or "
+                       "'greedy' by bytes")
+    group.add_argument("--partition-threshold", type=byte_count, default=None, metavar="BYTES",
+                       help="split a variable larger than this across the ps tasks (e.g. "
+                       "1048576 or 64MiB); default: never")
+    group.add_argument("--ps-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="deadline of each call to a ps task")
+    group.add_argument("--step-timeout", "--aggregation-timeout", type=float, default=120.0,
+                       metavar="SECONDS",
+                       help="--mode sync / ssp: how long a push waits for the other workers")
+    group.add_argument("--init-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="how long a worker waits for the chief to initialise the ps tasks")
+    group.add_argument("--on-bad-gradient", choices=("raise", "skip"), default="raise",
+                       help="a NaN / inf gradient stops training, or is skipped with a warning")
+    group.add_argument("--ps-prefetch", action="store_true",
+                       help="push and pull in the background while the next batch is prepared "
+                       "(the step log then lags by one push)")
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2,
+               "mb": 1000 ** 2, "mib": 1024 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+               "gib": 1024 ** 3}
+
+
+def byte_count(text: str) -> int:
+    """A size in bytes: ``1048576``, ``64MiB``, ``1.5GB`` (an argparse type).
+
+    Example:
+        >>> byte_count("64MiB"), byte_count("2kb"), byte_count("100")
+        (67108864, 2000, 100)
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _BYTE_UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ValueError(f"{text!r} is not a size in bytes such as 1048576, 512KiB or 64MiB")
+    value = float(match.group(1)) * unit
+    if value < 1:
+        raise ValueError(f"{text!r} is less than one byte")
+    return int(value)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -116,7 +225,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         train_dir=args.train_dir or f"/tmp/{args.model}_train", max_steps=args.max_steps,
         batch_size=args.batch_size, log_every=args.log_every, summary_every=args.summary_every,
         checkpoint_every=args.checkpoint_every, max_to_keep=args.max_to_keep,
-        ema_decay=args.ema_decay if args.ema_decay > 0 else None, seed=args.seed,
+        ema_decay=args.ema_decay if args.ema_decay else None, seed=args.seed,
         progress=False if args.no_progress else None,
         log_device_placement=args.log_device_placement)
 
@@ -130,12 +239,179 @@ def build_data_options(args: argparse.Namespace) -> DataOptions:
                        download=not args.no_download)
 
 
+def build_optimizer(args: argparse.Namespace) -> OptimizerConfig:
+    """The :class:`OptimizerConfig` the options describe (``lr`` None: the task's)."""
+    from towerflow.strategies.base import OptimizerConfig
+    from towerflow.training.tasks import get_task
+
+    lr = args.lr if args.lr is not None else get_task(args.model).default_lr
+    return OptimizerConfig(args.optimizer, lr=lr,
+                           momentum=args.momentum, weight_decay=args.weight_decay,
+                           betas=(args.adam_beta1, args.adam_beta2), eps=args.eps,
+                           initial_accumulator_value=args.initial_accumulator_value)
+
+
+@cache
+def _defaults() -> dict[str, Any]:
+    from towerflow.cli._config import option_actions
+
+    parser = add_train_arguments(argparse.ArgumentParser(add_help=False))
+    return {dest: action.default for dest, action in option_actions(parser).items()}
+
+
+def _flag(dest: str) -> str:
+    from towerflow.cli._config import flag_of, option_actions
+
+    return flag_of(option_actions(add_train_arguments(argparse.ArgumentParser()))[dest])
+
+
+def strategy_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """The keyword options of the strategy ``kind`` (a registry name) that ``args`` give.
+
+    A flag of another strategy, or of another ``--mode``, set to anything but
+    its default is refused, never ignored.
+
+    Raises:
+        InvalidArgumentError: such a flag, given here or recorded by the run resumed.
+    """
+    from towerflow.errors import InvalidArgumentError
+    from towerflow.training.runconfig import MAY_CHANGE, PER_RUN, RUN_FILE
+
+    explicit = getattr(args, "_explicit", None)
+    options: dict[str, Any] = {}
+    for dest, (owner, keyword) in _STRATEGY_OPTIONS.items():
+        value = getattr(args, dest)
+        mode = _MODE_OPTIONS.get(dest) if owner == kind else None
+        if owner == kind and (mode is None or mode == args.mode):
+            options[keyword] = value
+            continue
+        if value == _defaults()[dest]:
+            continue
+        if explicit is not None and dest not in explicit:  # taken from the resumed run
+            if dest in MAY_CHANGE | PER_RUN:
+                setattr(args, dest, _defaults()[dest])
+                continue
+            raise InvalidArgumentError(
+                f"{args.train_dir!r} holds a run trained with {_flag(dest)} {value} "
+                f"({RUN_FILE}), which this run, with {_KINDS[kind]}, cannot keep; resume it "
+                f"as it was trained ({_KINDS[owner]}), or start a new run with another "
+                "--train-dir.")
+        where = f"--mode {args.mode}" if mode else _KINDS[kind]
+        need = f"--mode {mode}" if mode else _KINDS[owner]
+        raise InvalidArgumentError(
+            f"{_flag(dest)} {value} does not apply: this run trains with {where}; remove it, "
+            f"or train with {need}.")
+    return options
+
+
+def build_strategy(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Strategy:
+    """The strategy of this process's task of the environment's cluster, with the options."""
+    from towerflow.cluster import resolve_cluster
+    from towerflow.strategies.choose import choose_kind, choose_strategy
+
+    env = os.environ if env is None else env
+    cluster, task = resolve_cluster(env=env)
+    options = strategy_options(args, choose_kind(cluster, task))
+    return choose_strategy(device=_device(args, cluster, task), env=env, **options)
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill ``args`` from its ``--config`` file and the record of the run it resumes.
+
+    Flags given on the command line (``args._argv``, set by the ``towerflow``
+    entry point) win over the file, the file over the record, the record
+    over the defaults. ``args._explicit`` becomes the names the command line
+    or the file set.
+
+    Raises:
+        InvalidArgumentError: an unknown setting or bad value in the file, no
+            model named anywhere, or a resume that changes a setting it may not.
+    """
+    from towerflow.cli._config import (
+        check_exclusive,
+        convert_settings,
+        given_dests,
+        merge_layers,
+        option_actions,
+    )
+    from towerflow.training.runconfig import normalize_settings, read_settings_file
+
+    parser = add_train_arguments(argparse.ArgumentParser(add_help=False))
+    actions = option_actions(parser, skip=frozenset({"config"}))
+    argv = getattr(args, "_argv", None)
+    given = (given_dests(parser, argv) if argv is not None
+             else {d for d, a in actions.items() if getattr(args, d) != a.default})
+    explicit = {d: getattr(args, d) for d in given if d in actions}
+    if args.config:
+        source = f"--config {args.config}"
+        from_file = convert_settings(parser, normalize_settings(
+            read_settings_file(args.config), actions, source), source)
+        check_exclusive(parser, from_file, source)
+        explicit = merge_layers(parser, from_file, explicit)
+    for dest, value in explicit.items():
+        setattr(args, dest, value)
+    args.config = None  # its settings are in args now: a replica gets them as flags
+    _resume(args, parser, explicit)
+    args._explicit = frozenset(explicit)
+    return args
+
+
+def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
+            explicit: Mapping[str, Any]) -> None:
+    """Check the settings against the record of the run resumed, and take the rest from it."""
+    from towerflow.cli._config import convert_settings, flag_of, option_actions
+    from towerflow.errors import InvalidArgumentError
+    from towerflow.training.runconfig import (
+        PER_RUN,
+        RUN_FILE,
+        conflict_message,
+        holds_checkpoint,
+        load_run_settings,
+        normalize_settings,
+        resume_conflicts,
+    )
+
+    if args.train_dir is None and args.model is not None:
+        args.train_dir = f"/tmp/{args.model}_train"
+    saved = None
+    if args.train_dir is not None and holds_checkpoint(args.train_dir):
+        saved = load_run_settings(args.train_dir)
+    if saved is not None:
+        actions = option_actions(parser, skip=frozenset({"config"}))
+        source = str(Path(args.train_dir) / RUN_FILE)
+        saved = convert_settings(parser, normalize_settings(saved, actions, source), source)
+        conflicts = resume_conflicts(saved, explicit)
+        if conflicts:
+            flags = {dest: flag_of(action) for dest, action in actions.items()}
+            raise InvalidArgumentError(conflict_message(args.train_dir, conflicts, flags))
+        reused = sorted(d for d in saved if d not in explicit and d not in PER_RUN)
+        for dest in reused:
+            setattr(args, dest, saved[dest])
+        log.info("resuming %s with its recorded settings (%s)", args.train_dir,
+                 ", ".join(f"{d}={saved[d]}" for d in reused) or "all given here")
+    if args.model is None:
+        raise InvalidArgumentError(
+            "towerflow train needs a model: name it (cifar10 or digits), give a --config file "
+            "that names it, or a --train-dir whose run.yaml does.")
+    if args.train_dir is None:
+        args.train_dir = f"/tmp/{args.model}_train"
+
+
+def _record(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of this run, for its ``run.yaml``."""
+    return {dest: getattr(args, dest) for dest in _defaults() if dest != "config"}
+
+
 def replica_argv(args: argparse.Namespace) -> list[str]:
-    """The command each spawned replica or task runs: ``towerflow train``, every flag kept."""
+    """The command each spawned replica or task runs: ``towerflow train``, every flag kept.
+
+    Every setting is written out, defaults included, so that a replica trains
+    with exactly the settings this process resolved.
+    """
     parser = add_train_arguments(argparse.ArgumentParser(add_help=False))
     verbose = ["--verbose"] if getattr(args, "verbose", False) else []
     return [sys.executable, "-m", "towerflow", *verbose, "train",
-            *argv_from_namespace(parser, args)]
+            *argv_from_namespace(parser, args, defaults=True)]
 
 
 def require_gpus(count: int, role: str = "replicas") -> None:
@@ -185,6 +461,7 @@ def _launch_local(args: argparse.Namespace, count: int) -> int:
     """Start this command again as the processes of a local cluster (``--ps``) or world."""
     from towerflow.cluster.launcher import launch_cluster, spawn_replicas
 
+    strategy_options(args, "ps" if args.ps else "mirrored")  # refuse before anything starts
     if args.num_gpus:
         require_gpus(args.num_gpus, role="workers" if args.ps else "replicas")
     if not args.ps:
@@ -202,6 +479,7 @@ def run(args: argparse.Namespace) -> int:
     ``--num-gpus``), else in this process alone."""
     from towerflow.cluster import resolve_cluster
 
+    resolve_args(args)
     count = _local_count(args)
     cluster, task = resolve_cluster()
     if cluster is None and (args.ps or count > 1):
@@ -212,15 +490,14 @@ def run(args: argparse.Namespace) -> int:
 
     if cluster is not None and task not in cluster.replicas:
         return serve_task(cluster, task)
-    from towerflow.strategies.choose import choose_strategy
     from towerflow.training.run import run_training
 
-    options = {"mode": args.mode} if cluster is not None and "ps" in cluster else {}
-    strategy = choose_strategy(device=_device(args, cluster, task), **options)
+    strategy = build_strategy(args)
     try:
         run_training(args.model, build_config(args), data=build_data_options(args), lr=args.lr,
                      lr_decay_factor=args.lr_decay_factor,
-                     epochs_per_decay=args.epochs_per_decay, strategy=strategy)
+                     epochs_per_decay=args.epochs_per_decay, strategy=strategy,
+                     optimizer=build_optimizer(args), settings=_record(args))
     finally:
         strategy.shutdown()
     return 0

@@ -16,68 +16,53 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from towerflow.errors import DataLossError, NotFoundError
+from towerflow.errors import NotFoundError
+from towerflow.training.runconfig import load_run_settings
 from towerflow.training.tasks import DataOptions, Task, get_task
 
-__all__ = ["DATA_FILE", "EvalResult", "evaluate", "evaluate_checkpoint", "load_data_options",
-           "save_data_options"]
-
-#: the file in a train dir that records the data a run was trained with
-DATA_FILE = "data.json"
+__all__ = ["EvalResult", "evaluate", "evaluate_checkpoint", "load_data_options",
+           "data_options_from"]
 
 
-def save_data_options(train_dir: str | Path, data: DataOptions) -> Path:
-    """Record in ``train_dir`` where the run's data comes from, for evaluation to reuse.
-
-    The data directory is stored as an absolute path, so an evaluation started
-    from another directory reads the same files. The write is atomic.
+def data_options_from(settings: Mapping[str, Any]) -> DataOptions:
+    """The :class:`DataOptions` of a run's recorded settings (absent ones: the defaults).
 
     Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = save_data_options(d, DataOptions(synthetic=True, synthetic_examples=16))
-        ...     load_data_options(d).synthetic_examples
-        16
+        >>> data_options_from({"data": "synthetic", "synthetic_examples": 16}).synthetic
+        True
     """
-    from towerflow.checkpoint.atomic import write_file_atomic
-
-    fields = dataclasses.asdict(data)
-    fields["data_dir"] = str(Path(data.data_dir).absolute())
-    path = Path(train_dir) / DATA_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file_atomic(path, json.dumps(fields, indent=2, sort_keys=True) + "\n")
-    return path
+    default = DataOptions()
+    return DataOptions(
+        data_dir=settings.get("data_dir") or default.data_dir,
+        synthetic=settings.get("data", "real") == "synthetic",
+        synthetic_examples=settings.get("synthetic_examples", default.synthetic_examples),
+        download=not settings.get("no_download", not default.download))
 
 
 def load_data_options(train_dir: str | Path) -> DataOptions | None:
-    """The data options :func:`save_data_options` recorded in ``train_dir``, or None.
+    """The data options of the run recorded in ``train_dir`` (``run.yaml``), or None.
+
+    Example:
+        >>> import tempfile
+        >>> from towerflow.training.runconfig import save_run_settings
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = save_run_settings(d, {"data": "synthetic", "synthetic_examples": 16})
+        ...     load_data_options(d).synthetic_examples
+        16
 
     Raises:
-        DataLossError: the file exists but is not the JSON object it writes.
+        DataLossError: the record exists but is not a mapping of settings.
     """
-    path = Path(train_dir) / DATA_FILE
-    if not path.is_file():
-        return None
-    known = {f.name: f.type for f in dataclasses.fields(DataOptions)}
-    try:
-        raw = json.loads(path.read_text())
-        if not isinstance(raw, dict):
-            raise TypeError(f"a JSON {type(raw).__name__}, not an object")
-        return DataOptions(**{k: v for k, v in raw.items() if k in known})
-    except (ValueError, TypeError) as exc:
-        raise DataLossError(
-            f"{str(path)!r} does not hold a run's data settings ({exc}); delete it and give "
-            "the data options (--data, --data-dir, --synthetic-examples) on the command line."
-        ) from exc
+    settings = load_run_settings(train_dir)
+    return None if settings is None else data_options_from(settings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +109,7 @@ def evaluate_checkpoint(task: str | Task, train_dir: str | Path, *,
     The moving averages (group ``ema``) replace the parameters when the
     checkpoint has them, as ``cifar10_eval.py`` restores them. With ``data``
     None, the test split comes from the data the run was trained with (as
-    recorded by :func:`save_data_options`), else from the task's usual place.
+    recorded in the train dir's ``run.yaml``), else from the task's usual place.
 
     Raises:
         NotFoundError: ``train_dir`` holds no checkpoint.
