@@ -19,7 +19,7 @@ import torch
 from towerflow.checkpoint import CheckpointManager, latest_checkpoint, read_checkpoint
 from towerflow.checkpoint.atomic import HOST_TAG
 from towerflow.checkpoint.format import write_checkpoint_dir
-from towerflow.errors import InvalidArgumentError, NotFoundError
+from towerflow.errors import CheckpointError, InvalidArgumentError, NotFoundError
 
 
 def _groups(step: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -105,13 +105,14 @@ def test_truncated_latest_falls_back_to_previous(tmp_path: Path, caplog: pytest.
     assert re.search(r"ckpt-00000006/model\.safetensors.*truncated", caplog.text)
 
 
-def test_all_corrupt_means_no_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_all_corrupt_is_refused_and_nothing_is_pruned(tmp_path: Path) -> None:
     mgr = CheckpointManager(tmp_path)
     only = mgr.save(1, _groups(1))
     (only / "manifest.json").write_text("garbage")
-    with caplog.at_level(logging.WARNING, logger="towerflow.checkpoint"):
-        assert mgr.restore() is None
-    assert "Every checkpoint" in caplog.text
+    with pytest.raises(CheckpointError, match=r"Every checkpoint in .* is damaged: .*ckpt-00000001"
+                       r".*Restore a backup of the train dir, or train again in a new one"):
+        mgr.restore()
+    assert only.is_dir() and (only / "manifest.json").read_text() == "garbage"
 
 
 def test_temp_dirs_are_ignored_by_readers_and_removed_by_the_next_manager(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ _LAZY: dict[str, str] = {
     "get_config": "towerflow.devices",
     # checkpoint
     "save": "towerflow.checkpoint",
-    "load": "towerflow.checkpoint",
+    "load": "towerflow._public",
     "CheckpointManager": "towerflow.checkpoint",
     "latest_checkpoint": "towerflow.checkpoint",
     "Checkpoint": "towerflow.checkpoint",

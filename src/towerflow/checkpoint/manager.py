@@ -324,16 +324,20 @@ class CheckpointManager:
         """Read the newest checkpoint that verifies onto ``device``; None if there is none.
 
         A damaged checkpoint is skipped with a warning saying what is wrong
-        with it, and the previous complete one is read instead; when every
-        checkpoint is damaged a warning lists them and None is returned.
+        with it, and the previous complete one is read instead. When every
+        checkpoint is damaged nothing is read and nothing is assumed: starting
+        from step 0 would later prune the damaged checkpoints away, so that is
+        an error the operator resolves.
 
         Args:
             device: A ``torch.device`` or a torch name (``"cpu"``, ``"cuda:0"``).
+
+        Raises:
+            CheckpointError: every checkpoint in the directory is damaged.
         """
         found, bad = _first_good(self.directory, lambda p: _read_member(p, device, True))
         if found is None and bad:
-            logger.warning("Every checkpoint in %s is damaged (%s); starting without one.",
-                           self.directory, "; ".join(bad))
+            raise _all_damaged(self.directory, bad)
         return found
 
     def restore_or_raise(self, device: str | torch.device | None = "cpu") -> Checkpoint:
