@@ -1,0 +1,116 @@
+"""A ps that one slow or hostile peer holding the cluster secret cannot stall or exhaust."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from towerflow.cluster.transport import make_channel
+from towerflow.ps import AggregationConfig, PSClient, plan_placement
+from towerflow.ps import ps_pb2 as pb
+from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster
+
+NUMEL = 1 << 20  # 4 MiB: a push streams in four 1 MiB chunks
+
+
+def _steps(clients: list[PSClient], params, n: int) -> float:
+    """Median seconds of one push-and-pull round of every client (together)."""
+    grads = [np.full(NUMEL, 1e-3, np.float32)]
+
+    def one(c: PSClient) -> None:
+        assert c.push(grads, lr=0.1, pull_into=params[c.worker_id]).applied
+
+    times = []
+    with ThreadPoolExecutor(len(clients)) as pool:
+        for _ in range(n):
+            start = time.perf_counter()
+            list(pool.map(one, clients))
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_peer_stalled_half_way_through_its_push_does_not_slow_honest_workers(
+        subprocess_env, mode):
+    spec = loopback_cluster(1, 3)
+    with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"],
+                      env=subprocess_env) as lc:
+        lc.start("ps", 0).wait_for_line(r"ps task 0 serving at", timeout=60)
+        placement = plan_placement({"w": (NUMEL,)}, 1)
+        honest = [PSClient(spec, placement, worker_id=w, credentials=lc.credentials,
+                           timeout=10.0) for w in (0, 2)]
+        params = {w: [np.empty(NUMEL, np.float32)] for w in (0, 2)}
+        release = threading.Event()
+        channel = make_channel(spec.task_address("ps", 0), lc.credentials)
+        try:
+            honest[0].initialize([np.zeros(NUMEL, np.float32)],
+                                 optimizer=pb.OptimizerSpec(name="sgd"),
+                                 aggregation=AggregationConfig(mode, total_num_replicas=3,
+                                                               replicas_to_aggregate=2))
+            _steps(honest, params, 3)  # warm up
+            alone = _steps(honest, params, 15)
+            head = pb.PushRequest(worker_id=1, incarnation=1, seq=1, lr=0.1, dtype="float32",
+                                  numel=NUMEL, token=honest[0].global_step())
+
+            def half_then_stall():
+                yield head.SerializeToString()
+                yield np.ones(NUMEL // 2, np.float32).tobytes()
+                release.wait(120)
+
+            hostile = channel.stream_unary("/towerflow.ps.PS/Push").future(
+                half_then_stall(), timeout=120)
+            shard = honest[0].shards[0]
+            deadline = time.monotonic() + 30
+            while shard.status().staged_bytes < NUMEL * 2:  # the half payload has arrived
+                assert time.monotonic() < deadline, "the hostile half payload never arrived"
+                time.sleep(0.02)
+            with_hostile = _steps(honest, params, 15)
+            assert with_hostile <= 2 * alone + 0.05, (alone, with_hostile)
+            assert not hostile.done()  # it is still stalled, holding its bytes
+        finally:
+            release.set()
+            channel.close()
+            for c in honest:
+                c.close(done=False)
+    assert leftover_processes() == []
+
+
+def test_refused_pushes_with_huge_segment_lists_leave_status_small(free_ports) -> None:
+    from towerflow.cluster import ClusterSpec, Server
+    from towerflow.cluster.transport import Credentials
+    from towerflow.ps import PSService
+
+    secret = Credentials(secret=b"hostile-test")
+    port, worker_port = free_ports(2)
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{port}"], "worker": [f"127.0.0.1:{worker_port}"]})
+    server = Server(spec, "ps", 0, credentials=secret, start=False)
+    server.add_handlers([PSService(0).handlers()])
+    server.start()
+    client = PSClient(spec, plan_placement({"w": (4,)}, 1), worker_id=0, credentials=secret,
+                      timeout=30.0)
+    try:
+        client.initialize([np.zeros(4, np.float32)], optimizer=pb.OptimizerSpec(name="sgd"),
+                          aggregation=AggregationConfig())
+        shard = client.shards[0]
+        big = pb.PushRequest(worker_id=0, incarnation=1, lr=0.1, numel=4, segments=[
+            pb.SegmentSignature(name=f"v{i:07d}" + "x" * 40, shape=[i, i])
+            for i in range(540_000)])
+        assert big.ByteSize() > 30 << 20
+        for seq in (1, 2, 3):
+            big.seq = seq
+            reply = pb.PushReply.FromString(shard.channel.stream_unary(
+                "/towerflow.ps.PS/Push")(iter([big.SerializeToString()]), timeout=60))
+            assert reply.status == "refused" and len(reply.message) < 2048
+        status = shard.status()
+        assert status.ByteSize() < 64 << 10 and status.stats["refused"] == 3
+        assert client.global_step() == 0
+    finally:
+        client.close(done=False)
+        server.stop()
