@@ -114,6 +114,8 @@ def test_local_index_refuses_an_id_of_another_shard():
         part.local_index(torch.tensor([2, 3]), 0)
     with pytest.raises(InvalidArgumentError, match=r"Shard 2 does not exist; .*shards 0 \.\. 1"):
         part.global_ids(2)
+    with pytest.raises(InvalidArgumentError, match=r"ids\[2\] = 7 belongs to shard 2, not shard 1"):
+        RangePartitioner(10, 3).local_index(torch.tensor([4, 6, 7]), 1)
 
 
 @pytest.mark.parametrize(
@@ -161,6 +163,14 @@ def test_coalesce_sums_duplicates():
     unique, summed = coalesce(ids, grads)
     assert unique.tolist() == [0, 2, 7]
     assert summed.tolist() == [[8.0, 9.0], [2.0, 3.0], [0 + 4 + 6, 1 + 5 + 7]]
+
+
+def test_coalesce_sorts_and_sums_sorted_duplicates_and_passes_unique_sorted_ids_through():
+    unique, summed = coalesce(torch.tensor([1, 1, 2]), torch.tensor([[1.0], [2.0], [4.0]]))
+    assert unique.tolist() == [1, 2] and summed.tolist() == [[3.0], [4.0]]
+    ids, grads = torch.tensor([1, 5, 9]), torch.ones(3, 2)
+    out_ids, out_grads = coalesce(ids, grads)
+    assert out_ids is ids and out_grads is grads
 
 
 def test_check_ids_returns_the_tensor():

@@ -167,6 +167,13 @@ def test_import_without_slots_starts_their_optimizer_state_afresh():
     assert bool(out.slots["linear"][[4, 6]].eq(0.0).all())
 
 
+def test_huge_finite_values_are_accepted():
+    store = stores(ModPartitioner(1, num_rows=NUM_ROWS), SparseSGD())[0]
+    rows = torch.full((2, DIM), 3e38)  # their float32 sum overflows; every value is finite
+    store.import_(torch.tensor([1, 2]), rows)
+    assert torch.equal(store.lookup(torch.tensor([2, 1])), rows)
+
+
 def test_uniform_rows_do_not_depend_on_the_sharding():
     one = gather(stores(ModPartitioner(1, num_rows=NUM_ROWS), SparseSGD()))
     three = gather(stores(RangePartitioner(NUM_ROWS, 3), SparseSGD()))

@@ -94,18 +94,28 @@ def check_ids(ids: object, what: str = "ids") -> torch.Tensor:
     return ids
 
 
+def _increasing(ids: torch.Tensor) -> bool:
+    return bool((ids[1:] > ids[:-1]).all())
+
+
 def coalesce(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the rows of ``grads`` that share an id; return (sorted unique ids, sums).
 
     What TensorFlow does to an ``IndexedSlices`` gradient before a sparse
-    apply (``_deduplicate_indexed_slices``). No validation: check the inputs
-    first.
+    apply (``_deduplicate_indexed_slices``). Ids already strictly increasing
+    (``torch.unique``'s output) are returned as they are, with ``grads``. No
+    validation: check the inputs first.
 
     Example:
         >>> ids, g = coalesce(torch.tensor([5, 2, 5]), torch.tensor([[1.0], [2.0], [4.0]]))
         >>> ids.tolist(), g.tolist()
         ([2, 5], [[2.0], [5.0]])
     """
+    if ids.numel() < 2 or _increasing(ids):
+        return ids, grads  # already sorted and unique: nothing to sum
+    ordered, order = torch.sort(ids)
+    if _increasing(ordered):  # unique: a permutation is much cheaper than a sum
+        return ordered, grads.index_select(0, order)
     unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     summed = grads.new_zeros((unique.numel(), *grads.shape[1:]))
     summed.index_add_(0, inverse, grads)
@@ -135,6 +145,10 @@ class Partitioner(abc.ABC):
         """Row inside ``shard`` of each (already checked) id of that shard."""
 
     @abc.abstractmethod
+    def _all_in(self, ids: torch.Tensor, shard: int) -> bool:
+        """Whether every (already checked, non-empty) id belongs to ``shard``."""
+
+    @abc.abstractmethod
     def global_ids(self, shard: int) -> torch.Tensor:
         """The global ids ``shard`` holds, in the order of its local rows (int64)."""
 
@@ -152,8 +166,9 @@ class Partitioner(abc.ABC):
         ids = check_ids(ids, what)
         if self.num_rows is None or ids.numel() == 0:
             return ids
-        bad = (ids < 0) | (ids >= self.num_rows)
-        if bool(bad.any()):
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= self.num_rows:
+            bad = (ids < 0) | (ids >= self.num_rows)
             pos = int(bad.nonzero()[0, 0])
             raise InvalidArgumentError(
                 f"{what}[{pos}] = {int(ids[pos])} is not in [0, {self.num_rows}), the rows of "
@@ -186,7 +201,7 @@ class Partitioner(abc.ABC):
         """
         shard = self.check_shard(shard)
         ids = self.check(ids)
-        if ids.numel():
+        if ids.numel() and not self._all_in(ids, shard):
             owner = self._shard_of(ids)
             bad = owner != shard
             if bool(bad.any()):
@@ -239,6 +254,9 @@ class ModPartitioner(Partitioner):
 
     def _local(self, ids: torch.Tensor, shard: int) -> torch.Tensor:
         return torch.div(ids, self.num_shards, rounding_mode="floor")
+
+    def _all_in(self, ids: torch.Tensor, shard: int) -> bool:
+        return self.num_shards == 1 or not bool((self._shard_of(ids) != shard).any())
 
     def _bounded(self) -> int:
         if self.num_rows is None:
@@ -293,6 +311,10 @@ class RangePartitioner(Partitioner):
 
     def _local(self, ids: torch.Tensor, shard: int) -> torch.Tensor:
         return ids - self._start(shard)
+
+    def _all_in(self, ids: torch.Tensor, shard: int) -> bool:
+        low, high = torch.aminmax(ids)
+        return self._start(shard) <= int(low) and int(high) < self._start(shard + 1)
 
     def rows_in_shard(self, shard: int) -> int:
         shard = self.check_shard(shard)

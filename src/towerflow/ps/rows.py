@@ -351,7 +351,9 @@ class RowStore(abc.ABC):
                 f"{what} has dtype {values.dtype} but the table holds {self.dtype}; convert "
                 f"with .to({self.dtype})."
             )
-        finite = torch.isfinite(values).all(dim=1)
+        if bool(torch.isfinite(values.sum())):  # one reduction; a NaN or inf spoils the sum
+            return values
+        finite = torch.isfinite(values).all(dim=1)  # (or the sum overflowed)
         if not bool(finite.all()):
             pos = int((~finite).nonzero()[0, 0])
             raise InvalidArgumentError(
@@ -429,7 +431,7 @@ class DenseRowStore(RowStore):
         grads = self._check_values("row_grads", row_grads, ids)
         lr, step = self.optimizer.check_step(lr, step)
         if local.numel():
-            local, grads = coalesce(local, grads)
+            local, grads = coalesce(local, grads)  # local ids keep the global ids' order
             self.optimizer.apply(self._rows, self._slots, local, grads, lr, step)
 
     def export(self) -> RowExport:
