@@ -16,6 +16,7 @@ from towerflow.ps.rows import (
     RowStore,
     UniformRows,
     initializer_from_dict,
+    row_store_from_dict,
     split_export,
 )
 from towerflow.ps.sparse_optim import (
@@ -201,6 +202,29 @@ def test_sizes_and_description():
     assert isinstance(store, RowStore)
 
 
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=repr)
+def test_a_store_rebuilt_from_its_description_starts_the_same(opt):
+    store = DenseRowStore(RangePartitioner(NUM_ROWS, 3), 2, DIM, opt, dtype=torch.float64,
+                          initializer=UniformRows(-0.5, 0.5, seed=4))
+    again = row_store_from_dict(json.loads(json.dumps(store.describe())))
+    assert again.describe() == store.describe()
+    assert_same(again.export(), store.export())
+
+
+@pytest.mark.parametrize(
+    ("edit", "pattern"),
+    [({"dtype": "float16"}, r"Unknown row store kind 'dense' or dtype 'float16'"),
+     ({"kind": "hash"}, r"Unknown row store kind 'hash'"),
+     ({"extra": 1}, r"exactly the keys"),
+     ({"shard": 5}, r"Shard 5 does not exist"),
+     ({"optimizer": {"name": "adam", "hyper": {}}}, r"Unknown sparse optimizer 'adam'")],
+)
+def test_bad_store_descriptions_are_refused(edit, pattern):
+    desc = {**stores(ModPartitioner(2, num_rows=NUM_ROWS), SparseSGD())[0].describe(), **edit}
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        row_store_from_dict(desc)
+
+
 def snapshot(store: DenseRowStore) -> RowExport:
     return store.export()
 
@@ -302,6 +326,9 @@ def test_bad_import_is_refused_with_nothing_changed():
          r"partitioner must be a Partitioner, got dict"),
         (lambda: DenseRowStore(ModPartitioner(1, num_rows=4), 0, DIM, SparseSGD(),
                                dtype=torch.float16), r"dtype must be one of"),
+        (lambda: DenseRowStore(ModPartitioner(1, num_rows=4), 0, DIM, SparseSGD(),
+                               initializer=lambda ids, dim, dtype: None),
+         r"initializer must be a RowInitializer"),
         (lambda: UniformRows(1.0, -1.0), r"need finite minval <= maxval"),
         (lambda: initializer_from_dict({"kind": "normal"}), r"'kind' one of"),
         (lambda: initializer_from_dict({"kind": "uniform", "mean": 0.0}),

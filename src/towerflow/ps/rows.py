@@ -80,8 +80,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.partition import Partitioner, coalesce
-from towerflow.ps.sparse_optim import SparseOptimizer
+from towerflow.ps.partition import Partitioner, coalesce, partitioner_from_dict
+from towerflow.ps.sparse_optim import SparseOptimizer, sparse_optimizer_from_dict
 
 __all__ = [
     "RowStore",
@@ -92,6 +92,7 @@ __all__ = [
     "UniformRows",
     "initializer_from_dict",
     "split_export",
+    "row_store_from_dict",
     "coalesce",
 ]
 
@@ -278,6 +279,11 @@ class RowStore(abc.ABC):
             raise InvalidArgumentError(
                 f"A table's dtype must be one of {[str(d) for d in _FLOAT_DTYPES]}, got {dtype}."
             )
+        if initializer is not None and not isinstance(initializer, RowInitializer):
+            raise InvalidArgumentError(
+                f"initializer must be a RowInitializer (ConstantRows, UniformRows), got "
+                f"{type(initializer).__name__}."
+            )
         self.partitioner = partitioner
         self.shard = shard
         self.dim = dim
@@ -325,7 +331,10 @@ class RowStore(abc.ABC):
         """Bytes of the rows and slots held."""
 
     def describe(self) -> dict[str, Any]:
-        """The store's description (for a checkpoint manifest or the wire)."""
+        """The store's description (for a checkpoint manifest or the wire).
+
+        :func:`row_store_from_dict` builds a fresh store (initial rows) from it.
+        """
         return {"kind": self.kind, "partitioner": self.partitioner.to_dict(),
                 "shard": self.shard, "dim": self.dim,
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -460,3 +469,31 @@ class DenseRowStore(RowStore):
     def __repr__(self) -> str:
         return (f"DenseRowStore(shard {self.shard} of {self.partitioner!r}, {self.num_rows} x "
                 f"{self.dim} {self.dtype}, {self.optimizer!r})")
+
+
+_STORES: dict[str, type[RowStore]] = {"dense": DenseRowStore}
+_DTYPES = {str(d).removeprefix("torch."): d for d in _FLOAT_DTYPES}
+
+
+def row_store_from_dict(data: Mapping[str, Any]) -> RowStore:
+    """A fresh store (rows at their initializer's values) from :meth:`RowStore.describe`.
+
+    Raises:
+        InvalidArgumentError: not such a dict, an unknown kind or dtype, or what
+            the store's constructor refuses.
+    """
+    keys = {"kind", "partitioner", "shard", "dim", "dtype", "optimizer", "initializer"}
+    if not isinstance(data, Mapping) or set(data) != keys:
+        raise InvalidArgumentError(
+            f"A row store is described by a dict with exactly the keys {sorted(keys)}, got "
+            f"{data!r:.200}."
+        )
+    if data["kind"] not in _STORES or data["dtype"] not in _DTYPES:
+        raise InvalidArgumentError(
+            f"Unknown row store kind {data['kind']!r} or dtype {data['dtype']!r}; kinds are "
+            f"{sorted(_STORES)}, dtypes {sorted(_DTYPES)}."
+        )
+    return _STORES[data["kind"]](
+        partitioner_from_dict(data["partitioner"]), data["shard"], data["dim"],
+        sparse_optimizer_from_dict(data["optimizer"]), dtype=_DTYPES[data["dtype"]],
+        initializer=initializer_from_dict(data["initializer"]))
