@@ -58,6 +58,11 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "ps_prefetch": ("ps", "prefetch"),
     "backend": ("mirrored", "backend"), "collective_timeout": ("mirrored", "timeout_s"),
 }
+#: keywords of the strategies that no flag sets: the cluster decides them (the chief by the
+#: cluster's rule, the credentials from its secret, each task runs its own server), and a
+#: device setter is what --ps-strategy and --partition-threshold describe
+FROM_THE_CLUSTER = {"ps": frozenset({"is_chief", "credentials", "server", "device_setter"}),
+                    "mirrored": frozenset()}
 #: ps options that only one update mode uses
 _MODE_OPTIONS = {"staleness": "ssp", "replicas_to_aggregate": "sync"}
 _KINDS = {"ps": "the parameter-server strategy (--ps K, or a cluster with a ps job)",
