@@ -14,8 +14,17 @@ N machines: the same command under torchrun's environment (``torchrun
 ``TF_CONFIG`` without a ps job. With ``--ps K`` (or a ``TF_CONFIG`` naming a
 ``ps`` job) the parameter-server strategy trains instead.
 
-Running the same command again resumes from the latest checkpoint in
-``--train-dir``.
+Settings from a file: ``--config run.yaml`` (or ``.json``) names any of the
+options below by its name (``batch_size: 64`` or ``batch-size: 64``); flags
+given on the command line win over it. When training starts, the chief
+writes the run's resolved settings to ``run.yaml`` in ``--train-dir``, itself
+a valid ``--config`` file; ``towerflow eval`` takes its model and data from it.
+
+Running the same command again (or ``towerflow train --train-dir DIR``)
+resumes from the latest checkpoint in ``--train-dir`` with the settings
+recorded there. A setting that cannot change when a run resumes (the model,
+the batch size, the update mode, the optimizer, ...) stops the command when
+given with another value; the settings listed below may change.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -127,7 +137,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--no-progress", action="store_true",
                         help="never show a progress bar (shown when stderr is a terminal)")
     _add_optimizer_arguments(parser.add_argument_group(
-        "optimizer (applied by the ps tasks with --ps)"))
+        "optimizer (applied by the ps tasks with --ps, else by each replica)"))
     _add_ps_arguments(parser.add_argument_group(
         "parameter-server strategy (with --ps K, or a cluster with a ps job)"))
     mirrored = parser.add_argument_group(
@@ -216,9 +226,14 @@ def byte_count(text: str) -> int:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``towerflow train``."""
+    from towerflow.training.runconfig import MAY_CHANGE, PER_RUN
+
+    epilog = textwrap.fill(
+        f"Settings a resumed run may change: {', '.join(sorted(MAY_CHANGE))}; and, never taken "
+        f"from the record: {', '.join(sorted(PER_RUN))}.", width=78)
     parser = subparsers.add_parser(
-        "train", help="train a built-in model (cifar10, digits)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "train", help="train a built-in model (cifar10, digits)", description=__doc__,
+        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_train_arguments(parser)
 
 
