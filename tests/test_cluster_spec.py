@@ -131,3 +131,25 @@ def test_without_a_chief_job_worker_0_is_chief_and_a_local_job_trains() -> None:
     assert local.num_replicas == 2 and local.is_chief(TaskInfo("local", 0))
     only_ps = ClusterSpec({"ps": ["h:1"]})
     assert only_ps.num_replicas == 0 and only_ps.chief is None
+
+
+def test_a_master_job_is_the_chief_as_in_tensorflow() -> None:
+    spec = ClusterSpec({"master": ["m:1"], "ps": ["p:1"], "worker": ["w:1", "w:2"]})
+    assert spec.replicas == (TaskInfo("master", 0), TaskInfo("worker", 0), TaskInfo("worker", 1))
+    assert spec.num_replicas == 3 and spec.chief == TaskInfo("master", 0)
+    assert spec.is_chief(TaskInfo("master", 0)) and not spec.is_chief(TaskInfo("worker", 0))
+    assert spec.replica_index(TaskInfo("master", 0)) == 0
+    assert spec.replica_index(TaskInfo("worker", 1)) == 2
+
+
+@pytest.mark.parametrize(
+    ("cluster", "pattern"),
+    [
+        ({"chief": ["h:1"], "master": ["h:2"], "worker": ["h:3"]},
+         r"both a 'chief' job \['h:1'\] and a 'master' job \['h:2'\].*keep one"),
+        ({"master": ["h:1", "h:2"]}, r"the cluster has 2 chiefs \['h:1', 'h:2'\] in job 'master'"),
+    ],
+)
+def test_a_second_chief_under_either_name_is_refused(cluster, pattern) -> None:
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        ClusterSpec(cluster)

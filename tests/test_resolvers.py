@@ -139,3 +139,24 @@ def test_is_chief_follows_tensorflow():
     assert is_chief(no_chief, TaskInfo("worker", 0)) and not is_chief(no_chief, TaskInfo("ps", 0))
     local = ClusterSpec({"local": ["localhost:2998", "localhost:2999"]})
     assert is_chief(local, TaskInfo("local", 0)) and not is_chief(local, TaskInfo("local", 1))
+
+
+def test_tf_config_of_a_kubeflow_tfjob_master_makes_it_the_training_chief():
+    cluster = {"master": ["m:1"], "ps": ["p:1"], "worker": ["w:1"]}
+    spec, task = resolve_cluster(env=tf_config("master", 0, cluster))
+    assert task == TaskInfo("master", 0)
+    assert is_chief(spec, task) and task in spec.replicas
+    assert spec.replicas == (TaskInfo("master", 0), TaskInfo("worker", 0))
+    assert not is_chief(spec, TaskInfo("worker", 0))
+
+
+def test_a_ps_task_of_a_tfjob_with_a_master_counts_and_names_the_master_as_replica_0():
+    from types import SimpleNamespace
+
+    from towerflow.ps import ShardHost
+    from towerflow.ps.service import replica_task
+
+    spec, _ = resolve_cluster(env=tf_config("ps", 0, {"master": ["m:1"], "ps": ["p:1"], "worker": ["w:1"]}))
+    assert [replica_task(spec, r) for r in range(3)] == [TaskInfo("master", 0), TaskInfo("worker", 0), None]
+    server = SimpleNamespace(cluster=spec, task=TaskInfo("ps", 0), options=SimpleNamespace(heartbeat=None))
+    assert ShardHost(server).service.replicas == 2

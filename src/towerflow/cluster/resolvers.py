@@ -333,7 +333,7 @@ def resolve_cluster(
 
 
 def is_chief(cluster: ClusterSpec, task: TaskInfo) -> bool:
-    """Whether ``task`` is the chief: task 0 of the ``chief`` job, else worker 0.
+    """Whether ``task`` is the chief: task 0 of the ``chief`` (or ``master``) job, else worker 0.
 
     A cluster with neither job (e.g. only ``local``) makes task 0 of its first
     job that is not ``ps`` the chief.

@@ -16,10 +16,14 @@ The roles of the tasks are computed once, when the spec is built: the
 *replicas* (the tasks that compute gradients: the ``chief`` task first, then
 the ``worker`` tasks in order; in a cluster with neither, the tasks of its
 first job that is not ``ps`` or ``evaluator``), each replica's index, and the
-chief (the ``chief`` task, else replica 0):
+chief (the ``chief`` task, else replica 0). As in TensorFlow, a ``master``
+job (the ``Master`` replica of a Kubeflow TFJob) is another name for the
+``chief`` job; a cluster may not have both:
 
     >>> spec.num_replicas, spec.replica_index(TaskInfo("worker", 0)), spec.chief
     (1, 0, TaskInfo(job_name='worker', task_index=0))
+    >>> ClusterSpec({"master": ["h:1"], "worker": ["h:2"]}).chief
+    TaskInfo(job_name='master', task_index=0)
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ __all__ = [
     "strip_scheme",
 ]
 
+#: the names of the job whose one task is the chief (TensorFlow's ``multi_worker_util``
+#: treats ``master``, the TFJob ``Master`` replica, as ``chief``)
+CHIEF_JOBS = ("chief", "master")
 _JOB_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _HOST = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -147,7 +154,8 @@ class ClusterSpec:
 
     Raises:
         InvalidArgumentError: an empty cluster or job, a malformed job name or
-            address, an address used twice, or more than one chief.
+            address, an address used twice, more than one chief, or both a
+            ``chief`` and a ``master`` job.
     """
 
     __slots__ = ("_jobs", "_replicas")
@@ -265,7 +273,7 @@ class ClusterSpec:
     # -- roles ------------------------------------------------------------
     @property
     def replicas(self) -> tuple[TaskInfo, ...]:
-        """The tasks that train, in replica order (chief first, then the workers)."""
+        """The tasks that train, in replica order (chief or master first, then the workers)."""
         return self._replicas
 
     @property
@@ -279,7 +287,7 @@ class ClusterSpec:
         return self._replicas[0] if self._replicas else None
 
     def is_chief(self, task: TaskInfo) -> bool:
-        """Whether ``task`` is the chief (the ``chief`` task, else the first worker)."""
+        """Whether ``task`` is the chief (the ``chief`` or ``master`` task, else worker 0)."""
         return task == self.chief
 
     def replica_index(self, task: TaskInfo) -> int:
@@ -348,9 +356,11 @@ _SERVING_JOBS = ("ps", "evaluator")
 
 
 def _replica_tasks(jobs: Mapping[str, tuple[str, ...]]) -> tuple[TaskInfo, ...]:
-    """The training tasks: chief then workers, else the first job that is not ps / evaluator."""
-    if "chief" in jobs or "worker" in jobs:
-        names = [job for job in ("chief", "worker") if job in jobs]
+    """The training tasks: chief (or master) then workers, else the first job that is not
+    ps / evaluator."""
+    training = (*CHIEF_JOBS, "worker")
+    if any(job in jobs for job in training):
+        names = [job for job in training if job in jobs]
     else:
         names = [job for job in jobs if job not in _SERVING_JOBS][:1]
     return tuple(TaskInfo(job, i) for job in names for i in range(len(jobs[job])))
@@ -415,11 +425,22 @@ def _validate(jobs: dict[str, tuple[str, ...]]) -> None:
                     "task its own host:port."
                 )
             seen[key] = name
-    if len(jobs.get("chief", ())) > 1:
+    _validate_chief(jobs)
+
+
+def _validate_chief(jobs: Mapping[str, tuple[str, ...]]) -> None:
+    named = [job for job in CHIEF_JOBS if job in jobs]
+    if len(named) > 1:
         raise InvalidArgumentError(
-            f"the cluster has {len(jobs['chief'])} chiefs {list(jobs['chief'])}; a cluster has "
-            "at most one chief task."
+            f"the cluster has both a 'chief' job {list(jobs['chief'])} and a 'master' job "
+            f"{list(jobs['master'])}, two names of the one chief task; keep one of them."
         )
+    for job in named:
+        if len(jobs[job]) > 1:
+            raise InvalidArgumentError(
+                f"the cluster has {len(jobs[job])} chiefs {list(jobs[job])} in job '{job}'; a "
+                "cluster has at most one chief task (put the others in the 'worker' job)."
+            )
 
 
 def _canonical_host(host: str) -> str:

@@ -90,14 +90,13 @@ class ShardHost:
 
         self.server = server
         self.monitor = None
-        jobs = [job for job in ("chief", "worker") if job in server.cluster.jobs]
+        jobs = list(dict.fromkeys(task.job_name for task in server.cluster.replicas))
         if server.options.heartbeat is not None and jobs:
             from towerflow.cluster.heartbeat import HeartbeatMonitor
 
             self.monitor = HeartbeatMonitor(server, jobs=jobs, options=server.options.heartbeat,
                                             start=False)
-        jobs_of = server.cluster.as_dict()
-        replicas = len(jobs_of.get("chief", ())) + len(jobs_of.get("worker", ()))
+        replicas = server.cluster.num_replicas
         self.service = PSService(server.task.task_index,
                                  describe_worker=_worker_describer(server.cluster, self.monitor),
                                  on_worker_done=self._worker_done, replicas=replicas or None)

@@ -20,9 +20,8 @@ method         kind             messages
                                 its threads holds the stream)
 ``Done``       unary            ``DoneRequest`` -> ``Empty``
 ``Ledger``     unary            ``LedgerRequest`` -> ``LedgerReply``: the applied
-                                pushes ``(worker, incarnation, seq, step)``, a
-                                streamed push cut off part way marked partial
-                                with the element range it applied
+                                pushes ``(worker, incarnation, seq, step)``
+                                (each applied whole, once)
 =============  ===============  ===============================================
 
 Control messages are protobuf (``ps.proto``); tensors are raw float32 chunks
@@ -387,8 +386,8 @@ class PSService:
     def ledger(self, request: bytes) -> bytes:
         """The pushes the shard applied since it was initialised (an audit trail).
 
-        A streamed push cut off part way is listed as partial, with the range
-        of elements it applied (:class:`~towerflow.ps.shard.LedgerRecord`).
+        A push is applied whole or not at all, so every entry covers the whole
+        buffer (:class:`~towerflow.ps.shard.LedgerRecord`).
         """
         req = parse_message(pb.LedgerRequest, request, "LedgerRequest")
         state, _ = self.shard
@@ -399,16 +398,9 @@ class PSService:
 
 
 def replica_task(cluster, replica: int):  # noqa: ANN001, ANN201 - cluster types
-    """The ``TaskInfo`` of training replica ``replica`` (the chief is 0 when there is one)."""
-    from towerflow.cluster import TaskInfo
-
-    jobs = cluster.as_dict()
-    chiefs = len(jobs.get("chief", ()))
-    if replica < chiefs:
-        return TaskInfo("chief", replica)
-    if replica - chiefs < len(jobs.get("worker", ())):
-        return TaskInfo("worker", replica - chiefs)
-    return None
+    """The ``TaskInfo`` of training replica ``replica`` (the cluster's roles), or None."""
+    replicas = cluster.replicas
+    return replicas[replica] if 0 <= replica < len(replicas) else None
 
 
 def _worker_describer(cluster, monitor) -> Callable[[int], str]:  # noqa: ANN001
