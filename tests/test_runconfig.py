@@ -172,6 +172,26 @@ def test_a_resume_may_change_what_may_change_and_keeps_the_rest(tmp_path, caplog
     assert CheckpointManager(run).latest().name == "ckpt-00000006"
 
 
+def _resolved(*argv: str):  # noqa: ANN202
+    from towerflow.cli import build_parser
+    from towerflow.cli.train import resolve_args
+
+    args = build_parser().parse_args(["train", *argv])
+    args._argv = list(argv)
+    return resolve_args(args)
+
+
+def test_a_resume_takes_the_recorded_processes_unless_told_otherwise(tmp_path) -> None:
+    assert _train(tmp_path) == 0
+    record = _record(tmp_path)
+    save_run_settings(tmp_path, record | {"replicas": 2, "ps": 1})  # as a --ps 1 --replicas 2 run
+    args = _resolved("--train-dir", str(tmp_path))
+    assert (args.model, args.replicas, args.num_gpus, args.ps) == ("digits", 2, None, 1)
+    args = _resolved("--train-dir", str(tmp_path), "--num-gpus", "1", "--ps", "0")
+    assert (args.replicas, args.num_gpus, args.ps) == (None, 1, 0)
+    assert args.device is None  # this machine's device is never taken from the record
+
+
 def test_without_a_checkpoint_the_record_does_not_bind(tmp_path) -> None:
     save_run_settings(tmp_path, {"model": "digits", "batch_size": 64})
     assert _train(tmp_path, "--batch-size", "8") == 0
@@ -180,7 +200,7 @@ def test_without_a_checkpoint_the_record_does_not_bind(tmp_path) -> None:
 
 def test_what_may_change_is_listed_and_the_rest_conflicts() -> None:
     assert {"max_steps", "log_every", "checkpoint_every", "summary_every"} <= MAY_CHANGE
-    assert {"train_dir", "device"} <= PER_RUN
+    assert {"train_dir", "device"} <= PER_RUN and not MAY_CHANGE & PER_RUN
     saved = {"mode": "sync", "max_steps": 10, "device": "cpu", "replicas_to_aggregate": 2}
     wanted = {"mode": "async", "max_steps": 20, "device": "cuda:0", "replicas_to_aggregate": 1}
     assert resume_conflicts(saved, wanted) == [("mode", "sync", "async"),
@@ -222,3 +242,15 @@ def test_eval_without_a_model_or_a_record_says_what_to_give(tmp_path, capsys) ->
     assert main(["train", "--train-dir", str(tmp_path)]) == 2
     assert re.search(r"towerflow train needs a model: name it \(cifar10 or digits\), give a "
                      r"--config file", capsys.readouterr().err)
+
+
+def test_a_resume_that_cannot_keep_a_recorded_ps_setting_says_how_to_resume(tmp_path,
+                                                                            capsys) -> None:
+    assert _train(tmp_path) == 0
+    save_run_settings(tmp_path, _record(tmp_path) | {"ps": 1, "mode": "sync"})
+    capsys.readouterr()
+    assert main(["train", "--train-dir", str(tmp_path), "--ps", "0", "--device", "cpu"]) == 2
+    assert re.search(r"holds a run trained with --mode sync \(run\.yaml\), which this run, with "
+                     r"one process, cannot keep; resume it as it was trained \(the "
+                     r"parameter-server strategy .*\), or start a new run with another "
+                     r"--train-dir\.", capsys.readouterr().err)

@@ -379,7 +379,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
             explicit: Mapping[str, Any]) -> None:
     """Check the settings against the record of the run resumed, and take the rest from it."""
-    from towerflow.cli._config import convert_settings, flag_of, option_actions
+    from towerflow.cli._config import convert_settings, flag_of, merge_layers, option_actions
     from towerflow.errors import InvalidArgumentError
     from towerflow.training.runconfig import (
         PER_RUN,
@@ -404,7 +404,9 @@ def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
         if conflicts:
             flags = {dest: flag_of(action) for dest, action in actions.items()}
             raise InvalidArgumentError(conflict_message(args.train_dir, conflicts, flags))
-        reused = sorted(d for d in saved if d not in explicit and d not in PER_RUN)
+        kept = merge_layers(parser, {d: v for d, v in saved.items() if d not in PER_RUN},
+                            explicit)
+        reused = sorted(d for d in kept if d not in explicit)
         for dest in reused:
             setattr(args, dest, saved[dest])
         log.info("resuming %s with its recorded settings (%s)", args.train_dir,

@@ -40,15 +40,14 @@ RUN_FILE = "run.yaml"
 
 #: settings a resumed run may change; a run started without them takes the recorded values
 MAY_CHANGE = frozenset({
-    "max_steps", "log_every", "summary_every", "checkpoint_every", "max_to_keep", "data_dir",
-    "no_download", "ps_strategy", "partition_threshold", "ps_timeout", "step_timeout",
+    "ps", "replicas", "num_gpus", "max_steps", "log_every", "summary_every", "checkpoint_every",
+    "max_to_keep", "data_dir", "no_download", "ps_strategy", "partition_threshold", "ps_timeout", "step_timeout",
     "init_timeout", "on_bad_gradient", "ps_prefetch", "collective_timeout",
 })
 
 #: settings of this machine or this invocation: never taken from the record
 PER_RUN = frozenset({
-    "train_dir", "device", "num_gpus", "replicas", "ps", "no_progress",
-    "log_device_placement", "backend",
+    "train_dir", "device", "no_progress", "log_device_placement", "backend",
 })
 
 _HEADER = ("# towerflow train's resolved settings of the run in this directory.\n"
