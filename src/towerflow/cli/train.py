@@ -409,8 +409,9 @@ def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
         reused = sorted(d for d in kept if d not in explicit)
         for dest in reused:
             setattr(args, dest, saved[dest])
-        log.info("resuming %s with its recorded settings (%s)", args.train_dir,
-                 ", ".join(f"{d}={saved[d]}" for d in reused) or "all given here")
+        unusual = [f"{d}={saved[d]}" for d in reused if saved[d] != _defaults().get(d)]
+        log.info("resuming %s with its recorded settings%s", args.train_dir,
+                 f" ({', '.join(unusual)})" if unusual else "")
     if args.model is None:
         raise InvalidArgumentError(
             "towerflow train needs a model: name it (cifar10 or digits), give a --config file "
