@@ -160,3 +160,63 @@ def test_a_ps_task_of_a_tfjob_with_a_master_counts_and_names_the_master_as_repli
     assert [replica_task(spec, r) for r in range(3)] == [TaskInfo("master", 0), TaskInfo("worker", 0), None]
     server = SimpleNamespace(cluster=spec, task=TaskInfo("ps", 0), options=SimpleNamespace(heartbeat=None))
     assert ShardHost(server).service.replicas == 2
+
+
+def slurm_env(procid: int, localid: int, node: str, distribution: str | None, **more: str) -> dict[str, str]:
+    env = {"SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURMD_NODENAME": node,
+           "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+           "SLURM_NTASKS": "4", **more}  # fmt: skip
+    if distribution is not None:
+        env["SLURM_DISTRIBUTION"] = distribution
+    return env
+
+
+@pytest.mark.parametrize("distribution", ["cyclic", "cyclic:block", "cyclic:cyclic,pack", "CYCLIC:fcyclic"])
+def test_slurm_cyclic_distribution_puts_consecutive_tasks_on_consecutive_nodes(distribution):
+    spec, task = resolve_cluster(env=slurm_env(1, 0, "node02", distribution))
+    assert spec.as_dict() == {"worker": ["node01:2222", "node02:2222", "node01:2223", "node02:2223"]}
+    assert task == TaskInfo("worker", 1) and spec.task_address("worker", 1) == "node02:2222"
+
+
+@pytest.mark.parametrize("distribution", [None, "block", "block:cyclic", "*:cyclic", "block,nopack"])
+def test_slurm_block_distribution_and_the_default_fill_each_node_in_turn(distribution):
+    spec, task = resolve_cluster(env=slurm_env(1, 1, "node01", distribution))
+    assert spec.as_dict() == {"worker": ["node01:2222", "node01:2223", "node02:2222", "node02:2223"]}
+    assert task == TaskInfo("worker", 1)
+
+
+def test_slurm_cyclic_with_uneven_counts_and_plane_distribution():
+    uneven = {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_NTASKS": "4"}
+    spec, _ = resolve_cluster(env={**slurm_env(3, 2, "n1", "cyclic"), **uneven})
+    assert spec.job_tasks("worker") == ["n1:2222", "n2:2222", "n1:2223", "n1:2224"]
+    plane = {"SLURM_STEP_NODELIST": "n[1-3]", "SLURM_STEP_TASKS_PER_NODE": "3(x2),2",
+             "SLURM_NTASKS": "8", "SLURM_DIST_PLANESIZE": "2"}  # fmt: skip
+    spec, task = resolve_cluster(env={**slurm_env(7, 2, "n2", "plane"), **plane})
+    assert spec.job_tasks("worker") == ["n1:2222", "n1:2223", "n2:2222", "n2:2223", "n3:2222",
+                                         "n3:2223", "n1:2224", "n2:2224"]  # fmt: skip
+    assert task == TaskInfo("worker", 7)
+    spec2, _ = resolve_cluster(env={**slurm_env(7, 2, "n2", "plane=2"), **plane,
+                                    "SLURM_DIST_PLANESIZE": ""})  # fmt: skip
+    assert spec2 == spec
+
+
+def test_slurm_task_on_another_node_than_the_layout_says_is_refused_naming_both():
+    with pytest.raises(InvalidArgumentError, match=(
+            r"Slurm task 1 runs on node02 \(SLURMD_NODENAME\) as its local task 0 "
+            r"\(SLURM_LOCALID\), but SLURM_DISTRIBUTION=block.* puts it on node01 as local "
+            r"task 1.*srun --distribution=block")):
+        resolve_cluster(env=slurm_env(1, 0, "node02", "block"))
+    with pytest.raises(InvalidArgumentError, match=r"runs on node01 .* as its local task 0 .* on node01 as local task 1"):
+        resolve_cluster(env=slurm_env(1, 0, "node01", None))
+    topology = slurm_env(1, 0, "", "block", SLURM_TOPOLOGY_ADDR="s0.node02",
+                         SLURM_TOPOLOGY_ADDR_PATTERN="switch.node")  # fmt: skip
+    del topology["SLURMD_NODENAME"]
+    with pytest.raises(InvalidArgumentError, match=r"runs on node02 \(SLURM_TOPOLOGY_ADDR\)"):
+        resolve_cluster(env=topology)
+
+
+@pytest.mark.parametrize("distribution", ["arbitrary", "spread", "plane"])
+def test_slurm_distribution_it_cannot_lay_out_is_refused_with_the_way_out(distribution):
+    with pytest.raises(InvalidArgumentError, match=(
+            rf"SLURM_DISTRIBUTION={distribution}\b.*cannot.*srun --distribution=block")):
+        resolve_cluster(env=slurm_env(1, 0, "node02", distribution))

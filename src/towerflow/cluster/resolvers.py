@@ -40,6 +40,7 @@ __all__ = [
     "tf_config_resolver",
     "torchrun_resolver",
     "slurm_resolver",
+    "slurm_task_nodes",
     "expand_nodelist",
     "expand_tasks_per_node",
 ]
@@ -243,11 +244,16 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 def slurm_resolver(env: Mapping[str, str] | None = None) -> Resolution | None:
     """A cluster from the environment of a ``srun`` task.
 
-    Tasks are laid out as Slurm's default block distribution does: node ``i`` of
-    ``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``) runs the next
-    ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``; default: an even
-    split) tasks; the ``k``-th task of a node listens on ``TOWERFLOW_PORT``
-    (default 2222) ``+ k``.
+    Node ``i`` of ``SLURM_STEP_NODELIST`` (or ``SLURM_JOB_NODELIST``) runs
+    ``SLURM_STEP_TASKS_PER_NODE`` (or ``SLURM_TASKS_PER_NODE``; default: an
+    even split) of the tasks; which ones, ``SLURM_DISTRIBUTION`` says (see
+    :func:`slurm_task_nodes`). The ``k``-th task of a node listens on
+    ``TOWERFLOW_PORT`` (default 2222) ``+ k``.
+
+    Raises:
+        InvalidArgumentError: the variables disagree, the distribution is one
+            the resolver cannot lay out, or this task runs on another node (or
+            as another local task) than the layout says.
     """
     env = os.environ if env is None else env
     if "SLURM_PROCID" not in env:
@@ -259,10 +265,24 @@ def slurm_resolver(env: Mapping[str, str] | None = None) -> Resolution | None:
             "start the tasks with srun."
         )
     hosts = expand_nodelist(nodelist)
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts = _slurm_counts(env, hosts, per_node)
+    nodes = slurm_task_nodes(counts, env)
+    base = _env_int(env, "TOWERFLOW_PORT", DEFAULT_SLURM_PORT)
+    local = [nodes[:task].count(node) for task, node in enumerate(nodes)]
+    rank = _env_int(env, "SLURM_PROCID")
+    if 0 <= rank < len(nodes):
+        layout = f"node list {nodelist} and tasks per node {per_node or counts}"
+        _check_own_node(env, rank, hosts[nodes[rank]], local[rank], layout)
+    addresses = [f"{hosts[node]}:{base + k}" for node, k in zip(nodes, local, strict=True)]
+    return _roles(addresses, rank, _env_int(env, "TOWERFLOW_NUM_PS", 0), "Slurm")
+
+
+def _slurm_counts(env: Mapping[str, str], hosts: list[str], per_node: str) -> list[int]:
+    """Tasks per node of the step, checked against the node list and the task count."""
     ntasks = _env_int(env, "SLURM_STEP_NUM_TASKS", _env_int(env, "SLURM_NTASKS", len(hosts)))
-    per_node_spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if per_node_spec:
-        counts = expand_tasks_per_node(per_node_spec)
+    if per_node:
+        counts = expand_tasks_per_node(per_node)
     else:
         even, extra = divmod(ntasks, len(hosts))
         counts = [even + (i < extra) for i in range(len(hosts))]
@@ -271,10 +291,82 @@ def slurm_resolver(env: Mapping[str, str] | None = None) -> Resolution | None:
             f"Slurm tasks per node {counts} do not match {len(hosts)} node(s) {hosts} and "
             f"{ntasks} task(s); check SLURM_STEP_TASKS_PER_NODE and SLURM_NTASKS."
         )
-    base = _env_int(env, "TOWERFLOW_PORT", DEFAULT_SLURM_PORT)
-    addresses = [f"{host}:{base + k}" for host, count in zip(hosts, counts, strict=True) for k in range(count)]
-    rank = _env_int(env, "SLURM_PROCID")
-    return _roles(addresses, rank, _env_int(env, "TOWERFLOW_NUM_PS", 0), "Slurm")
+    return counts
+
+
+_WAY_OUT = ("start the tasks with `srun --distribution=block` (Slurm's default; cyclic and "
+            "plane=N are understood too)")
+
+
+def slurm_task_nodes(counts: list[int], env: Mapping[str, str] | None = None) -> list[int]:
+    """The node index of each task of a step, as ``SLURM_DISTRIBUTION`` lays tasks out.
+
+    Only the part before ``:`` places tasks on nodes (the rest binds them to
+    sockets and cores), and ``,pack`` / ``,nopack`` only change the counts:
+
+    - ``block`` (and unset, Slurm's default): consecutive tasks fill a node
+      before the next;
+    - ``cyclic``: task ``t`` goes to the next node, in turn, that has room;
+    - ``plane`` (size ``SLURM_DIST_PLANESIZE``, or ``plane=N``): blocks of
+      ``N`` consecutive tasks go to the nodes in turn.
+
+    Example:
+        >>> slurm_task_nodes([2, 2], {"SLURM_DISTRIBUTION": "cyclic:block"})
+        [0, 1, 0, 1]
+        >>> slurm_task_nodes([3, 1], {})
+        [0, 0, 0, 1]
+
+    Raises:
+        InvalidArgumentError: another distribution (``arbitrary``), or a plane
+            without its size.
+    """
+    env = os.environ if env is None else env
+    given = env.get("SLURM_DISTRIBUTION", "").strip()
+    kind = given.lower().split(",")[0].split(":")[0]
+    plane = 1
+    if kind.startswith("plane"):
+        kind, _, size = kind.partition("=")
+        plane = int(size) if size.isdigit() else _env_int(env, "SLURM_DIST_PLANESIZE", 0)
+    if kind in ("", "*", "block"):
+        return [node for node, count in enumerate(counts) for _ in range(count)]
+    if kind not in ("cyclic", "plane") or plane < 1:
+        raise InvalidArgumentError(
+            f"SLURM_DISTRIBUTION={given} lays out tasks in a way the Slurm resolver cannot map "
+            f"to nodes (a plane needs SLURM_DIST_PLANESIZE); {_WAY_OUT}."
+        )
+    nodes: list[int] = []
+    left = list(counts)
+    while any(left):
+        for node, room in enumerate(left):
+            take = min(room, plane)
+            nodes.extend([node] * take)
+            left[node] -= take
+    return nodes
+
+
+def _check_own_node(env: Mapping[str, str], rank: int, node: str, local: int, layout: str) -> None:
+    """Refuse when Slurm ran task ``rank`` elsewhere than the layout computed."""
+    where, source = env.get("SLURMD_NODENAME", ""), "SLURMD_NODENAME"
+    if not where and env.get("SLURM_TOPOLOGY_ADDR"):
+        where, source = _topology_node(env), "SLURM_TOPOLOGY_ADDR"
+    local_id = env.get("SLURM_LOCALID", "")
+    known_local = local if local_id == "" else _env_int(env, "SLURM_LOCALID")
+    if (not where or where == node) and known_local == local:
+        return
+    dist = env.get("SLURM_DISTRIBUTION") or "block (unset)"
+    raise InvalidArgumentError(
+        f"Slurm task {rank} runs on {where or '?'} ({source}) as its local task {known_local} "
+        f"(SLURM_LOCALID), but SLURM_DISTRIBUTION={dist} with {layout} puts it on {node} as "
+        f"local task {local}, so every task would be told wrong addresses; {_WAY_OUT}."
+    )
+
+
+def _topology_node(env: Mapping[str, str]) -> str:
+    """The node name in ``SLURM_TOPOLOGY_ADDR`` (its ``node`` level, else the last)."""
+    parts = env["SLURM_TOPOLOGY_ADDR"].split(".")
+    pattern = env.get("SLURM_TOPOLOGY_ADDR_PATTERN", "").split(".")
+    return parts[pattern.index("node")] if len(pattern) == len(parts) and "node" in pattern \
+        else parts[-1]
 
 
 #: Resolver plug-ins, asked in order; the first that recognises the environment wins.
