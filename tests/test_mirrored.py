@@ -121,3 +121,41 @@ def test_mirrored_world_of_one_trains_and_reports_its_place() -> None:
         assert float(strategy.reduce_mean(torch.tensor(3.0))) == 3.0
     finally:
         strategy.shutdown()
+
+
+def _slurm_task(procid: int, localid: int, node: str) -> dict[str, str]:
+    return {"SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURMD_NODENAME": node,
+            "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "SLURM_NTASKS": "4", "TOWERFLOW_PORT": "2400"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("procid", "localid", "node"), [(0, 0, "node01"), (1, 1, "node01"),
+                                                         (2, 0, "node02"), (3, 1, "node02")])
+def test_slurm_replicas_of_a_node_take_their_slurm_local_id_as_local_rank(procid, localid, node) -> None:
+    from towerflow.cluster import resolve_cluster
+
+    env = _slurm_task(procid, localid, node)
+    cluster, task = resolve_cluster(env=env)
+    replica = ReplicaEnv.from_cluster(cluster, task, env)
+    assert replica == ReplicaEnv(procid, 4, localid, "node01", 2400)
+    assert ReplicaEnv.from_cluster(cluster, task, {**env, "LOCAL_RANK": "0"}).local_rank == 0
+
+
+def test_each_replica_of_a_node_computes_on_the_gpu_of_its_local_rank(monkeypatch) -> None:
+    from towerflow.cluster import resolve_cluster
+    from towerflow.strategies.mirrored import replica_device
+
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    devices = []
+    for procid in range(4):
+        env = _slurm_task(procid, procid % 2, f"node0{procid // 2 + 1}")
+        replica = ReplicaEnv.from_cluster(*resolve_cluster(env=env), env)
+        devices.append(replica_device(replica.local_rank))
+    assert devices == chosen == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
+    assert replica_device(1, "cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidArgumentError, match=r"local rank 1 .* needs GPU 1 but 1 GPU\(s\) are visible.*--gpus-per-task"):
+        replica_device(1)

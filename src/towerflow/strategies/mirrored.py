@@ -16,6 +16,8 @@ Where a replica finds its place (first match wins):
 2. a cluster without a ``ps`` job (given, or ``TF_CONFIG``): the rank is the
    task's replica index in the ``ClusterSpec`` (the ``chief`` task first, then
    the ``worker`` tasks in order); the rank-0 task's address is the rendezvous;
+   the local rank (which GPU of the machine) is ``LOCAL_RANK``, else Slurm's
+   ``SLURM_LOCALID`` (the task's index on its node), else 0;
 3. nothing: a world of one process.
 
 Example (two CPU replicas on one machine)::
@@ -41,7 +43,7 @@ from towerflow.devices import resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.single import LocalOptimizerStrategy
 
-__all__ = ["Mirrored", "ReplicaEnv"]
+__all__ = ["Mirrored", "ReplicaEnv", "replica_device"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -123,8 +125,7 @@ class ReplicaEnv:
         rank = cluster.replica_index(task)
         chief = cluster.replicas[0]
         host, port = parse_address(cluster.task_address(chief.job_name, chief.task_index))
-        local_rank = _env_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else 0
-        return cls._checked(rank, cluster.num_replicas, local_rank, host, port)
+        return cls._checked(rank, cluster.num_replicas, _local_rank(env), host, port)
 
     @classmethod
     def _checked(cls, rank: int, world: int, local_rank: int, addr: str, port: int) -> ReplicaEnv:
@@ -136,6 +137,41 @@ class ReplicaEnv:
         if local_rank < 0:
             raise InvalidArgumentError(f"LOCAL_RANK must be non-negative, got {local_rank}.")
         return cls(rank, world, local_rank, addr, port)
+
+
+def _local_rank(env: Mapping[str, str]) -> int:
+    """This process's index among the replicas of its machine: ``LOCAL_RANK`` (torchrun),
+    else ``SLURM_LOCALID`` (the task's index on its node under ``srun``), else 0."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if env.get(name):
+            return _env_int(env, name)
+    return 0
+
+
+def replica_device(local_rank: int, device: str | torch.device | None = None) -> torch.device:
+    """The device a replica computes on: ``device`` when given, else ``cuda:<local_rank>``
+    when CUDA is available (made the current device), else the CPU.
+
+    Raises:
+        InvalidArgumentError: the local rank has no GPU among the visible ones.
+    """
+    if device is not None:
+        chosen = resolve_device(device)
+    elif torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise InvalidArgumentError(
+                f"Replica with local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) needs GPU "
+                f"{local_rank} but {count} GPU(s) are visible; start at most {count} replicas "
+                "per machine, let every replica of a machine see all of its GPUs (under Slurm: "
+                "no --gpus-per-task or --gpu-bind), or use CPU replicas."
+            )
+        chosen = torch.device("cuda", local_rank)
+    else:
+        chosen = torch.device("cpu")
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    return chosen
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int:
@@ -153,8 +189,8 @@ class Mirrored(LocalOptimizerStrategy):
     Args:
         backend: ``"nccl"`` or ``"gloo"``; by default NCCL for a GPU, Gloo for a CPU.
         device: force this replica's device (e.g. ``"cpu"`` for CPU replicas on a
-            machine with GPUs); by default ``cuda:LOCAL_RANK`` when CUDA is
-            available, else the CPU.
+            machine with GPUs); by default ``cuda:<local rank>`` (``LOCAL_RANK``,
+            else ``SLURM_LOCALID``) when CUDA is available, else the CPU.
         timeout_s: how long a collective (and the rendezvous) may wait for
             the other replicas.
         env: the environment to read (``os.environ`` by default).
@@ -174,7 +210,7 @@ class Mirrored(LocalOptimizerStrategy):
             raise InvalidArgumentError("Mirrored needs both cluster= and task=, or neither.")
         self.replica = (ReplicaEnv.from_env(env) if cluster is None
                         else ReplicaEnv.from_cluster(cluster, task, env))
-        self._device = self._choose_device(device)
+        self._device = replica_device(self.replica.local_rank, device)
         self.backend = backend or ("nccl" if self._device.type == "cuda" else "gloo")
         if self.backend not in ("nccl", "gloo"):
             raise InvalidArgumentError(
@@ -187,24 +223,6 @@ class Mirrored(LocalOptimizerStrategy):
             )
         self._owns_group = False
         self._init_group(timeout_s)
-
-    def _choose_device(self, device: str | torch.device | None) -> torch.device:
-        if device is not None:
-            chosen = resolve_device(device)
-        elif torch.cuda.is_available():
-            count = torch.cuda.device_count()
-            if self.replica.local_rank >= count:
-                raise InvalidArgumentError(
-                    f"Replica with LOCAL_RANK={self.replica.local_rank} needs GPU "
-                    f"{self.replica.local_rank} but {count} GPU(s) are visible; start at "
-                    f"most {count} replicas per machine or use CPU replicas."
-                )
-            chosen = torch.device("cuda", self.replica.local_rank)
-        else:
-            chosen = torch.device("cpu")
-        if chosen.type == "cuda":
-            torch.cuda.set_device(chosen)
-        return chosen
 
     def _init_group(self, timeout_s: float) -> None:
         if dist.is_initialized():
