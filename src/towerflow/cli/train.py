@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # torch stays out of the command line's start-up
     from towerflow.training.config import TrainConfig
     from towerflow.training.tasks import DataOptions
 
-__all__ = ["add_parser", "add_train_arguments", "build_config", "build_data_options",
+__all__ = ["add_parser", "add_train_arguments", "bind_host", "build_config", "build_data_options",
            "build_optimizer", "build_strategy", "byte_count", "replica_argv", "require_gpus",
            "resolve_args", "strategy_options", "run"]
 
@@ -58,6 +58,8 @@ _MODES = ("async", "sync", "ssp")  # towerflow.ps.aggregation.MODES
 _PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
 _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
 
+#: the environment variable that names the interface a task's server listens on (--bind)
+BIND_ENV = "TOWERFLOW_BIND"
 #: option dest -> (the strategy that takes it, its keyword there)
 _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "mode": ("ps", "mode"), "staleness": ("ps", "staleness"),
@@ -65,7 +67,7 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "ps_strategy": ("ps", "ps_strategy"), "partition_threshold": ("ps", "partition_threshold_bytes"),
     "ps_timeout": ("ps", "timeout"), "step_timeout": ("ps", "step_timeout"),
     "init_timeout": ("ps", "init_timeout"), "on_bad_gradient": ("ps", "on_bad_gradient"),
-    "ps_prefetch": ("ps", "prefetch"),
+    "ps_prefetch": ("ps", "prefetch"), "bind": ("ps", "bind_host"),
     "backend": ("mirrored", "backend"), "collective_timeout": ("mirrored", "timeout_s"),
 }
 #: keywords of the strategies that no flag sets: the cluster decides them (the chief by the
@@ -200,6 +202,10 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--ps-prefetch", action="store_true",
                        help="push and pull in the background while the next batch is prepared "
                        "(the step log then lags by one push)")
+    group.add_argument("--bind", default=None, metavar="HOST",
+                       help="the interface this task's server listens on (0.0.0.0 or :: for "
+                       "all) instead of the host its cluster names, e.g. in a pod whose Service "
+                       f"name resolves only once it runs; default: ${BIND_ENV}, else that host")
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2,
@@ -324,6 +330,13 @@ def strategy_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     return options
 
 
+def bind_host(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
+    """Where this task's server listens: ``--bind``, else ``$TOWERFLOW_BIND``, else None (the
+    host its cluster names)."""
+    env = os.environ if env is None else env
+    return args.bind or env.get(BIND_ENV) or None
+
+
 def build_strategy(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Strategy:
     """The strategy of this process's task of the environment's cluster, with the options."""
     from towerflow.cluster import resolve_cluster
@@ -332,6 +345,8 @@ def build_strategy(args: argparse.Namespace, env: Mapping[str, str] | None = Non
     env = os.environ if env is None else env
     cluster, task = resolve_cluster(env=env)
     options = strategy_options(args, choose_kind(cluster, task))
+    if "bind_host" in options:
+        options["bind_host"] = bind_host(args, env)
     return choose_strategy(device=_device(args, cluster, task), env=env, **options)
 
 
@@ -512,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
     from towerflow.training.ps_train import serve_task
 
     if cluster is not None and task not in cluster.replicas:
-        return serve_task(cluster, task)
+        return serve_task(cluster, task, bind_host=bind_host(args))
     from towerflow.training.run import run_training
 
     strategy = build_strategy(args)

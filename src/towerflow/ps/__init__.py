@@ -131,7 +131,7 @@ class ShardHost:
 
 
 def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
-                heartbeat: Any = None) -> int:
+                heartbeat: Any = None, bind_host: str | None = None) -> int:
     """Serve the ps shard of ``task`` until SIGTERM / SIGINT; return 0.
 
     The same as ``Server(cluster, "ps", i, options=ServerOptions(heartbeat=...)).join()``
@@ -144,11 +144,13 @@ def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
         heartbeat: ``HeartbeatOptions`` to watch the chief and workers (they must run
             a ``Server``): a dead or suspended one is logged by name, and named with
             its state when a sync step misses its gradient. None: no heartbeats.
+        bind_host: the interface to listen on instead of the host the cluster
+            names (``ServerOptions.bind_host``); None: that host.
     """
     from towerflow.cluster import Server, ServerOptions
 
     server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
-                    options=ServerOptions(heartbeat=heartbeat))
+                    options=ServerOptions(heartbeat=heartbeat, bind_host=bind_host))
     try:
         server.join()
     finally:

@@ -73,6 +73,10 @@ class ParameterServer(Strategy):
             non-loopback address has no cluster secret) training goes on
             without it and a warning says the heartbeats will miss this task;
             False: no server.
+        bind_host: the interface the server started here listens on instead of
+            the host the cluster names (``ServerOptions.bind_host``, e.g.
+            ``"0.0.0.0"`` in a pod whose Service name resolves only once it
+            runs); a server asked to listen there that cannot is an error.
     """
 
     name = "ps"
@@ -84,7 +88,8 @@ class ParameterServer(Strategy):
                  timeout: float = 30.0, step_timeout: float = 120.0,
                  init_timeout: float = 300.0, on_bad_gradient: str = "raise",
                  prefetch: bool = False, is_chief: bool | None = None,
-                 device_setter: Any = None, server: Any = True) -> None:
+                 device_setter: Any = None, server: Any = True,
+                 bind_host: str | None = None) -> None:
         from towerflow.cluster import resolve_cluster
         from towerflow.devices import resolve_device
         from towerflow.ps.aggregation import AggregationConfig
@@ -122,6 +127,7 @@ class ParameterServer(Strategy):
         self._client: Any = None
         self._server, self._owns_server = (None if isinstance(server, bool) else server), False
         self._serve = server is True
+        self._bind_host = bind_host
         self._model: nn.Module | None = None
         self._pending: Future | None = None
         self._needs_init = False
@@ -232,15 +238,18 @@ class ParameterServer(Strategy):
 
     def _start_server(self) -> None:
         """Serve this task (so the ps tasks' heartbeats reach it), unless given one."""
-        from towerflow.cluster import Server
+        from towerflow.cluster import Server, ServerOptions
         from towerflow.errors import UnavailableError
 
         if not self._serve or self._server is not None:
             return
         try:
             self._server = Server(self.cluster, self.task.job_name, self.task.task_index,
-                                  credentials=self._credentials)
+                                  credentials=self._credentials,
+                                  options=ServerOptions(bind_host=self._bind_host))
         except (InvalidArgumentError, UnavailableError) as exc:
+            if self._bind_host is not None:
+                raise
             log.warning("%s trains without a server, so the ps tasks' heartbeats will miss it: "
                         "%s", self.task.device_name, exc)
             return

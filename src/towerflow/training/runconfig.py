@@ -47,7 +47,7 @@ MAY_CHANGE = frozenset({
 
 #: settings of this machine or this invocation: never taken from the record
 PER_RUN = frozenset({
-    "train_dir", "device", "no_progress", "log_device_placement", "backend",
+    "train_dir", "device", "no_progress", "log_device_placement", "backend", "bind",
 })
 
 _HEADER = ("# towerflow train's resolved settings of the run in this directory.\n"
