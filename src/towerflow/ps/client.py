@@ -61,9 +61,12 @@ from towerflow.ps.service import SERVICE_NAME, layout_to_proto, pack, parse_mess
 from towerflow.ps.shard import APPLIED, CHUNK_BYTES, REFUSED, all_finite
 from towerflow.ps.shard import tune_malloc as _tune_malloc
 
-__all__ = ["ShardClient", "PSClient", "PushResult", "ShardSnapshot"]
+__all__ = ["ShardClient", "PSClient", "PushResult", "ShardSnapshot", "PUSH_RETRY_LOG_EVERY"]
 
 logger = logging.getLogger("towerflow.ps")
+
+#: a push sent again after its deadline logs a line at its first retry and every this many
+PUSH_RETRY_LOG_EVERY = 5
 
 _T = TypeVar("_T")
 _M = f"/{SERVICE_NAME}/"
@@ -183,16 +186,22 @@ class ShardClient:
         channel: an authenticated channel to the ps task.
         layout: what that shard holds.
         timeout: deadline of ordinary calls (seconds).
-        push_timeout: deadline of a push (covers a sync step's wait).
+        push_timeout: deadline of one attempt of a push (covers a sync step's wait).
+        push_wait: how long, from its start, a push whose attempt ran out of
+            time is sent again (the same push: the ps answers the retry with the
+            first attempt's outcome, so it is applied once); None: for ever; 0:
+            never.
         chunk_bytes: size of streamed chunks.
     """
 
     def __init__(self, channel: grpc.Channel, layout: ShardLayout, *, timeout: float = 30.0,
-                 push_timeout: float | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 push_timeout: float | None = None, push_wait: float | None = 0.0,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         self.channel = channel
         self.layout = layout
         self.timeout = timeout
         self.push_timeout = push_timeout or timeout
+        self.push_wait = push_wait
         self.chunk_bytes = chunk_bytes
         self.version = 0  # the shard step of the last parameters received
         self._stream: _SmallStream | None = None
@@ -305,10 +314,32 @@ class ShardClient:
                 return parse_message(pb.PushReply, data, "PushReply")
             return self._push_pull(messages(), pull_into)
 
-        reply = self._retrying(call, self.push_timeout)
+        reply = self._waiting(call, f"push {seq} of worker {worker_id} (incarnation "
+                                    f"{incarnation}, computed on step {req.token})")
         if pull_into is not None and reply.numel:
             self.version = reply.step
         return reply
+
+    def _waiting(self, call: Callable[[], pb.PushReply], what: str) -> pb.PushReply:
+        """Run a push's ``call``; after its deadline send it again while ``push_wait`` allows."""
+        start = time.monotonic()
+        retries = 0
+        while True:
+            try:
+                return self._retrying(call, self.push_timeout)
+            except DeadlineExceededError:
+                waited = time.monotonic() - start
+                if self.push_wait is not None and waited >= self.push_wait:
+                    raise
+            retries += 1
+            if retries % PUSH_RETRY_LOG_EVERY == 1 or PUSH_RETRY_LOG_EVERY == 1:
+                limit = ("for ever (step_timeout=None)" if self.push_wait is None
+                         else f"up to {self.push_wait:g} s")
+                logger.warning(
+                    "%s is still waiting for ps task %d at %s after %.0f s: its step needs the "
+                    "other workers' gradients. Sent again (retry %d, each attempt %g s; the ps "
+                    "applies it once); waiting %s.", what, self.layout.index, self.address,
+                    waited, retries, self.push_timeout, limit)
 
     def _push_pull_small(self, head: bytes, grad: np.ndarray,
                          into: np.ndarray | None) -> pb.PushReply:
@@ -387,7 +418,9 @@ class PSClient:
         worker_id: this worker's replica index (0 .. total_num_replicas - 1).
         credentials: the cluster credentials (default: from the environment).
         timeout: deadline of ordinary calls.
-        push_timeout: deadline of a push (default: ``timeout``).
+        push_timeout: deadline of one attempt of a push (default: ``timeout``).
+        push_wait: how long a push is sent again after an attempt ran out of
+            time, from its start (None: for ever; 0: never); see :class:`ShardClient`.
         on_bad_gradient: ``"raise"`` an InvalidArgumentError when the ps refuses a
             gradient, or ``"skip"`` it with a warning.
         chunk_bytes: size of streamed chunks.
@@ -401,8 +434,8 @@ class PSClient:
 
     def __init__(self, cluster: Any, placement: Placement, *, worker_id: int,
                  credentials: Credentials | None = None, timeout: float = 30.0,
-                 push_timeout: float | None = None, on_bad_gradient: str = "raise",
-                 chunk_bytes: int = CHUNK_BYTES, tune_malloc: bool = True,
+                 push_timeout: float | None = None, push_wait: float | None = 0.0,
+                 on_bad_gradient: str = "raise", chunk_bytes: int = CHUNK_BYTES, tune_malloc: bool = True,
                  channel_options: ChannelOptions | None = None) -> None:
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(
@@ -424,7 +457,8 @@ class PSClient:
         self.shards = [
             ShardClient(make_channel(cluster.task_address("ps", i), credentials,
                                      options=channel_options), layout,
-                        timeout=timeout, push_timeout=push_timeout, chunk_bytes=chunk_bytes)
+                        timeout=timeout, push_timeout=push_timeout, push_wait=push_wait,
+                        chunk_bytes=chunk_bytes)
             for i, layout in enumerate(placement.shards)
         ]
         self._seq = 0

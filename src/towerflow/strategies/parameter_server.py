@@ -57,7 +57,9 @@ class ParameterServer(Strategy):
         ps_strategy: ``round_robin`` or ``greedy`` placement of variables.
         partition_threshold_bytes: variables above this are split across ps tasks.
         timeout: deadline of each call to a ps task, seconds.
-        step_timeout: how long a sync / ssp push may wait for the other workers.
+        step_timeout: how long a sync / ssp push may wait for the other workers,
+            seconds; None: for ever (the push is sent again after each call
+            deadline, and a line is logged every few attempts).
         init_timeout: how long a non-chief waits for the chief to initialise.
         on_bad_gradient: ``raise`` or ``skip`` a NaN / inf gradient.
         prefetch: push and pull in the background while the loop prepares the
@@ -85,7 +87,7 @@ class ParameterServer(Strategy):
                  replicas_to_aggregate: int | None = None, staleness: int = 2,
                  device: str | torch.device | None = None, credentials: Any = None,
                  ps_strategy: str | None = None, partition_threshold_bytes: int | None = None,
-                 timeout: float = 30.0, step_timeout: float = 120.0,
+                 timeout: float = 30.0, step_timeout: float | None = 120.0,
                  init_timeout: float = 300.0, on_bad_gradient: str = "raise",
                  prefetch: bool = False, is_chief: bool | None = None,
                  device_setter: Any = None, server: Any = True,
@@ -202,8 +204,8 @@ class ParameterServer(Strategy):
         self._start_server()
         self._client = PSClient(
             self.cluster, placement, worker_id=self._rank, credentials=self._credentials,
-            timeout=self._timeout, push_timeout=self.aggregation.timeout + self._timeout,
-            on_bad_gradient=self._policy)
+            timeout=self._timeout, push_timeout=self._push_timeout(),
+            push_wait=self.aggregation.timeout, on_bad_gradient=self._policy)
         self._model = model
         if self._chief:
             self._needs_init = True  # after a possible restore (load_state)
@@ -211,6 +213,15 @@ class ParameterServer(Strategy):
             self._step = self._client.wait_until_initialized(self._init_timeout)
             self._pull()
         return model
+
+    def _push_timeout(self) -> float:
+        """Deadline of one attempt of a push: the step timeout and a call's deadline.
+
+        With ``step_timeout=None`` each attempt has a call's deadline and the
+        client sends the same push again (applied once) for as long as it takes.
+        """
+        wait = self.aggregation.timeout
+        return self._timeout if wait is None else wait + self._timeout
 
     def _plan(self, params: list[tuple[str, nn.Parameter]], model: nn.Module) -> Any:
         """Where the variables live: as the model was built (under a setter scope), else

@@ -44,6 +44,10 @@ __all__ = ["main", "parse_args", "EXIT_ERROR"]
 EXIT_ERROR = 3
 
 
+def _seconds_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options of the task program."""
     p = argparse.ArgumentParser(prog="python -m towerflow.testing.task",
@@ -59,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logdir", default=None, help="chief's checkpoint directory")
     p.add_argument("--save-secs", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=5.0, help="deadline of a ps call (s)")
-    p.add_argument("--step-timeout", type=float, default=30.0,
-                   help="how long a sync / ssp push waits for the other workers (s)")
+    p.add_argument("--step-timeout", type=_seconds_or_none, default=30.0,
+                   help="how long a sync / ssp push waits for the other workers (s; 'none': "
+                        "for ever)")
     p.add_argument("--init-timeout", type=float, default=60.0)
     p.add_argument("--slots", type=int, default=4096, help="ledger: pushes per worker")
     p.add_argument("--journal", default=None, help="ledger: directory of the workers' journals")
