@@ -266,3 +266,16 @@ def test_towerflow_server_command_hosts_the_ps_service_on_a_ps_task(python, free
         if process.poll() is None:
             process.kill()
         process.wait(timeout=30)
+
+
+def test_any_task_opts_in_to_plaintext_off_loopback_through_the_environment(caplog):
+    cluster = {"worker": ["10.1.2.3:2222"]}
+    with pytest.raises(InvalidArgumentError, match=r"TOWERFLOW_INSECURE=1 for any task"):
+        Server(cluster, "worker", 0, credentials=Credentials.from_env({"TOWERFLOW_SECRET": "s"}),
+               start=False)
+    creds = Credentials.from_env({"TOWERFLOW_SECRET": "s", "TOWERFLOW_INSECURE": "1"})
+    with caplog.at_level(logging.WARNING, logger="towerflow.cluster"):
+        Server(cluster, "worker", 0, credentials=creds, start=False)
+    assert "10.1.2.3:2222 in plaintext (insecure)" in caplog.text
+    with pytest.raises(InvalidArgumentError, match=r"TOWERFLOW_INSECURE='yes' is not 0 or 1"):
+        Credentials.from_env({"TOWERFLOW_INSECURE": "yes"})

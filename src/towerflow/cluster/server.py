@@ -207,7 +207,8 @@ class Server:
                     f"refusing to serve {self.task.device_name} on non-loopback address {bind} "
                     f"{missing}; set a cluster secret (TOWERFLOW_SECRET_FILE) and TLS "
                     "(TOWERFLOW_TLS_CERT/KEY, with TOWERFLOW_TLS_CA for mutual TLS), or pass "
-                    "insecure=True (--insecure) on a network you trust."
+                    "insecure=True (towerflow server --insecure, or TOWERFLOW_INSECURE=1 for any "
+                    "task) on a network you trust."
                 )
             what = ("WITHOUT authentication (insecure): anyone who can reach this port can read "
                     "and change its state" if not creds.authenticated else

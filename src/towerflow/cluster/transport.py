@@ -127,9 +127,13 @@ class Credentials:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Credentials:
         """Read ``TOWERFLOW_SECRET`` or ``TOWERFLOW_SECRET_FILE`` and ``TOWERFLOW_TLS_CERT``,
-        ``TOWERFLOW_TLS_KEY``, ``TOWERFLOW_TLS_CA``, ``TOWERFLOW_TLS_SERVER_NAME``.
+        ``TOWERFLOW_TLS_KEY``, ``TOWERFLOW_TLS_CA``, ``TOWERFLOW_TLS_SERVER_NAME``, and
+        ``TOWERFLOW_INSECURE`` (``1``: serve off loopback without secret or TLS).
 
         ``TOWERFLOW_SECRET`` wins over ``TOWERFLOW_SECRET_FILE`` when both are set.
+
+        Raises:
+            InvalidArgumentError: ``TOWERFLOW_INSECURE`` is neither ``0`` nor ``1``.
         """
         env = os.environ if env is None else env
         secret: bytes | None = None
@@ -144,7 +148,13 @@ class Credentials:
                 **{k: Path(v) if v else None for k, v in paths.items()},
                 server_name=env.get("TOWERFLOW_TLS_SERVER_NAME") or None,
             )
-        return cls(secret=secret, tls=tls)
+        insecure = env.get("TOWERFLOW_INSECURE", "0")
+        if insecure not in ("0", "1"):
+            raise InvalidArgumentError(
+                f"TOWERFLOW_INSECURE={insecure!r} is not 0 or 1; set 1 only to serve off loopback "
+                "without a secret or TLS on a network you trust."
+            )
+        return cls(secret=secret, tls=tls, insecure=insecure == "1")
 
 
 def new_secret() -> bytes:
