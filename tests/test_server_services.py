@@ -16,6 +16,7 @@ from towerflow.cluster.transport import Credentials, make_channel, raw_handlers,
 from towerflow.errors import InvalidArgumentError, NotFoundError, TowerflowError
 from towerflow.ps import AggregationConfig, PSClient, PSService, ShardHost, plan_placement
 from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.table_service import TableHost
 
 SECRET = Credentials(secret=b"services-secret")
 
@@ -51,7 +52,7 @@ def _status(spec: ClusterSpec) -> pb.StatusReply:
 
 def test_a_ps_server_hosts_its_shard_and_a_worker_trains_on_it(spec):
     with Server(spec, "ps", 0, credentials=SECRET) as ps:
-        assert [type(s) for s in ps.services] == [ShardHost]
+        assert [type(s) for s in ps.services] == [ShardHost, TableHost]
         assert ps.services[0].monitor is None  # heartbeats are opt-in in the Python API
         np.testing.assert_allclose(_train_once(spec), np.full(4, -0.5, np.float32))
         status = _status(spec)
@@ -70,7 +71,7 @@ def test_services_none_serves_only_the_builtin_ping(spec):
 def test_handlers_given_for_the_same_service_win_over_the_registered_one(spec):
     service = PSService(0)
     with Server(spec, "ps", 0, credentials=SECRET, handlers=[service.handlers()]) as ps:
-        assert ps.services == ()
+        assert [type(s) for s in ps.services] == [TableHost]  # another service: still hosted
         _train_once(spec)
         state, _ = service.shard  # the given service received the Init and the push
         assert state.step == 1

@@ -73,7 +73,7 @@ ServiceFactory = Callable[["Server"], HostedService]
 
 #: job name -> the services its servers host, as "module:factory" (imported on first use)
 JOB_SERVICES: dict[str, tuple[str, ...]] = {
-    "ps": ("towerflow.ps:ShardHost",),
+    "ps": ("towerflow.ps:ShardHost", "towerflow.ps.table_service:TableHost"),
 }
 
 

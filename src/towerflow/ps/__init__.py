@@ -53,6 +53,11 @@ __all__ = [
     "PSClient",
     "ShardClient",
     "PushResult",
+    "ShardedEmbedding",
+    "TableClient",
+    "TableConfig",
+    "TableService",
+    "TableHost",
 ]
 
 _LAZY = {
@@ -60,6 +65,11 @@ _LAZY = {
     "PSClient": "towerflow.ps.client",
     "ShardClient": "towerflow.ps.client",
     "PushResult": "towerflow.ps.client",
+    "ShardedEmbedding": "towerflow.ps.embedding",
+    "TableClient": "towerflow.ps.table_client",
+    "TableConfig": "towerflow.ps.table_client",
+    "TableService": "towerflow.ps.table_service",
+    "TableHost": "towerflow.ps.table_service",
 }
 
 

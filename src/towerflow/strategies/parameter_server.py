@@ -79,6 +79,10 @@ class ParameterServer(Strategy):
             the host the cluster names (``ServerOptions.bind_host``, e.g.
             ``"0.0.0.0"`` in a pod whose Service name resolves only once it
             runs); a server asked to listen there that cannot is an error.
+        sparse_threshold_bytes: every ``nn.Embedding`` / ``nn.EmbeddingBag``
+            whose weight has this many bytes or more becomes a sparse table on
+            the ps tasks (``towerflow.ps.ShardedEmbedding``: only a batch's rows
+            travel); None (default): only explicit ``ShardedEmbedding`` modules.
     """
 
     name = "ps"
@@ -91,7 +95,8 @@ class ParameterServer(Strategy):
                  init_timeout: float = 300.0, on_bad_gradient: str = "raise",
                  prefetch: bool = False, is_chief: bool | None = None,
                  device_setter: Any = None, server: Any = True,
-                 bind_host: str | None = None) -> None:
+                 bind_host: str | None = None,
+                 sparse_threshold_bytes: int | None = None) -> None:
         from towerflow.cluster import resolve_cluster
         from towerflow.devices import resolve_device
         from towerflow.ps.aggregation import AggregationConfig
@@ -136,6 +141,7 @@ class ParameterServer(Strategy):
         self._restore: tuple[Any, ...] | None = None
         self._step = 0
         self._meta: dict[str, Any] = {}
+        self._sparse_threshold, self._tables = sparse_threshold_bytes, None
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -185,6 +191,7 @@ class ParameterServer(Strategy):
 
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
+        self._tables = _attach_tables(self, model, optimizer)  # sparse tables: rows on the ps
         model.to(self._device)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         wrong = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]
@@ -274,6 +281,8 @@ class ParameterServer(Strategy):
             params, slots, step, opt_step, pushes = self._restore
         else:
             params, slots, step, opt_step, pushes = buffers.host_params(), None, 0, 0, None
+        if self._tables:
+            self._tables.initialize()  # before the dense Init the other workers wait for
         self.client.initialize(params, optimizer=self._opt_spec, aggregation=self.aggregation,
                                step=step, slots=slots, optimizer_step=opt_step, pushes=pushes)
         self._needs_init, self._restore, self._step = False, None, step
@@ -294,10 +303,13 @@ class ParameterServer(Strategy):
         self._drain()
         buffers = self._buffers
         buffers.zero_grads()
+        if self._tables:
+            self._tables.forget()
         loss = loss_fn(self._model, batch)
         loss.backward()
         rate = float(lr if lr is not None else self._opt.lr)
-        bad = buffers.nonfinite_gradient()
+        rows = self._tables.take() if self._tables else []
+        bad = buffers.nonfinite_gradient() or (self._tables.nonfinite(rows) if rows else None)
         if bad is not None:
             message = (f"Gradient of {bad!r} on worker {self._rank} contains NaN or inf; it was "
                        "not pushed and the parameters are unchanged. Lower the learning rate "
@@ -306,6 +318,8 @@ class ParameterServer(Strategy):
                 raise InvalidArgumentError(message)
             log.warning("%s", message)
             return StepResult(loss=loss.detach(), global_step=self._step, applied=False)
+        if rows:  # (unique ids, summed row gradients) to the owning shards
+            self._tables.push(rows, lr=rate, step=self._step + 1)
         grads = buffers.grads_to_host()
         if self._prefetch:
             self._pending = self.client.push_async(grads, rate, pull_into=buffers.host_param_arrays)
@@ -403,6 +417,8 @@ class ParameterServer(Strategy):
         finally:
             if client is not None:
                 client.close()
+            if self._tables:
+                self._tables.close()
             server, owned, self._owns_server = self._server, self._owns_server, False
             if owned:
                 self._server = None
@@ -546,3 +562,17 @@ class _FlatBuffers:
                 param = self.params[name]
                 param.data.reshape(-1)[seg.start:seg.start + seg.numel] = \
                     self.flat[index][seg.offset:seg.offset + seg.numel]
+
+
+def _attach_tables(strategy: ParameterServer, model: nn.Module, optimizer: OptimizerConfig) -> Any:
+    """Swap large embeddings (``sparse_threshold_bytes``) and bind the model's sparse tables."""
+    from towerflow.ps.embedding import SparseTables, swap_embeddings
+
+    if strategy._sparse_threshold is not None:
+        swapped = swap_embeddings(model, strategy._sparse_threshold)
+        if swapped:
+            log.info("sparse tables on the ps tasks: %s", ", ".join(swapped))
+    addresses = [strategy.cluster.task_address("ps", i)
+                 for i in range(strategy.cluster.num_tasks("ps"))]
+    return SparseTables(model, addresses, optimizer, credentials=strategy._credentials,
+                        worker_id=strategy._rank, timeout=strategy._timeout)

@@ -1,0 +1,329 @@
+"""Sparse embedding tables on the ps tasks, seen from a worker.
+
+A table of ``num_rows x dim`` rows is row-sharded over the ps tasks by a
+:class:`~towerflow.ps.partition.Partitioner` (``id % num_ps`` by default) and
+never materialised on a worker. For a batch, :class:`ShardedEmbedding`:
+
+1. takes the batch's unique ids (``torch.unique(ids, return_inverse=True)``);
+2. splits them by owning shard and pulls each shard's rows with one
+   ``PullRows`` call per shard, the shards in parallel;
+3. puts the rows in a leaf tensor that requires grad and gathers the batch
+   from it (``F.embedding`` / ``F.embedding_bag`` with the inverse indices);
+4. after backward, the leaf's gradient *is* the summed gradient of each
+   unique row: (unique ids, row gradients) go to the owning shards with one
+   ``PushRows`` call per shard, in parallel, applied there once by the
+   table's row-wise optimizer (:mod:`towerflow.ps.sparse_optim`).
+
+Bytes on the wire per step are ``unique rows x row bytes`` (+ 8 bytes per id)
+each way, whatever the table's size.
+
+Two ways in, and why both. TensorFlow 1 users write ``embedding_lookup`` on a
+partitioned variable: the table is declared as sharded. The PyTorch user's
+model says ``nn.Embedding(10_000_000, 32)``, which allocates the whole weight
+(1.28 GB) when it is built, before any strategy sees it. So:
+
+- :class:`ShardedEmbedding` ``(num_rows, dim, ...)`` is the explicit module: it
+  owns no weight at all, so a table larger than the worker's memory can be
+  declared and trained; its optimizer, initializer and partitioner are
+  chosen per table.
+- The ``ParameterServer`` strategy's ``sparse_threshold_bytes`` swaps every
+  ``nn.Embedding`` / ``nn.EmbeddingBag`` whose weight is at least that large
+  for a :class:`ShardedEmbedding` of the same shape (:func:`swap_embeddings`)
+  and frees the weight, so an unchanged model trains sparsely; building it
+  under ``torch.device("meta")`` avoids even the first allocation. A swapped
+  table starts from the table initializer (id-hashed uniform), not from the
+  module's random weight, and uses the row-wise counterpart of the model's
+  optimizer (sgd, adagrad, adam -> lazy Adam).
+
+This module and :mod:`towerflow.ps.table_client` speak to the ps through the
+generated ``tables_pb2`` messages and the cluster transport only; they import
+no server module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - PyTorch's own convention
+from torch import nn
+
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
+from towerflow.ps.table_client import DEFAULT_INITIALIZER, TableClient, TableConfig, _describe
+
+__all__ = ["ShardedEmbedding", "SparseTables", "swap_embeddings", "sparse_optimizer_for"]
+
+_BAG_MODES = ("sum", "mean", "max")
+
+
+class ShardedEmbedding(nn.Module):
+    """An embedding table held by the ps tasks, looked up row by row.
+
+    Behaves as ``nn.Embedding(num_rows, dim)`` (``mode=None``) or
+    ``nn.EmbeddingBag(num_rows, dim, mode=mode)``, but owns no weight: each
+    forward pulls the batch's unique rows from the ps tasks into a leaf tensor
+    that requires grad, and the strategy pushes that leaf's gradient (the
+    summed gradient of each unique row) after backward. It runs under the
+    ``ParameterServer`` strategy, which binds it to the cluster in
+    ``prepare()``.
+
+    Args:
+        num_rows: rows of the table (ids are in ``[0, num_rows)``).
+        dim: values per row.
+        mode: None (one row per id), or ``sum`` / ``mean`` / ``max`` (bags).
+        optimizer: the row-wise optimizer (a ``towerflow.ps.sparse_optim``
+            optimizer or its ``to_dict()``); None: the counterpart of the
+            strategy's optimizer.
+        initializer: the rows' start (``towerflow.ps.rows.UniformRows`` /
+            ``ConstantRows`` or their dicts); default uniform in [-0.05, 0.05).
+        partitioner: ``mod`` (default; ``id % num_ps``, even under skewed ids)
+            or ``range`` (contiguous rows, as ``tf.fixed_size_partitioner``).
+        name: the table's name on the ps (default: the module's path in the model).
+        dtype: ``torch.float32`` (default) or ``torch.float64``.
+
+    Example::
+
+        class Click(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = towerflow.ps.ShardedEmbedding(10_000_000, 32, mode="sum")
+                self.out = nn.Linear(32, 1)
+            def forward(self, ids):                   # ids: (batch, ids per example)
+                return self.out(self.emb(ids)).squeeze(1)
+    """
+
+    def __init__(self, num_rows: int, dim: int, *, mode: str | None = None,
+                 optimizer: Any = None, initializer: Any = None, partitioner: str = "mod",
+                 name: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        for what, value in (("num_rows", num_rows), ("dim", dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"ShardedEmbedding: {what} must be an integer >= 1, "
+                                           f"got {value!r}.")
+        if mode is not None and mode not in _BAG_MODES:
+            raise InvalidArgumentError(f"ShardedEmbedding: mode={mode!r}; use None or one of "
+                                       f"{list(_BAG_MODES)}.")
+        if partitioner not in ("mod", "range"):
+            raise InvalidArgumentError(f"ShardedEmbedding: partitioner={partitioner!r}; use "
+                                       "'mod' or 'range'.")
+        if dtype not in (torch.float32, torch.float64):
+            raise InvalidArgumentError(f"ShardedEmbedding: dtype={dtype}; use torch.float32 or "
+                                       "torch.float64.")
+        self.num_rows, self.dim, self.mode, self.dtype = num_rows, dim, mode, dtype
+        self.optimizer = None if optimizer is None else _describe(optimizer, "optimizer")
+        self.initializer = _describe(DEFAULT_INITIALIZER if initializer is None else initializer,
+                                     "initializer")
+        self.partitioner_kind, self.table_name = partitioner, name
+        self._client: TableClient | None = None
+        self.config: TableConfig | None = None
+        self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def extra_repr(self) -> str:
+        bag = "" if self.mode is None else f", mode={self.mode!r}"
+        return f"{self.num_rows}, {self.dim}{bag}, partitioner={self.partitioner_kind!r}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the whole table's rows take (on the ps tasks, not here)."""
+        return self.num_rows * self.dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def make_config(self, name: str, num_shards: int, optimizer: Mapping[str, Any]) -> TableConfig:
+        """The :class:`TableConfig` of this table over ``num_shards`` ps tasks."""
+        part: Partitioner = (ModPartitioner(num_shards, num_rows=self.num_rows)
+                             if self.partitioner_kind == "mod"
+                             else RangePartitioner(self.num_rows, num_shards))
+        return TableConfig(name=self.table_name or name, partitioner=part, dim=self.dim,
+                           optimizer=self.optimizer or dict(optimizer),
+                           initializer=self.initializer, dtype=self.dtype)
+
+    def bind(self, client: TableClient, config: TableConfig) -> None:
+        """Attach to the ps tasks (the strategy's ``prepare()`` does this)."""
+        self._client, self.config = client, config
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,  # noqa: A002
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self._client is None or self.config is None:
+            raise FailedPreconditionError(
+                "ShardedEmbedding is not bound to ps tasks; train the model with the "
+                "ParameterServer strategy (its prepare() binds every ShardedEmbedding)."
+            )
+        if input.dtype not in (torch.int64, torch.int32):
+            raise InvalidArgumentError(
+                f"ShardedEmbedding expects integer ids, got {input.dtype}; pass ids.long()."
+            )
+        flat = input.reshape(-1).to("cpu", torch.int64)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows = self._client.pull(self.config, unique).to(input.device)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._touched.append((unique, rows))
+        index = inverse.to(input.device).view(input.shape)
+        if self.mode is None:
+            if offsets is not None or per_sample_weights is not None:
+                raise InvalidArgumentError(
+                    "offsets and per_sample_weights need a bag mode; build "
+                    "ShardedEmbedding(..., mode='sum'|'mean'|'max')."
+                )
+            return F.embedding(index, rows)
+        return F.embedding_bag(index, rows, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights)
+
+    def take_row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids, row gradients) of the lookups since the last call, on the CPU; forgets them.
+
+        Ids repeat when several lookups touched the same row (the ps sums them).
+        None when no lookup had a gradient.
+        """
+        touched, self._touched = self._touched, []
+        parts = [(ids, rows.grad) for ids, rows in touched if rows.grad is not None]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0][0], parts[0][1].detach().cpu()
+        return (torch.cat([p[0] for p in parts]),
+                torch.cat([p[1].detach().cpu() for p in parts]))
+
+    def forget(self) -> None:
+        """Drop the lookups not pushed yet (a step that is not pushed)."""
+        self._touched = []
+
+
+def sparse_optimizer_for(config: Any) -> dict[str, Any]:
+    """The row-wise optimizer's description for a dense ``OptimizerConfig``.
+
+    ``sgd`` -> ``sgd``, ``adagrad`` -> ``adagrad`` (same initial accumulator),
+    ``adam`` -> ``lazy_adam`` (same betas and eps).
+
+    Raises:
+        InvalidArgumentError: momentum or weight decay, which TensorFlow's sparse
+            updates do not have; give the table an optimizer of its own.
+    """
+    name = getattr(config, "name", None)
+    if getattr(config, "weight_decay", 0.0) or getattr(config, "momentum", 0.0) or \
+            name not in ("sgd", "adagrad", "adam"):
+        raise InvalidArgumentError(
+            f"A sparse table has no row-wise counterpart of optimizer {name!r} with momentum="
+            f"{getattr(config, 'momentum', 0.0)} weight_decay={getattr(config, 'weight_decay', 0.0)}"
+            "; give the table its own, e.g. ShardedEmbedding(..., optimizer=SparseAdagrad())."
+        )
+    if name == "sgd":
+        return {"name": "sgd", "hyper": {}}
+    if name == "adagrad":
+        return {"name": "adagrad",
+                "hyper": {"initial_accumulator_value": float(config.initial_accumulator_value)}}
+    beta1, beta2 = config.betas
+    return {"name": "lazy_adam", "hyper": {"beta1": float(beta1), "beta2": float(beta2),
+                                           "epsilon": float(config.eps)}}
+
+
+def swap_embeddings(model: nn.Module, threshold_bytes: int) -> list[str]:
+    """Replace each ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``threshold_bytes`` or more.
+
+    The replacement is a :class:`ShardedEmbedding` of the same shape (and bag
+    mode); the module's weight is dropped. Returns the swapped modules' paths.
+
+    Raises:
+        InvalidArgumentError: such a module uses ``padding_idx``, ``max_norm``,
+            ``scale_grad_by_freq`` or ``include_last_offset``, which a sharded
+            table does not have (raise the threshold or drop the option).
+    """
+    swapped = []
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            continue
+        weight = module.weight
+        if weight.numel() * weight.element_size() < threshold_bytes:
+            continue
+        used = [k for k in ("padding_idx", "max_norm") if getattr(module, k) is not None]
+        used += [k for k in ("scale_grad_by_freq", "include_last_offset")
+                 if getattr(module, k, False)]
+        if used:
+            raise InvalidArgumentError(
+                f"{path} ({module}) uses {used}, which a table sharded on the ps tasks does not "
+                "support; drop them or raise sparse_threshold_bytes above its "
+                f"{weight.numel() * weight.element_size()} bytes to keep it dense."
+            )
+        mode = module.mode if isinstance(module, nn.EmbeddingBag) else None
+        dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        table = ShardedEmbedding(module.num_embeddings, module.embedding_dim, mode=mode,
+                                 name=path, dtype=dtype)
+        parent_path, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, attr, table)
+        swapped.append(path)
+    return swapped
+
+
+class SparseTables:
+    """The strategy's side of a model's sparse tables: bind, initialise, push.
+
+    Args:
+        model: the model; its :class:`ShardedEmbedding` modules are bound.
+        addresses: the ps tasks' addresses.
+        optimizer: the dense ``OptimizerConfig`` (tables without an optimizer
+            of their own take its counterpart, :func:`sparse_optimizer_for`).
+        client_options: :class:`TableClient` keyword arguments.
+    """
+
+    def __init__(self, model: nn.Module, addresses: list[str], optimizer: Any,
+                 **client_options: Any) -> None:
+        self.modules = [(path, m) for path, m in model.named_modules()
+                        if isinstance(m, ShardedEmbedding)]
+        self.client: TableClient | None = None
+        if not self.modules:
+            return
+        default: Callable[[], dict[str, Any]] = lambda: sparse_optimizer_for(optimizer)  # noqa: E731
+        self.client = TableClient(addresses, **client_options)
+        names: dict[str, str] = {}
+        for path, module in self.modules:
+            config = module.make_config(path, len(addresses),
+                                        module.optimizer or default())
+            if config.name in names:
+                raise InvalidArgumentError(
+                    f"Tables {names[config.name]!r} and {path!r} are both named {config.name!r}; "
+                    "give each ShardedEmbedding its own name=."
+                )
+            names[config.name] = path
+            module.bind(self.client, config)
+
+    def __bool__(self) -> bool:
+        return self.client is not None
+
+    def initialize(self) -> None:
+        """Create every table on every ps task (the chief; idempotent)."""
+        for _, module in self.modules:
+            self.client.init_table(module.config)  # type: ignore[union-attr, arg-type]
+
+    def forget(self) -> None:
+        """Drop lookups not pushed (start of a step)."""
+        for _, module in self.modules:
+            module.forget()
+
+    def take(self) -> list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]]:
+        """The row gradients of this step, per table."""
+        out = []
+        for _, module in self.modules:
+            grads = module.take_row_grads()
+            if grads is not None:
+                out.append((module, *grads))
+        return out
+
+    @staticmethod
+    def nonfinite(taken: list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]]) -> str | None:
+        """The name of a table whose row gradient holds NaN / inf, or None."""
+        for module, _, grads in taken:
+            if not bool(torch.isfinite(grads).all()):
+                return f"{module.config.name} (sparse table)"  # type: ignore[union-attr]
+        return None
+
+    def push(self, taken: list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]], *,
+             lr: float, step: int) -> None:
+        """Push each table's row gradients to the owning shards (in parallel)."""
+        for module, ids, grads in taken:
+            self.client.push(module.config, ids, grads, lr=lr, step=step)  # type: ignore[union-attr, arg-type]
+
+    def close(self) -> None:
+        """Close the client's channels."""
+        if self.client is not None:
+            self.client.close()

@@ -1,0 +1,224 @@
+"""The sparse table service ``towerflow.ps.Tables``, hosted by every ps task.
+
+Each ps task serves shard ``i`` (its task index) of every sparse embedding
+table next to its dense shard (``towerflow.ps.PS``); the messages are in
+``tables.proto``:
+
+==============  ===============  ============================================
+method          kind             messages
+==============  ===============  ============================================
+``InitTable``   unary            ``InitTableRequest`` -> ``InitTableReply``;
+                                 idempotent for the same description, refused
+                                 (``FAILED_PRECONDITION``) for another
+``PullRows``    unary            ``PullRowsRequest`` -> ``PullRowsReply``
+``PushRows``    unary            ``PushRowsRequest`` -> ``PushRowsReply``
+``ExportRows``  unary -> stream  ``ExportRowsRequest`` -> ``RowChunk`` ...
+``ImportRows``  stream -> unary  ``RowChunk`` ... -> ``ImportRowsReply``
+``TableStatus`` unary            ``TableStatusRequest`` -> ``TableStatusReply``
+==============  ===============  ============================================
+
+The handlers are raw-bytes handlers of
+:func:`towerflow.cluster.transport.raw_handlers`, so every call is
+authenticated as the dense service's are. Bad input (ids negative, out of the
+table, owned by another shard, of the wrong dtype or byte count, NaN or
+infinite values, an unknown table) is refused with ``INVALID_ARGUMENT`` /
+``NOT_FOUND`` and a message naming the value; nothing is applied.
+
+This module imports no torch: a ps task that never holds a table does not
+load it (:mod:`towerflow.ps.table_shard` is imported by the first
+``InitTable``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from towerflow.cluster.transport import raw_handlers
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from towerflow.ps import tables_pb2 as tpb
+
+__all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS"]
+
+logger = logging.getLogger("towerflow.ps")
+
+SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["Tables"].full_name
+#: rows per export chunk when the caller gives none
+DEFAULT_CHUNK_ROWS = 1 << 14
+_MAX_CHUNK_ROWS = 1 << 20
+
+
+def _parse(cls: type, data: bytes, what: str) -> Any:
+    try:
+        return cls.FromString(bytes(data))
+    except (DecodeError, ValueError, TypeError, RecursionError) as exc:
+        raise InvalidArgumentError(
+            f"Malformed {what} message ({len(data)} bytes): {str(exc)[:200]}; client and ps "
+            "must run the same towerflow version."
+        ) from None
+
+
+class TableService:
+    """The table shards of one ps task behind gRPC.
+
+    Args:
+        task_index: the ps task's index; an ``InitTable`` for another shard
+            is refused. None: any shard (tests serving several in one process).
+    """
+
+    def __init__(self, task_index: int | None = None) -> None:
+        self.task_index = task_index
+        self._tables: dict[tuple[str, int], Any] = {}
+        self._lock = threading.Lock()  # guards the dict only; each shard has its own
+
+    def handlers(self) -> Any:
+        """The ``towerflow.ps.Tables`` gRPC service."""
+        return raw_handlers(SERVICE_NAME, {
+            "InitTable": ("unary_unary", self.init_table),
+            "PullRows": ("unary_unary", self.pull_rows),
+            "PushRows": ("unary_unary", self.push_rows),
+            "ExportRows": ("unary_stream", self.export_rows),
+            "ImportRows": ("stream_unary", self.import_rows),
+            "TableStatus": ("unary_unary", self.table_status),
+        })
+
+    def table(self, name: str, shard: int) -> Any:
+        """The :class:`~towerflow.ps.table_shard.TableShard` ``(name, shard)``.
+
+        Raises:
+            NotFoundError: no such table shard here.
+        """
+        found = self._tables.get((name, shard))
+        if found is None:
+            held = sorted(f"{n}[{s}]" for n, s in self._tables)
+            raise NotFoundError(
+                f"Table {name!r} shard {shard} is not on this ps task (it holds "
+                f"{held or 'no tables'}); the chief creates it with InitTable first."
+            )
+        return found
+
+    # -- handlers ------------------------------------------------------------------------
+    def init_table(self, data: bytes) -> bytes:
+        from towerflow.ps.table_shard import TableShard, describe_spec
+
+        spec = _parse(tpb.InitTableRequest, data, "InitTable").spec
+        if self.task_index is not None and spec.shard != self.task_index:
+            raise InvalidArgumentError(
+                f"InitTable for shard {spec.shard} of table {spec.name!r} reached ps task "
+                f"{self.task_index}, which holds shard {self.task_index}; send shard i to ps "
+                "task i."
+            )
+        description = describe_spec(spec)
+        with self._lock:
+            held = self._tables.get((spec.name, spec.shard))
+            if held is not None:
+                if not held.same_table(description):
+                    raise FailedPreconditionError(
+                        f"Table {spec.name!r} shard {spec.shard} exists as {held.description!r:.400}"
+                        f" and cannot become {description!r:.400}; give the new table another "
+                        "name or restart the ps tasks."
+                    )
+                created = False
+            else:
+                held = TableShard(spec)
+                self._tables[(spec.name, spec.shard)] = held
+                created = True
+                logger.info("table %r shard %d: %d rows x %d (%d bytes with slots)", spec.name,
+                            spec.shard, held.store.num_rows, held.store.dim, held.store.nbytes)
+        status = held.status()
+        return tpb.InitTableReply(created=created, rows=status["rows"],
+                                  nbytes=status["nbytes"]).SerializeToString()
+
+    def pull_rows(self, data: bytes) -> bytes:
+        request = _parse(tpb.PullRowsRequest, data, "PullRows")
+        shard = self.table(request.table, request.shard)
+        rows = shard.pull(request.ids, request.num_ids)
+        return tpb.PullRowsReply(num_ids=request.num_ids, dim=shard.store.dim,
+                                 dtype=str(shard.dtype).removeprefix("torch."),
+                                 rows=rows).SerializeToString()
+
+    def push_rows(self, data: bytes) -> bytes:
+        request = _parse(tpb.PushRowsRequest, data, "PushRows")
+        shard = self.table(request.table, request.shard)
+        outcome, applied = shard.push(request)
+        return tpb.PushRowsReply(status=outcome.status, message=outcome.message,
+                                 duplicate=outcome.duplicate,
+                                 applied=applied).SerializeToString()
+
+    def export_rows(self, data: bytes) -> Iterator[bytes]:
+        from towerflow.ps.table_shard import encode
+
+        request = _parse(tpb.ExportRowsRequest, data, "ExportRows")
+        shard = self.table(request.table, request.shard)
+        chunk_rows = request.chunk_rows or DEFAULT_CHUNK_ROWS
+        if not 0 < chunk_rows <= _MAX_CHUNK_ROWS:
+            raise InvalidArgumentError(
+                f"ExportRows chunk_rows={chunk_rows}; use 1 .. {_MAX_CHUNK_ROWS} (0: default)."
+            )
+        spec = tpb.TableSpec.FromString(shard.spec_bytes)
+        first = True
+        for piece, total, pushes in shard.chunks(chunk_rows):
+            names = list(piece.slots)
+            chunk = tpb.RowChunk(
+                num_ids=piece.ids.numel(), ids=encode(piece.ids), rows=encode(piece.rows),
+                slot_names=names, slots=[encode(piece.slots[k]) for k in names])
+            if first:
+                chunk.spec.CopyFrom(spec)
+                chunk.total = total
+                chunk.pushes.extend(tpb.TablePushRecord(worker_id=w, incarnation=i, seq=q,
+                                                        status=st) for w, i, q, st in pushes)
+                first = False
+            yield chunk.SerializeToString()
+
+    def import_rows(self, chunks: Iterator[bytes]) -> bytes:
+        parsed = [_parse(tpb.RowChunk, data, "ImportRows") for data in chunks]
+        if not parsed:
+            raise InvalidArgumentError(
+                "ImportRows got no chunk; the first names the table and shard in spec."
+            )
+        spec = parsed[0].spec
+        shard = self.table(spec.name, spec.shard)
+        return tpb.ImportRowsReply(rows=shard.import_chunks(parsed)).SerializeToString()
+
+    def table_status(self, data: bytes) -> bytes:
+        request = _parse(tpb.TableStatusRequest, data, "TableStatus")
+        shard = self.table(request.table, request.shard)
+        status = shard.status()
+        reply = tpb.TableStatusReply(rows=status["rows"], nbytes=status["nbytes"],
+                                     applied=status["applied"],
+                                     pulled_rows=status["pulled_rows"])
+        reply.spec.CopyFrom(tpb.TableSpec.FromString(shard.spec_bytes))
+        reply.pushes.extend(tpb.TablePushRecord(worker_id=w, incarnation=i, seq=q, status=st)
+                            for w, i, q, st in status["pushes"])
+        return reply.SerializeToString()
+
+
+class TableHost:
+    """The table service as a ps task ``Server``'s hosted service (``JOB_SERVICES["ps"]``).
+
+    Args:
+        server: the ps task's server (not started yet).
+    """
+
+    __slots__ = ("server", "service")
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.service = TableService(server.task.task_index)
+
+    def handlers(self) -> Any:
+        """The ``towerflow.ps.Tables`` gRPC service."""
+        return self.service.handlers()
+
+    def start(self) -> None:
+        """Nothing to start: tables are created by ``InitTable``."""
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
+    def __repr__(self) -> str:
+        return f"TableHost(ps task {self.service.task_index})"

@@ -1,0 +1,254 @@
+"""One shard of one sparse table on a ps task: its rows, its lock, its push table.
+
+A :class:`TableShard` wraps a :class:`~towerflow.ps.rows.RowStore` for the
+``towerflow.ps.Tables`` service (:mod:`towerflow.ps.table_service`). It owns
+its lock and its counters; nothing else reaches into them:
+
+- a pull decodes and checks the ids outside the lock, then gathers the rows
+  under it (``index_select``: a copy of one moment);
+- a push decodes and checks everything outside the lock (ids owned by this
+  shard, in the table, values finite, of the table's dtype, ``lr`` and
+  ``step`` valid), then, under the lock and in one step, classifies it in the
+  shard's own :class:`~towerflow.ps.pushes.PushTable` (a retry of an applied
+  push is answered, not applied again; a superseded incarnation is refused),
+  applies it and records it;
+- an export copies rows, slots and the push table under the lock (one moment)
+  and is cut into chunks outside it;
+- an import checks every chunk before it sets any row.
+
+Buffers arrive as raw little-endian bytes (int64 ids, rows in the table's
+dtype) and are copied once into tensors; a refusal names the value and
+leaves the shard as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.ps.pushes import APPLIED, PushHeader, PushOutcome, PushTable
+from towerflow.ps.rows import RowExport, RowStore, row_store_from_dict
+
+__all__ = ["TableShard", "describe_spec", "decode", "encode"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _json(field: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise InvalidArgumentError(
+            f"The table's {field} is not a JSON object ({text[:100]!r}); send the dict's "
+            "JSON (e.g. json.dumps(partitioner.to_dict()))."
+        ) from None
+
+
+def describe_spec(spec: Any) -> dict[str, Any]:
+    """The row store description (:meth:`RowStore.describe`) of a ``TableSpec`` message.
+
+    Raises:
+        InvalidArgumentError: a field missing, malformed or inconsistent.
+    """
+    if not spec.name:
+        raise InvalidArgumentError("A table needs a name; give TableSpec.name.")
+    partitioner = _json("partitioner", spec.partitioner)
+    if not isinstance(partitioner, dict) or partitioner.get("num_rows") != spec.num_rows:
+        raise InvalidArgumentError(
+            f"Table {spec.name!r}: the partitioner {partitioner!r:.200} does not have the "
+            f"table's num_rows={spec.num_rows}; describe both with the same size."
+        )
+    return {"kind": "dense", "partitioner": partitioner, "shard": spec.shard,
+            "dim": spec.dim, "dtype": spec.dtype,
+            "optimizer": _json("optimizer", spec.optimizer),
+            "initializer": _json("initializer", spec.initializer)}
+
+
+def decode(data: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
+    """``count`` values of ``dtype`` from raw little-endian ``data`` (one copy).
+
+    Raises:
+        InvalidArgumentError: ``data`` holds another number of bytes.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    if count < 0 or len(data) != count * size:
+        raise InvalidArgumentError(
+            f"{what} holds {len(data)} bytes but {count} values of {dtype} need "
+            f"{max(count, 0) * size}; client and ps must run the same towerflow version."
+        )
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    out = torch.frombuffer(bytearray(data), dtype=dtype)
+    return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
+
+
+def encode(tensor: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of ``tensor`` (row-major)."""
+    if sys.byteorder != "little":  # pragma: no cover
+        tensor = tensor.byteswap()
+    return tensor.contiguous().numpy().tobytes()
+
+
+class TableShard:
+    """A table shard behind the service (see the module docstring).
+
+    Args:
+        spec: the ``TableSpec`` message it was created from.
+
+    Raises:
+        InvalidArgumentError: what :func:`describe_spec` or the row store refuses.
+    """
+
+    def __init__(self, spec: Any) -> None:
+        self.description = describe_spec(spec)
+        self.name = spec.name
+        self.spec_bytes = spec.SerializeToString(deterministic=True)
+        self.store: RowStore = row_store_from_dict(self.description)
+        self.dtype = self.store.dtype
+        self._lock = threading.Lock()
+        self._pushes = PushTable()
+        self._applied = 0
+        self._pulled_rows = 0
+
+    @property
+    def shard(self) -> int:
+        """This shard's index under the table's partitioner."""
+        return self.store.shard
+
+    def _ids(self, data: bytes, count: int) -> torch.Tensor:
+        ids = decode(data, torch.int64, count, f"Table {self.name!r} ids")
+        try:
+            self.store.partitioner.local_index(ids, self.shard)  # range, sign, ownership
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"Table {self.name!r} shard {self.shard}: {exc}") from None
+        return ids
+
+    def _values(self, data: bytes, dtype: str, ids: torch.Tensor, what: str) -> torch.Tensor:
+        if _DTYPES.get(dtype) != self.dtype:
+            raise InvalidArgumentError(
+                f"Table {self.name!r} holds {str(self.dtype).removeprefix('torch.')} rows but "
+                f"the {what} are {dtype!r}; send them as the table's dtype."
+            )
+        dim = self.store.dim
+        values = decode(data, self.dtype, ids.numel() * dim, f"Table {self.name!r} {what}")
+        values = values.view(ids.numel(), dim)
+        if values.numel() and not bool(torch.isfinite(values.sum())):
+            finite = torch.isfinite(values).all(dim=1)
+            if not bool(finite.all()):
+                pos = int((~finite).nonzero()[0, 0])
+                raise InvalidArgumentError(
+                    f"Table {self.name!r}: the {what} of id {int(ids[pos])} hold "
+                    f"{values[pos].tolist()[:8]}, not finite; nothing was applied. Find where "
+                    "the NaN or infinity comes from (lower the learning rate or clip gradients)."
+                )
+        return values
+
+    # -- calls -----------------------------------------------------------------------------
+    def pull(self, data: bytes, count: int) -> bytes:
+        """The rows of the ids in ``data``, as raw bytes in the order asked."""
+        ids = self._ids(data, count)
+        with self._lock:
+            rows = self.store.lookup(ids)
+            self._pulled_rows += ids.numel()
+        return encode(rows)
+
+    def push(self, request: Any) -> tuple[PushOutcome, int]:
+        """Apply a ``PushRowsRequest`` once; return its outcome and the pushes applied."""
+        if request.worker_id < 0 or request.seq < 1:
+            raise InvalidArgumentError(
+                f"Table {self.name!r}: a push needs worker_id >= 0 and seq >= 1, got "
+                f"worker_id={request.worker_id}, seq={request.seq}."
+            )
+        ids = self._ids(request.ids, request.num_ids)
+        grads = self._values(request.grads, request.dtype, ids, "row gradients")
+        try:
+            lr, step = self.store.optimizer.check_step(request.lr, request.step)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"Table {self.name!r}: {exc}") from None
+        header = PushHeader(worker_id=request.worker_id, seq=request.seq, token=0, lr=lr,
+                            numel=grads.numel(), incarnation=request.incarnation)
+        with self._lock:
+            look = self._pushes.lookup(header, self._applied)
+            if look.kind == "superseded":
+                raise FailedPreconditionError(f"Table {self.name!r}: {look.message}")
+            if look.kind == "done":
+                outcome = look.outcome
+                return PushOutcome(outcome.status, outcome.step, outcome.message, True), \
+                    self._applied
+            self._pushes.register(header)
+            try:
+                self.store.apply(ids, grads, lr, step)
+            except BaseException:
+                self._pushes.drop(header)
+                raise
+            self._applied += 1
+            outcome = PushOutcome(APPLIED, self._applied)
+            self._pushes.settle(header, outcome)
+            return outcome, self._applied
+
+    def snapshot(self) -> tuple[RowExport, list[tuple[int, int, int, str]]]:
+        """Rows, slots and push table of one moment (copies)."""
+        with self._lock:
+            return self.store.export(), self._pushes.rows()
+
+    def chunks(self, chunk_rows: int) -> Iterator[tuple[RowExport, int, list]]:
+        """The export in pieces of ``chunk_rows`` rows: ``(piece, total, push rows)``."""
+        export, pushes = self.snapshot()
+        total = export.ids.numel()
+        for start in range(0, max(total, 1), chunk_rows):
+            stop = min(start + chunk_rows, total)
+            piece = RowExport(export.ids[start:stop], export.rows[start:stop],
+                              {k: v[start:stop] for k, v in export.slots.items()})
+            yield piece, total, pushes if start == 0 else []
+
+    def import_chunks(self, chunks: Sequence[Any]) -> int:
+        """Set the rows (and slots) of every ``RowChunk``; all checked before any is set."""
+        parts = []
+        for chunk in chunks:
+            ids = self._ids(chunk.ids, chunk.num_ids)
+            rows = self._values(chunk.rows, str(self.dtype).removeprefix("torch."), ids, "rows")
+            slots = None
+            if chunk.slot_names:
+                if len(chunk.slot_names) != len(chunk.slots):
+                    raise InvalidArgumentError(
+                        f"Table {self.name!r}: a chunk names {len(chunk.slot_names)} slots but "
+                        f"carries {len(chunk.slots)}."
+                    )
+                slots = {name: self._values(data, str(self.dtype).removeprefix("torch."), ids,
+                                            f"slot {name!r}")
+                         for name, data in zip(chunk.slot_names, chunk.slots, strict=True)}
+            parts.append((ids, rows, slots))
+        if not parts:
+            return 0
+        if len({p[2] is None for p in parts}) > 1:
+            raise InvalidArgumentError(
+                f"Table {self.name!r}: some chunks carry slots and some do not; send slots "
+                "with every chunk or with none."
+            )
+        ids = torch.cat([p[0] for p in parts])
+        rows = torch.cat([p[1] for p in parts])
+        slots = None if parts[0][2] is None else {
+            k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        pushes = [(r.worker_id, r.incarnation, r.seq, r.status)
+                  for r in getattr(chunks[0], "pushes", ())]
+        with self._lock:
+            self.store.import_(ids, rows, slots)  # checks every value before any change
+            self._pushes.merge(pushes, self._applied)
+        return ids.numel()
+
+    def status(self) -> dict[str, Any]:
+        """Counters and the push table."""
+        with self._lock:
+            return {"rows": self.store.num_rows, "nbytes": self.store.nbytes,
+                    "applied": self._applied, "pulled_rows": self._pulled_rows,
+                    "pushes": self._pushes.rows()}
+
+    def same_table(self, description: Mapping[str, Any]) -> bool:
+        """Whether ``description`` describes this table shard."""
+        return dict(description) == self.description

@@ -1,0 +1,92 @@
+"""A ps task or a worker training a tiny click model on a sparse table (tests of sparse tables).
+
+    python sparse_click.py --cluster '{"ps": [...], "worker": [...]}' --job ps --index 0
+    python sparse_click.py --cluster ... --job worker --index 1 --num-rows 5000 --steps 100 \
+        --report out.json
+
+A worker writes a JSON report: first and final loss (mean of 10 steps), the
+last global step it saw and its peak resident memory in bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+
+import torch
+from torch import nn
+
+import towerflow
+from towerflow.cluster import ClusterSpec, TaskInfo
+from towerflow.ps.embedding import ShardedEmbedding
+from towerflow.strategies import OptimizerConfig
+from towerflow.strategies.parameter_server import ParameterServer
+
+
+class Click(nn.Module):
+    def __init__(self, num_rows: int, dim: int) -> None:
+        super().__init__()
+        self.emb = ShardedEmbedding(num_rows, dim, mode="sum",
+                                    initializer={"kind": "constant", "value": 0.0})
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).squeeze(1)
+
+
+def batches(num_rows: int, seed: int):
+    """Ids from a small hot set; an example clicks when its ids' planted weights sum > 0."""
+    gen = torch.Generator().manual_seed(seed)
+    hot = 500
+    truth = torch.randn(hot, generator=torch.Generator().manual_seed(7))
+    stride = max(1, num_rows // hot)
+    while True:
+        picks = torch.randint(0, hot, (256, 8), generator=gen)
+        labels = (truth[picks].sum(1) > 0).float()
+        yield picks * stride, labels
+
+
+def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+    ids, labels = batch
+    return nn.functional.binary_cross_entropy_with_logits(model(ids), labels)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cluster", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--num-rows", type=int, default=5000)
+    parser.add_argument("--dim", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--report")
+    args = parser.parse_args()
+    cluster = ClusterSpec(json.loads(args.cluster))
+    if args.job == "ps":
+        towerflow.Server(cluster, "ps", args.index).join()
+        return 0
+    torch.manual_seed(0)
+    strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device="cpu",
+                               server=False)
+    strategy.prepare(Click(args.num_rows, args.dim), OptimizerConfig("adagrad", lr=0.3))
+    losses, step = [], 0
+    try:
+        for _, batch in zip(range(args.steps), batches(args.num_rows, args.index), strict=False):
+            result = strategy.run_step(loss_fn, batch)
+            losses.append(float(result.loss))
+            step = result.global_step
+    finally:
+        strategy.shutdown()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = {"first_loss": sum(losses[:10]) / 10, "final_loss": sum(losses[-10:]) / 10,
+              "global_step": step, "peak_rss": peak}
+    with open(args.report, "w") as f:
+        json.dump(report, f)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

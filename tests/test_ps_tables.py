@@ -1,0 +1,346 @@
+"""Sparse tables on the ps tasks: the Tables service, its client, ShardedEmbedding, the strategy.
+
+ps tasks are real ``Server``s on 127.0.0.1 (in this process, or as child
+processes for the multi-worker runs), with authenticated gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from towerflow.cluster import ClusterSpec, Server, TaskInfo
+from towerflow.cluster.transport import Credentials, make_channel, unary
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from towerflow.ps import tables_pb2 as tpb
+from towerflow.ps.embedding import ShardedEmbedding, swap_embeddings
+from towerflow.ps.partition import ModPartitioner, RangePartitioner
+from towerflow.ps.rows import UniformRows
+from towerflow.ps.table_client import DEFAULT_INITIALIZER, TableClient, TableConfig
+from towerflow.strategies import OptimizerConfig
+from towerflow.strategies.parameter_server import ParameterServer
+
+SECRET = Credentials(secret=b"tables-secret")
+TABLES_ONLY = ["towerflow.ps.table_service:TableHost"]
+INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3}
+PROGRAM = Path(__file__).parent / "programs" / "sparse_click.py"
+
+
+def config(num_rows: int = 20, dim: int = 3, *, name: str = "t", optimizer=None,
+           num_shards: int = 2, partitioner=None) -> TableConfig:
+    return TableConfig(name, partitioner or ModPartitioner(num_shards, num_rows=num_rows), dim,
+                       optimizer or {"name": "sgd", "hyper": {}}, INIT)
+
+
+def expected_rows(ids, dim: int = 3, init=INIT) -> torch.Tensor:
+    return UniformRows(**{k: v for k, v in init.items() if k != "kind"})(ids, dim, torch.float32)
+
+
+@pytest.fixture
+def cluster(free_ports):
+    """Two ps tasks serving only the table service, and a client of them."""
+    ports = free_ports(3)
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
+                        "worker": [f"127.0.0.1:{ports[2]}"]})
+    servers = [Server(spec, "ps", i, credentials=SECRET, services=TABLES_ONLY) for i in range(2)]
+    client = TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=0, timeout=10.0)
+    try:
+        yield spec, client
+    finally:
+        client.close()
+        for server in servers:
+            server.stop()
+
+
+def raw_push(spec, shard: int, **fields) -> tpb.PushRowsReply:
+    ids = fields.pop("ids")
+    grads = fields.pop("grads")
+    request = tpb.PushRowsRequest(table="t", shard=shard, worker_id=0, incarnation=1, seq=1,
+                                  lr=0.5, step=1, num_ids=len(ids), dtype="float32",
+                                  ids=torch.tensor(ids, dtype=torch.int64).numpy().tobytes(),
+                                  grads=torch.as_tensor(grads).numpy().tobytes())
+    for key, value in fields.items():
+        setattr(request, key, value)
+    channel = make_channel(spec.task_address("ps", shard), SECRET)
+    try:
+        data = unary(channel, "/towerflow.ps.Tables/PushRows", request.SerializeToString(),
+                     timeout=10)
+    finally:
+        channel.close()
+    return tpb.PushRowsReply.FromString(data)
+
+
+def table_rows(client, cfg) -> torch.Tensor:
+    return client.pull(cfg, torch.arange(cfg.num_rows))
+
+
+# --------------------------------------------------------------------------- the service
+def test_a_pull_returns_exactly_the_requested_rows_in_order(cluster):
+    _, client = cluster
+    cfg = config()
+    assert [r.created for r in client.init_table(cfg)] == [True, True]
+    ids = torch.tensor([7, 0, 19, 7, 4, 13])  # both shards, a repeat, unsorted
+    torch.testing.assert_close(client.pull(cfg, ids), expected_rows(ids), rtol=0, atol=0)
+    statuses = [client.status(cfg, s) for s in range(2)]
+    assert [s.rows for s in statuses] == [10, 10]
+    assert sum(s.pulled_rows for s in statuses) == ids.numel()  # one request per shard
+    assert client.pull(cfg, torch.empty(0, dtype=torch.int64)).shape == (0, 3)
+
+
+def test_a_range_partitioned_table_pulls_from_its_owners(cluster):
+    _, client = cluster
+    cfg = config(partitioner=RangePartitioner(20, 2))
+    client.init_table(cfg)
+    ids = torch.tensor([3, 15, 9, 10])
+    torch.testing.assert_close(client.pull(cfg, ids), expected_rows(ids), rtol=0, atol=0)
+    assert [client.status(cfg, s).pulled_rows for s in range(2)] == [2, 2]
+
+
+def test_init_table_is_idempotent_and_refuses_another_description(cluster):
+    _, client = cluster
+    client.init_table(config())
+    client.push(config(), torch.tensor([1]), torch.ones(1, 3), lr=1.0, step=1)
+    assert [r.created for r in client.init_table(config())] == [False, False]
+    assert client.status(config(), 1).applied == 1  # the same table, not a fresh one
+    with pytest.raises(FailedPreconditionError, match=r"Table 't' shard 0 exists as .* and "
+                                                      r"cannot become .*another name"):
+        client.init_table(config(dim=4))
+    with pytest.raises(NotFoundError, match=r"Table 'u' shard 0 is not on this ps task"):
+        client.pull(config(name="u"), torch.tensor([0]))
+
+
+def test_a_push_of_duplicate_ids_sums_them(cluster):
+    _, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    ids = torch.tensor([5, 2, 5, 5, 2, 8])
+    grads = torch.arange(18, dtype=torch.float32).reshape(6, 3)
+    replies = client.push(cfg, ids, grads, lr=0.5, step=1)
+    assert [r.status for r in replies] == ["applied", "applied"]
+    reference = before.clone()
+    reference.index_add_(0, ids, grads, alpha=-0.5)
+    torch.testing.assert_close(table_rows(client, cfg), reference)
+
+
+def test_a_retried_push_is_applied_once(cluster):
+    spec, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    first = raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]])
+    again = raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]])
+    assert (first.status, first.duplicate, again.status, again.duplicate) == \
+        ("applied", False, "applied", True)
+    assert again.applied == 1
+    torch.testing.assert_close(table_rows(client, cfg)[4], before[4] - 0.5)
+    with pytest.raises(FailedPreconditionError, match=r"incarnation 0, superseded by "
+                                                      r"incarnation 1"):
+        raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=0, seq=2)
+    later = raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=2)
+    assert later.status == "applied" and not later.duplicate  # a restarted worker's seq 1
+
+
+@pytest.mark.parametrize(("shard", "fields", "pattern"), [
+    (0, {"ids": [-2], "grads": [[1.0] * 3]}, r"ids\[0\] = -2 is not in \[0, 20\)"),
+    (0, {"ids": [20], "grads": [[1.0] * 3]}, r"ids\[0\] = 20 is not in \[0, 20\)"),
+    (0, {"ids": [2, 3], "grads": [[1.0] * 3] * 2},
+     r"ids\[1\] = 3 belongs to shard 1, not shard 0"),
+    (0, {"ids": [2, 4], "grads": [[1.0] * 3, [1.0, float("nan"), 1.0]]},
+     r"row gradients of id 4 hold \[1\.0, nan, 1\.0\], not finite; nothing was applied"),
+    (1, {"ids": [1], "grads": [[float("inf")] * 3]}, r"row gradients of id 1 hold \[inf"),
+    (0, {"ids": [2], "grads": [[1.0] * 3], "dtype": "float64"},
+     r"holds float32 rows but the row gradients are 'float64'"),
+    (0, {"ids": [2], "grads": [[1.0] * 2]}, r"row gradients holds 8 bytes but 3 values"),
+    (0, {"ids": [2], "grads": [[1.0] * 3], "lr": float("nan")},
+     r"learning rate must be a finite number"),
+    (0, {"ids": [2], "grads": [[1.0] * 3], "step": 0}, r"step must be the update's number"),
+    (0, {"ids": [2], "grads": [[1.0] * 3], "seq": 0}, r"seq >= 1"),
+])
+def test_bad_pushes_are_refused_naming_the_value_and_nothing_is_applied(cluster, shard, fields,
+                                                                        pattern):
+    spec, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        raw_push(spec, shard, **fields)
+    torch.testing.assert_close(table_rows(client, cfg), before, rtol=0, atol=0)
+    assert [client.status(cfg, s).applied for s in range(2)] == [0, 0]
+    assert not any(client.status(cfg, s).pushes for s in range(2))  # a refusal is not recorded
+
+
+def test_bad_tables_and_ids_are_refused(cluster):
+    _, client = cluster
+    with pytest.raises(InvalidArgumentError, match=r"Unknown sparse optimizer 'rmsprop'"):
+        client.init_table(config(optimizer={"name": "rmsprop", "hyper": {}}))
+    with pytest.raises(InvalidArgumentError, match=r"split into 3 shards but the cluster has 2"):
+        client.init_table(config(num_shards=3))
+    client.init_table(config())
+    with pytest.raises(InvalidArgumentError, match=r"dtype torch\.int64, got torch\.int32"):
+        client.pull(config(), torch.tensor([1], dtype=torch.int32))
+
+
+def test_export_streams_rows_slots_and_push_table_in_chunks_and_import_restores(cluster):
+    _, client = cluster
+    cfg = config(optimizer={"name": "adagrad", "hyper": {"initial_accumulator_value": 0.1}})
+    client.init_table(cfg)
+    client.push(cfg, torch.tensor([1, 3, 4]), torch.ones(3, 3), lr=0.1, step=1)
+    chunks = list(client.export_shard(cfg, 1, chunk_rows=4))
+    assert [c.num_ids for c in chunks] == [4, 4, 2] and chunks[0].total == 10
+    assert [(p.worker_id, p.status) for p in chunks[0].pushes] == [(0, "applied")]
+    ids = torch.cat([torch.frombuffer(bytearray(c.ids), dtype=torch.int64) for c in chunks])
+    assert ids.tolist() == list(range(1, 20, 2))
+    accum = torch.cat([torch.frombuffer(bytearray(c.slots[0]), dtype=torch.float32)
+                       for c in chunks]).view(10, 3)
+    assert chunks[0].slot_names == ["accumulator"]
+    torch.testing.assert_close(accum[:3], torch.tensor([[1.1] * 3, [1.1] * 3, [0.1] * 3]))
+    saved = table_rows(client, cfg)
+    client.push(cfg, torch.tensor([1, 3]), torch.ones(2, 3), lr=0.1, step=2)
+    pieces = [(torch.frombuffer(bytearray(c.ids), dtype=torch.int64),
+               torch.frombuffer(bytearray(c.rows), dtype=torch.float32).view(-1, 3),
+               {"accumulator": torch.frombuffer(bytearray(c.slots[0]),
+                                                dtype=torch.float32).view(-1, 3)})
+              for c in chunks]
+    assert client.import_rows(cfg, 1, pieces) == 10
+    torch.testing.assert_close(table_rows(client, cfg)[1::2], saved[1::2], rtol=0, atol=0)
+    with pytest.raises(InvalidArgumentError, match=r"ids\[0\] = 0 belongs to shard 0"):
+        client.import_rows(cfg, 1, [(torch.tensor([0]), torch.zeros(1, 3), None)])
+
+
+# --------------------------------------------------------------------------- the module
+def test_an_unbound_sharded_embedding_says_how_to_use_it():
+    with pytest.raises(FailedPreconditionError, match=r"not bound to ps tasks.*ParameterServer"):
+        ShardedEmbedding(10, 2)(torch.tensor([1]))
+    with pytest.raises(InvalidArgumentError, match=r"mode='avg'; use None or one of"):
+        ShardedEmbedding(10, 2, mode="avg")
+
+
+def test_swap_replaces_large_embeddings_and_drops_their_weight():
+    model = nn.Sequential(nn.Embedding(1000, 8), nn.EmbeddingBag(10, 8, mode="sum"))
+    assert swap_embeddings(model, 1000 * 8 * 4) == ["0"]
+    assert isinstance(model[0], ShardedEmbedding) and (model[0].num_rows, model[0].dim) == (1000, 8)
+    assert [n for n, _ in model.named_parameters()] == ["1.weight"]
+    with pytest.raises(InvalidArgumentError, match=r"uses \['padding_idx'\]"):
+        swap_embeddings(nn.Sequential(nn.Embedding(1000, 8, padding_idx=0)), 1)
+
+
+class Click(nn.Module):
+    """A tiny click model: a bag of id embeddings and a linear layer."""
+
+    def __init__(self, num_rows: int, dim: int = 4, embedding: nn.Module | None = None) -> None:
+        super().__init__()
+        self.emb = embedding or ShardedEmbedding(num_rows, dim, mode="sum", initializer=INIT)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).squeeze(1)
+
+
+def click_loss(model: nn.Module, batch) -> torch.Tensor:
+    ids, labels = batch
+    return nn.functional.binary_cross_entropy_with_logits(model(ids), labels)
+
+
+@pytest.fixture
+def ps_servers(free_ports):
+    """Two full ps tasks (dense and table services) in this process."""
+    ports = free_ports(3)
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
+                        "worker": [f"127.0.0.1:{ports[2]}"]})
+    servers = [Server(spec, "ps", i, credentials=SECRET) for i in range(2)]
+    try:
+        yield spec
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_step_through_the_strategy_matches_a_local_sgd_step(ps_servers, swap):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (8, 5))
+    ids[0, :2] = 7  # a row used twice in one bag
+    labels = torch.randint(0, 2, (8,)).float()
+    local = Click(50, embedding=nn.EmbeddingBag(50, 4, mode="sum"))
+    with torch.no_grad():  # a swapped table starts from the default initializer
+        init = DEFAULT_INITIALIZER if swap else INIT
+        local.emb.weight.copy_(expected_rows(torch.arange(50), 4, init))
+    model = Click(50, embedding=nn.EmbeddingBag(50, 4, mode="sum") if swap else None)
+    model.out.load_state_dict(local.out.state_dict())
+    strategy = ParameterServer(ps_servers, TaskInfo("worker", 0), credentials=SECRET,
+                               device="cpu", server=False,
+                               sparse_threshold_bytes=100 if swap else None)
+    try:
+        strategy.prepare(model, OptimizerConfig("sgd", lr=0.5))
+        assert isinstance(model.emb, ShardedEmbedding) and not hasattr(model.emb, "weight")
+        result = strategy.run_step(click_loss, (ids, labels))
+        assert result.global_step == 1
+        optimizer = torch.optim.SGD(local.parameters(), lr=0.5)
+        click_loss(local, (ids, labels)).backward()
+        optimizer.step()
+        rows = strategy._tables.client.pull(model.emb.config, torch.arange(50))
+        torch.testing.assert_close(rows, local.emb.weight.detach())
+        torch.testing.assert_close(model.out.weight, local.out.weight)
+    finally:
+        strategy.shutdown()
+
+
+# --------------------------------------------------------------------------- real processes
+def _run_cluster(free_ports, subprocess_env, tmp_path, *, num_rows: int, steps: int,
+                 workers: int = 2, extra: tuple[str, ...] = ()) -> list[dict]:
+    """Start 2 ps and ``workers`` workers running tests/programs/sparse_click.py; their reports."""
+    ports = free_ports(2 + workers)
+    spec = {"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
+            "worker": [f"127.0.0.1:{p}" for p in ports[2:]]}
+    env = {**subprocess_env, "TOWERFLOW_SECRET": SECRET.secret.decode()}
+    common = [sys.executable, str(PROGRAM), "--cluster", json.dumps(spec),
+              "--num-rows", str(num_rows), "--steps", str(steps), *extra]
+    ps = [subprocess.Popen([*common, "--job", "ps", "--index", str(i)], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+          for i in range(2)]
+    try:
+        procs = [subprocess.Popen([*common, "--job", "worker", "--index", str(i),
+                                   "--report", str(tmp_path / f"w{i}.json")], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(workers)]
+        for proc in procs:
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, err[-3000:]
+        return [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(workers)]
+    finally:
+        for proc in ps:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in ps:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.mark.slow
+def test_two_ps_two_workers_async_training_of_a_click_model_reduces_the_loss(
+        free_ports, subprocess_env, tmp_path):
+    reports = _run_cluster(free_ports, subprocess_env, tmp_path, num_rows=5000, steps=150)
+    for report in reports:
+        assert report["final_loss"] < 0.8 * report["first_loss"], report
+    assert max(r["global_step"] for r in reports) >= 250  # both workers' pushes count
+
+
+@pytest.mark.slow
+def test_a_workers_memory_does_not_grow_with_the_table(free_ports, subprocess_env, tmp_path):
+    small = _run_cluster(free_ports, subprocess_env, tmp_path, num_rows=1_000_000, steps=30,
+                         workers=1, extra=("--dim", "8"))[0]
+    large = _run_cluster(free_ports, subprocess_env, tmp_path, num_rows=10_000_000, steps=30,
+                         workers=1, extra=("--dim", "8"))[0]
+    table_bytes = 10_000_000 * 8 * 4
+    assert large["peak_rss"] < 1.10 * small["peak_rss"], (small, large)
+    assert large["peak_rss"] < table_bytes  # it never held the table
