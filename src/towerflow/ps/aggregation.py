@@ -18,7 +18,10 @@
 Only the cluster's replicas count: a push or a ``Done`` from a worker id
 outside ``0 .. total_num_replicas - 1`` is refused before it changes anything,
 and a replica's gradient counts once per sync step (a second push of the same
-step waits for it instead of being summed again).
+step waits for it instead of being summed again). A replica that dies while
+its push waits for the step and comes back as a new incarnation joins the
+same step: the dead incarnation's gradient stays counted, the new one's push
+waits with it, and both are answered when the step is applied.
 
 A push is atomic. Its payload is staged as it arrives (the received bytes
 are kept, not copied) and every chunk is checked; no lock that another push or
@@ -297,8 +300,8 @@ class _SyncAggregator(Aggregator):
         self._acc = np.zeros(state.layout.numel, np.float32)
         #: replicas whose gradient is in the step's sum
         self._counted: set[int] = set()
-        #: the pushes the step answers when it is applied
-        self._waiting: list[PushHeader] = []
+        #: the pushes the step answers when it is applied, with their waiters
+        self._waiting: list[tuple[PushHeader, Pending]] = []
         self._lr = 0.0
 
     def _accept(self, header: PushHeader, pending: Pending,
@@ -315,7 +318,7 @@ class _SyncAggregator(Aggregator):
                     self._acc[first:first + values.size] += values
                 self._counted.add(header.worker_id)
                 self._lr = header.lr
-            self._waiting.append(header)
+            self._waiting.append((header, pending))
             if len(self._counted) >= self._needed():
                 self._complete()
         return state.wait_outcome(pending, self.config.timeout,
@@ -345,8 +348,12 @@ class _SyncAggregator(Aggregator):
         waiting, self._waiting = self._waiting, []
         self._acc.fill(0.0)
         self._counted.clear()
-        for header in waiting:
+        for header, pending in waiting:
             self.state.finish_push(header, outcome)
+            if pending.outcome is None:
+                # a replica's incarnation superseded by its restart while its push waited:
+                # the push table no longer holds it, but its gradient is in the step
+                pending.outcome = outcome
         self.state.cond.notify_all()
 
     def _missing_message(self, header: PushHeader) -> str:

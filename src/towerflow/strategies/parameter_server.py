@@ -26,15 +26,23 @@ Example (in a worker process of a cluster with a ps job)::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TowerflowError,
+    UnavailableError,
+)
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 
 __all__ = ["ParameterServer"]
@@ -137,6 +145,7 @@ class ParameterServer(Strategy):
         self._bind_host = bind_host
         self._model: nn.Module | None = None
         self._pending: Future | None = None
+        self._unfinished = False  # a push failed for a missing peer: no Done at shutdown
         self._needs_init = False
         self._restore: tuple[Any, ...] | None = None
         self._step = 0
@@ -324,7 +333,8 @@ class ParameterServer(Strategy):
         if self._prefetch:
             self._pending = self.client.push_async(grads, rate, pull_into=buffers.host_param_arrays)
             return StepResult(loss=loss.detach(), global_step=self._step + 1)
-        result = self.client.push(grads, rate, pull_into=buffers.host_param_arrays)
+        result = self._outcome(lambda: self.client.push(grads, rate,
+                                                        pull_into=buffers.host_param_arrays))
         self._take(result)
         return StepResult(loss=loss.detach(), global_step=result.global_step,
                           applied=result.applied)
@@ -337,7 +347,18 @@ class ParameterServer(Strategy):
     def _drain(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._take(pending.result())
+            self._take(self._outcome(pending.result))
+
+    def _outcome(self, push: Any) -> Any:
+        """``push()``'s result; a push that failed for a missing peer leaves this worker
+        unfinished: at :meth:`shutdown` it then sends the ps tasks no ``Done``, so a sync
+        step it was counted in keeps waiting for the replicas instead of completing with
+        fewer gradients."""
+        try:
+            return push()
+        except (DeadlineExceededError, UnavailableError):
+            self._unfinished = True
+            raise
 
     @property
     def global_step(self) -> int:
@@ -351,7 +372,7 @@ class ParameterServer(Strategy):
         """The parameters and optimizer state pulled from the ps tasks, plus local buffers."""
         self._ensure_initialized()
         self._drain()
-        snaps = self.client.snapshot()
+        snaps = self._snapshot()
         placement = self._buffers.placement
         model_group = {name: _assemble(placement, snaps, name, "params") for name in placement.names()}
         for name, tensor in self.model.state_dict().items():
@@ -362,6 +383,63 @@ class ParameterServer(Strategy):
                       "optimizer": self._opt.name, "mode": self.aggregation.mode}
         pushes = {f"shard_{i}": _table_tensor(snap.pushes) for i, snap in enumerate(snaps)}
         return {"model": model_group, "optimizer": optimizer_group, PUSH_TABLE_GROUP: pushes}
+
+    def _snapshot(self) -> list[Any]:
+        """The ps shards' state; in sync mode, every shard's as of the same global step.
+
+        A sync step completes on each shard on its own, so a snapshot taken
+        while one completes can straddle it: it is taken again once the shards'
+        steps agree (within a call's deadline).
+
+        Raises:
+            AbortedError: the shards stayed at different steps (a worker stopped
+                between its pushes to them, so a step is complete on some
+                only): no consistent state can be read until that step completes.
+        """
+        snaps = self.client.snapshot()
+        if self.aggregation.mode != "sync":
+            return snaps
+        deadline = time.monotonic() + self._timeout
+        while len({snap.step for snap in snaps}) > 1:
+            steps = [int(shard.status().step) for shard in self.client.shards]
+            if len(set(steps)) == 1:
+                snaps = self.client.snapshot()
+                continue
+            if time.monotonic() >= deadline:
+                listing = ", ".join(f"ps task {i} at step {step}" for i, step in enumerate(steps))
+                raise AbortedError(
+                    f"The ps tasks hold different global steps ({listing}): a sync step is "
+                    "complete on some shards only (a worker stopped between its pushes to them), "
+                    "so no consistent state can be read; it will be once a worker completes "
+                    "that step."
+                )
+            time.sleep(0.05)
+        return snaps
+
+    def missing_peers(self, timeout: float = 2.0) -> list[str]:
+        """The other training tasks that do not answer a ping now, each named with why.
+
+        Asks through this task's server (none: nothing is known, ``[]``).
+        """
+        server = self._server
+        others = [t for t in self.cluster.replicas if t != self.task]
+        if server is None or not others:
+            return []
+
+        def probe(task: Any) -> str | None:
+            where = f"{task.device_name} at {self.cluster.task_address(task.job_name, task.task_index)}"
+            try:
+                server.ping(task.job_name, task.task_index, timeout=timeout)
+            except UnavailableError:
+                return f"{where} (no connection: it is not running)"
+            except DeadlineExceededError:
+                return f"{where} (no reply within {timeout:g} s: it is suspended or hung)"
+            except (TowerflowError, ValueError) as exc:
+                return f"{where} ({exc})"
+            return None
+
+        with ThreadPoolExecutor(min(16, len(others)), thread_name_prefix="towerflow-probe") as pool:
+            return [found for found in pool.map(probe, others) if found is not None]
 
     def state_metadata(self) -> dict[str, Any]:
         return dict(self._meta)
@@ -407,16 +485,19 @@ class ParameterServer(Strategy):
     def shutdown(self) -> None:
         """Finish a pending push, tell the ps tasks this worker is done, close channels.
 
+        A worker whose push failed for a missing peer did not finish: the ps
+        tasks are not told it is done (they go on counting it as a replica).
+
         Then stop this task's server if :meth:`prepare` started it.
         """
         client, self._client = self._client, None
         try:
             pending, self._pending = self._pending, None
             if client is not None and pending is not None:
-                pending.result()
+                self._outcome(pending.result)
         finally:
             if client is not None:
-                client.close()
+                client.close(done=not self._unfinished)
             if self._tables:
                 self._tables.close()
             server, owned, self._owns_server = self._server, self._owns_server, False

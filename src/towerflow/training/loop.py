@@ -26,7 +26,10 @@ process was started as a replica (torchrun's ``RANK``/``WORLD_SIZE``, or a
 job, else :class:`~towerflow.strategies.SingleDevice`; so the same script runs
 on one GPU, on N GPUs under ``torchrun --nproc-per-node N`` and on N machines.
 No host synchronisation happens per step: the loss is read only on log,
-summary and checkpoint steps.
+summary and checkpoint steps. A step that fails because a peer is missing
+(``DeadlineExceededError`` / ``UnavailableError``) makes the chief checkpoint
+the last consistent state first; the error names the tasks that do not answer
+and the way out.
 """
 
 from __future__ import annotations
@@ -35,13 +38,18 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NanLossDuringTrainingError,
+)
 from towerflow.strategies.base import LossFn, OptimizerConfig, Strategy
 from towerflow.training.config import TrainConfig
 from towerflow.training.ema import ExponentialMovingAverage
@@ -56,7 +64,12 @@ from towerflow.training.hooks import (
     non_finite_tensor,
 )
 from towerflow.training.pipeline import Pipeline, Transform, make_pipeline
-from towerflow.training.session import checkpoint_metadata, restore_latest
+from towerflow.training.session import (
+    PEER_FAILURES,
+    checkpoint_metadata,
+    restore_latest,
+    save_before_stopping,
+)
 
 __all__ = ["Trainer", "TrainResult", "default_strategy"]
 
@@ -229,6 +242,18 @@ class Trainer:
             metadata["data"] = position
         return groups, metadata
 
+    def _save_before_stopping(self) -> tuple[Path, int] | None:
+        """The chief's checkpoint when a step failed for a missing peer (None elsewhere)."""
+        manager = self._checkpoint_manager()
+        if manager is None or not self.strategy.is_chief:
+            return None
+        bad = self.non_finite_state()
+        if bad is not None:
+            raise NanLossDuringTrainingError(f"{bad} is not finite")
+        groups, metadata = self.checkpoint_state()
+        step = int(metadata["step"])
+        return manager.save(step, groups, metadata), step
+
     def non_finite_state(self) -> str | None:
         """Name of a parameter or moving average holding NaN/inf, or None."""
         tensors = {name: p.detach() for name, p in self.model.named_parameters()}
@@ -265,6 +290,9 @@ class Trainer:
                     last_loss = ctx.loss
                 for hook in hooks:
                     hook.after_step(ctx)
+        except PEER_FAILURES as exc:
+            error = save_before_stopping(self.strategy, exc, self._save_before_stopping)
+            raise error from exc
         except BaseException as exc:
             error = exc
             raise

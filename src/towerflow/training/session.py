@@ -9,7 +9,11 @@ metadata, so a train dir written by one is read by the other:
   the tensors), ``world_size``, the strategy's own facts under ``strategy``,
   then what the caller adds (``task``, ``schedule``, ``data``...);
 - :func:`refuse_non_finite` — no checkpoint of a diverged model is ever written;
-- :class:`SaveSchedule` — a save every N steps and/or every S seconds.
+- :class:`SaveSchedule` — a save every N steps and/or every S seconds;
+- :func:`save_before_stopping` — when a step fails because a peer is missing
+  (``DeadlineExceededError`` / ``UnavailableError``), the chief checkpoints
+  the last consistent state and the error names the missing tasks and the way
+  out.
 
 Example:
     >>> schedule = SaveSchedule(every_steps=10)
@@ -21,17 +25,27 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from towerflow.errors import InvalidArgumentError, NanLossDuringTrainingError
+from towerflow.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NanLossDuringTrainingError,
+    TowerflowError,
+    UnavailableError,
+)
 from towerflow.strategies.base import Strategy
 from towerflow.training.hooks import non_finite_tensor
 
-__all__ = ["SaveSchedule", "restore_latest", "checkpoint_metadata", "refuse_non_finite"]
+__all__ = ["SaveSchedule", "restore_latest", "checkpoint_metadata", "refuse_non_finite",
+           "save_before_stopping", "PEER_FAILURES"]
+
+#: step failures that mean a peer (a worker, a ps task) is missing
+PEER_FAILURES = (DeadlineExceededError, UnavailableError)
 
 log = logging.getLogger("towerflow.training")
 
@@ -102,3 +116,32 @@ def refuse_non_finite(named: Mapping[str, torch.Tensor], step: int,
         f"Model diverged with loss = NaN: {bad} is not finite at step {step}; no checkpoint "
         f"was written{kept}. Lower the learning rate (--lr)."
     )
+
+
+def save_before_stopping(strategy: Strategy, error: TowerflowError,
+                         save: Callable[[], tuple[Path, int] | None]) -> TowerflowError:
+    """Checkpoint what the chief has after a step failed for a missing peer; return the error.
+
+    ``save()`` writes the checkpoint and returns its path and step (None: this
+    task saves nothing). On a parameter server it holds the ps tasks' state as
+    of the last global step completed on every shard. The returned error is of
+    ``error``'s class; its message is ``error``'s, then the training tasks that
+    do not answer, what was saved (or why nothing was) and the way out. Raise
+    it ``from error``.
+    """
+    missing_peers = getattr(strategy, "missing_peers", None)
+    missing = missing_peers() if missing_peers is not None else []
+    not_answering = f" Not answering now: {'; '.join(missing)}." if missing else ""
+    try:
+        saved = save()
+    except TowerflowError as exc:
+        told = f" No checkpoint was written before stopping: {exc}"
+    else:
+        told = "" if saved is None else \
+            f" The chief saved {saved[0]} (global step {saved[1]}) before stopping."
+        if saved is not None:
+            log.info("saved checkpoint %s before stopping", saved[0])
+    way_out = (" Restart the missing task with the same command: a restarted worker rejoins "
+               "the running job (a sync step waits up to step_timeout for it), and a "
+               "restarted chief resumes from the latest checkpoint.")
+    return type(error)(f"{error}{not_answering}{told}{way_out}")

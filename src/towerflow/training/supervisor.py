@@ -8,7 +8,12 @@ the parameters are initialised and never write anything. A manual save still
 works (to ``logdir`` or another directory; neither changes the schedule of
 ``logdir``), and SIGTERM (preemption) makes the chief checkpoint and the
 program leave its loop (``should_stop()``; a loop that does not look is ended
-at its next step with ``SystemExit(0)``)::
+at its next step with ``SystemExit(0)``). A step that fails because a peer is
+missing (``DeadlineExceededError``: a sync step waited ``step_timeout`` for a
+dead worker; ``UnavailableError``: a ps task is gone) makes the chief save the
+last consistent state before the error leaves the session; the error then
+names the tasks that do not answer and says to restart them (a restarted
+worker rejoins the running job)::
 
     server = towerflow.Server(cluster, "worker", task_index)
     sv = towerflow.Supervisor(is_chief=(task_index == 0), logdir="log/super",
@@ -50,10 +55,12 @@ from torch import nn
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.training.session import (
+    PEER_FAILURES,
     SaveSchedule,
     checkpoint_metadata,
     refuse_non_finite,
     restore_latest,
+    save_before_stopping,
 )
 
 __all__ = ["Supervisor", "ManagedSession", "REFUSED_TF_ARGUMENTS"]
@@ -363,7 +370,12 @@ class Supervisor:
                 self._session = session
                 self._sync_global_step(strategy.global_step)
                 self._rate = (time.monotonic(), strategy.global_step)
-                yield session
+                try:
+                    yield session
+                except PEER_FAILURES as exc:
+                    raise save_before_stopping(strategy, exc,
+                                               lambda: self._save_before_stopping(session)
+                                               ) from exc
                 self._final_save(session)
         except SystemExit:
             if self.preempted and self._session is not None:
@@ -439,6 +451,13 @@ class Supervisor:
         writer = self._summaries()
         if writer is not None:
             writer.scalars(step, {"global_step/sec": (step - first) / (now - then)})
+
+    def _save_before_stopping(self, session: ManagedSession) -> tuple[Path, int] | None:
+        """The chief's checkpoint when a step failed for a missing peer (None elsewhere)."""
+        if not self.is_chief or self._manager is None:
+            return None
+        path = self._save_to(self._manager, session, schedule=True)
+        return path, int(self._saved_step or 0)
 
     def _final_save(self, session: ManagedSession) -> None:
         if self.is_chief and self._manager is not None \
