@@ -18,10 +18,11 @@ import torch
 from towerflow.checkpoint import CheckpointManager
 from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials
-from towerflow.errors import InvalidArgumentError, UnavailableError
+from towerflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
 from towerflow.ps import PSService
 from towerflow.strategies import OptimizerConfig
+from towerflow.strategies.single import SingleDevice
 from towerflow.training.supervisor import Supervisor
 
 DATA = regression_data(32, noise=0.0)
@@ -288,6 +289,7 @@ _PREEMPTED = textwrap.dedent("""
     import sys, torch
     from towerflow.models.linear import LinearRegression, mse_loss, regression_data
     from towerflow.strategies import OptimizerConfig
+from towerflow.strategies.single import SingleDevice
     from towerflow.training.supervisor import Supervisor
     data = regression_data(16)
     sv = Supervisor(is_chief=True, logdir=sys.argv[1], save_model_secs=None)
@@ -326,3 +328,58 @@ def test_sigterm_on_the_chief_checkpoints_and_exits_zero(tmp_path, python, subpr
     stopped = int(next(line for line in lines if line.startswith("stopped at")).split()[-1])
     ckpt = CheckpointManager(Path(tmp_path)).restore()
     assert ckpt is not None and ckpt.step == stopped >= 3
+
+
+class _PeerLostAt(SingleDevice):
+    """One device, but the step to ``fail_at`` fails as a step missing a peer does."""
+
+    def __init__(self, fail_at: int, error: type[Exception]) -> None:
+        super().__init__("cpu")
+        self.fail_at, self.error = fail_at, error
+
+    def run_step(self, loss_fn, batch, *, lr=None):
+        if self.global_step + 1 == self.fail_at:
+            raise self.error("Step 7 waited 4 s for 2 gradients but received 1.")
+        return super().run_step(loss_fn, batch, lr=lr)
+
+
+@pytest.mark.parametrize("error", [DeadlineExceededError, UnavailableError])
+def test_a_step_missing_a_peer_makes_the_chief_save_then_fail_naming_the_way_out(
+        tmp_path, error) -> None:
+    sv = Supervisor(logdir=tmp_path, save_model_secs=0, summary_writer=None)
+    with pytest.raises(error, match=re.escape(
+            "Step 7 waited 4 s for 2 gradients but received 1. The chief saved "
+            f"{tmp_path / 'ckpt-00000006'} (global step 6) before stopping. Restart the missing "
+            "task with the same command: a restarted worker rejoins the running job")):
+        _run_with(sv, _PeerLostAt(7, error), 100)
+    latest = CheckpointManager(tmp_path).restore()
+    assert latest is not None and latest.step == 6
+
+
+def _run_with(sv: Supervisor, strategy, steps: int) -> None:
+    model = LinearRegression(torch.Generator().manual_seed(0))
+    with sv.managed_session(model=model, optimizer=OPT, strategy=strategy) as sess:
+        while sess.global_step < steps:
+            sess.run_step(mse_loss, DATA)
+
+
+def test_a_non_chief_missing_a_peer_saves_nothing_and_still_says_the_way_out(tmp_path) -> None:
+    sv = Supervisor(is_chief=False, logdir=tmp_path, save_model_secs=0, summary_writer=None)
+    with pytest.raises(DeadlineExceededError, match=r"received 1\. Restart the missing task"):
+        _run_with(sv, _PeerLostAt(3, DeadlineExceededError), 100)
+    assert CheckpointManager(tmp_path).restore() is None
+
+
+def test_the_trainer_saves_before_stopping_on_a_step_missing_a_peer(tmp_path) -> None:
+    from towerflow.training.loop import Trainer
+
+    data = [DATA] * 100
+    trainer = Trainer(LinearRegression(torch.Generator().manual_seed(0)), mse_loss, data,
+                      strategy=_PeerLostAt(5, DeadlineExceededError), optimizer=OPT,
+                      train_dir=tmp_path, checkpoint_every=1000, summary_every=0)
+    with trainer, pytest.raises(DeadlineExceededError,
+                                match=r"The chief saved .*ckpt-00000004 \(global step 4\) "
+                                      r"before stopping\. Restart the missing task"):
+        trainer.fit(max_steps=100)
+    latest = CheckpointManager(tmp_path).restore()
+    assert latest is not None and latest.step == 4
