@@ -25,6 +25,7 @@ Usage::
 
     python benchmarks/ps_throughput.py                     # towerflow only
     python benchmarks/ps_throughput.py --tf-python /tmp/tfvenv/bin/python
+    python benchmarks/ps_throughput.py --poll-status       # + the live view's cost
 """
 
 from __future__ import annotations
@@ -250,7 +251,8 @@ class PsTask:
         self.cluster = {"ps": [f"127.0.0.1:{ports[0]}"],
                         "worker": [f"127.0.0.1:{p}" for p in ports[1:]]}
         tf_config = {"cluster": self.cluster, "task": {"type": "ps", "index": 0}}
-        self.proc = subprocess.Popen([sys.executable, "-m", "towerflow", "server"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "towerflow", "server",
+                                      "--serve-forever"],
                                      env=child_env(secret, tf_config),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.secret = secret
@@ -326,17 +328,31 @@ def measure_grpc(numel: int, clients: int, iters: int) -> float:
     return total / seconds / 1e9
 
 
-def measure_traffic(numel: int, workers: int, iters: int, mode: str, auth: bool = True) -> dict:
+def status_poller(cluster: dict, secret: str | None) -> subprocess.Popen:
+    """``towerflow status --json`` polling the ps every second (the live view), output dropped."""
+    tf_config = {"cluster": cluster, "task": {"type": "ps", "index": 0}}
+    return subprocess.Popen([sys.executable, "-m", "towerflow", "status", "--json",
+                             "--interval", "1"], env=child_env(secret, tf_config),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def measure_traffic(numel: int, workers: int, iters: int, mode: str, auth: bool = True,
+                    poll: bool = False) -> dict:
     secret = os.urandom(16).hex() if auth else None
     ps = PsTask(secret, workers)
+    poller = None
     try:
         idle = ps.wait_ready()
         init_ps(ps.cluster, secret, numel, mode, workers)
+        poller = status_poller(ps.cluster, secret) if poll else None
         start_at = time.time() + 4.0
         rows = results([run_role("traffic-worker", child_env(secret), json.dumps(ps.cluster), w,
                                  numel, iters, start_at) for w in range(workers)])
         peak = vm_hwm(ps.proc.pid)
     finally:
+        if poller is not None:
+            poller.terminate()
+            poller.wait(10)
         ps.stop()
     total, seconds = aggregate(rows)
     param_bytes = numel * 4
@@ -392,6 +408,9 @@ def main() -> None:
     parser.add_argument("--tf-python", default=None)
     parser.add_argument("--repeats", type=int, default=2,
                         help="interleaved rounds; each figure is the best of them")
+    parser.add_argument("--poll-status", action="store_true",
+                        help="also measure async traffic while `towerflow status` polls the ps "
+                        "every second, and report the cost of its statistics")
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args()
     roles = {
@@ -420,14 +439,16 @@ CASES = (("tcp", 1), ("tcp", 2), ("grpc", 1), ("grpc", 2), ("async", 1), ("async
 def run_round(args: argparse.Namespace, numel: int, index: int) -> dict:
     """Every measurement once; a line per figure so a slow run shows its progress."""
     out: dict = {}
-    for kind, n in CASES:
+    cases = CASES + ((("async-poll", 1), ("async-poll", 2)) if args.poll_status else ())
+    for kind, n in cases:
         if kind == "tcp":
             out[kind, n] = measure_tcp(numel, n, args.iters)
         elif kind == "grpc":
             out[kind, n] = measure_grpc(numel, n, args.iters)
         else:
-            mode, _, plain = kind.partition("-")
-            out[kind, n] = measure_traffic(numel, n, args.iters, mode, auth=not plain)
+            mode, _, variant = kind.partition("-")
+            out[kind, n] = measure_traffic(numel, n, args.iters, mode,
+                                           auth=variant != "noauth", poll=variant == "poll")
         value = out[kind, n] if isinstance(out[kind, n], float) else out[kind, n]["gbps"]
         print(f"  round {index + 1}: {kind} x{n}: {value:.2f} GB/s", flush=True)
     out["linreg"] = measure_linreg(args.linreg_steps)
@@ -467,6 +488,12 @@ def report(rounds: list[dict], args: argparse.Namespace) -> None:
           f"GB/s without -> cost {100 * (1 - auth / plain):.1f}% (target < 5%); the check itself "
           f"(token + HMAC verify + nonce) takes {per_call * 1e6:.1f} us per call = "
           f"{100 * per_call / round_trip:.4f}% of a {round_trip * 1e3:.0f} ms push+pull call")
+    if args.poll_status:
+        for n in (1, 2):
+            quiet, polled = best(("async", n)), best(("async-poll", n))
+            print(f"live view: {n} worker(s) async {polled:.2f} GB/s while `towerflow status` "
+                  f"polls every second, {quiet:.2f} GB/s without -> cost "
+                  f"{100 * (1 - polled / quiet):.1f}% (target < 2%)")
     linreg = max(r["linreg"] for r in rounds)
     print(f"article 003 linear regression, 1 ps + 2 workers: {linreg:.0f} steps/s total")
     if not args.tf_python:

@@ -84,7 +84,8 @@ def _prepared(strategy: ParameterServer) -> Iterator[ParameterServer]:
 
 
 def test_a_worker_uses_the_server_it_is_given_and_starts_none_when_told(spec):
-    with Server(spec, "ps", 0, credentials=SECRET), \
+    # the ps serves on after the first strategy's Done: the second one comes back to it
+    with Server(spec, "ps", 0, credentials=SECRET, options=ServerOptions(serve_forever=True)), \
             Server(spec, "worker", 0, credentials=SECRET) as mine:
         with _prepared(_chief(spec, server=mine)) as given:
             assert given.server is mine
@@ -97,7 +98,8 @@ def test_a_supervised_worker_uses_its_master_server_given_or_named_by_its_target
     config = {"cluster": spec.as_dict(), "task": {"type": "worker", "index": 0}}
     monkeypatch.setenv("TF_CONFIG", json.dumps(config))
     monkeypatch.setenv("TOWERFLOW_SECRET", SECRET.secret.decode())
-    with Server(spec, "ps", 0, credentials=SECRET), \
+    # the ps serves on after the first session's Done: the second session comes back to it
+    with Server(spec, "ps", 0, credentials=SECRET, options=ServerOptions(serve_forever=True)), \
             Server(spec, "worker", 0, credentials=SECRET) as mine:
         for master in (mine, mine.target):  # server.target names this process's live server
             sv = Supervisor(is_chief=True, device="cpu")

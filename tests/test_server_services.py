@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from towerflow.cluster import ClusterSpec, Server
+from towerflow.cluster import ClusterSpec, Server, ServerOptions
 from towerflow.cluster.services import JOB_SERVICES, factories_for, load_factory, register_service
 from towerflow.cluster.transport import Credentials, make_channel, raw_handlers, unary
 from towerflow.errors import InvalidArgumentError, NotFoundError, TowerflowError
@@ -51,7 +51,8 @@ def _status(spec: ClusterSpec) -> pb.StatusReply:
 
 
 def test_a_ps_server_hosts_its_shard_and_a_worker_trains_on_it(spec):
-    with Server(spec, "ps", 0, credentials=SECRET) as ps:
+    options = ServerOptions(serve_forever=True)  # its only worker says Done before the Status
+    with Server(spec, "ps", 0, credentials=SECRET, options=options) as ps:
         assert [type(s) for s in ps.services] == [ShardHost, TableHost]
         assert ps.services[0].monitor is None  # heartbeats are opt-in in the Python API
         np.testing.assert_allclose(_train_once(spec), np.full(4, -0.5, np.float32))

@@ -10,6 +10,14 @@ watches the chief and workers with heartbeats (every ``--heartbeat`` seconds,
 dead or suspended worker is logged by name, and a sync step that misses its
 gradient names it. SIGTERM or Ctrl-C stops the server.
 
+A ps task ends by itself, with status 0, once every training replica has
+finished (the chief after its final checkpoint); ``--serve-forever`` keeps it
+serving until stopped. When every replica that has not finished is dead or
+suspended, it keeps the parameters for their return for ``--idle-timeout``
+seconds (default one hour), then exits with status 2 naming them. Every task
+answers the standard gRPC health check (``grpc.health.v1``) without
+credentials, for Kubernetes probes.
+
 The server listens on the address its cluster spec names (``--bind 0.0.0.0``
 to listen on every interface), refuses a non-loopback address without a
 cluster secret and TLS unless ``--insecure``, and refuses a stream past
@@ -80,7 +88,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="ps: ping the chief and workers every SECONDS and name a dead or suspended one "
         "(default 1; 0 turns heartbeats off)",
     )
+    add_lifecycle_arguments(parser)
     return parser
+
+
+def add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--serve-forever`` and ``--idle-timeout``: when a ps task ends."""
+    parser.add_argument(
+        "--serve-forever",
+        action="store_true",
+        help="ps: serve until stopped (SIGTERM, Ctrl-C) instead of ending once every worker "
+        "and the chief have finished",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="ps: while every worker that has not finished is dead or suspended, keep the "
+        "parameters for their return this long, then exit with an error (default 3600; 0 "
+        "waits forever)",
+    )
+
+
+def idle_timeout_from_args(args: argparse.Namespace) -> float | None:
+    """``--idle-timeout SECONDS`` as ``ServerOptions.idle_timeout`` (None for 0).
+
+    Raises:
+        InvalidArgumentError: a negative or non-finite value.
+    """
+    import math
+
+    from towerflow.errors import InvalidArgumentError
+
+    seconds = args.idle_timeout
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise InvalidArgumentError(
+            f"--idle-timeout {seconds:g} is not a number of seconds >= 0; give how long a ps "
+            "keeps the parameters while its workers are away, or 0 to keep them forever."
+        )
+    return seconds or None
 
 
 def credentials_from_args(args: argparse.Namespace) -> Credentials:
@@ -118,7 +165,11 @@ def heartbeat_from_args(args: argparse.Namespace) -> HeartbeatOptions | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM / SIGINT; a ps task hosts the parameter-server shard service."""
+    """Serve until SIGTERM / SIGINT, or a ps task until its job ends; the exit status.
+
+    Raises:
+        UnavailableError: a ps task's workers stayed away past ``--idle-timeout``.
+    """
     from towerflow.cluster import Server, ServerOptions, resolve_cluster
     from towerflow.errors import InvalidArgumentError
 
@@ -130,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
         )
     options = ServerOptions(heartbeat=heartbeat_from_args(args), bind_host=args.bind,
                             max_streams=args.max_streams,
-                            max_streams_per_peer=args.max_streams_per_peer)
+                            max_streams_per_peer=args.max_streams_per_peer,
+                            serve_forever=args.serve_forever,
+                            idle_timeout=idle_timeout_from_args(args))
     server = Server(cluster, task.job_name, task.task_index,
                     credentials=credentials_from_args(args), options=options)
     print(f"serving {task.device_name} at {server.target}", flush=True)

@@ -26,6 +26,11 @@ is refused with ``UNAVAILABLE`` ("restarted"), as a call to a task that went
 away; the client re-runs the handshake and its retry goes to the new
 incarnation.
 
+The standard health check (``/grpc.health.v1.Health/Check`` and ``Watch``,
+see :mod:`~towerflow.cluster.health`) is the one exception: it needs no token,
+so that Kubernetes probes work, and it tells nothing but ``SERVING`` or
+``NOT_SERVING``.
+
 Messages of a stream after its first are covered by the connection: TLS, which
 a server on a non-loopback address requires by default (see ``docs/security.md``).
 """
@@ -46,6 +51,7 @@ from typing import Any
 
 import grpc
 
+from towerflow.cluster.health import UNAUTHENTICATED_METHODS
 from towerflow.cluster.limits import RateLimitedLog, handler_kind, make_handler
 from towerflow.errors import InvalidArgumentError, UnauthenticatedError
 
@@ -194,6 +200,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if method == HELLO_METHOD:
             return make_handler(True, False, self._hello)
+        if method in UNAUTHENTICATED_METHODS:  # the health probe: it says SERVING or not, only
+            return continuation(handler_call_details)
         token = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY:

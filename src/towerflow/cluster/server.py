@@ -33,6 +33,7 @@ import grpc
 
 from towerflow import _identity
 from towerflow.cluster.auth import RESTARTED
+from towerflow.cluster.health import TaskHealth
 from towerflow.cluster.limits import RateLimitedLog, StreamLimiter, log_by_default
 from towerflow.cluster.services import HostedService, ServiceFactory, factories_for, load_factory
 from towerflow.cluster.spec import ClusterSpec, TaskInfo, is_loopback_host, parse_address
@@ -95,6 +96,16 @@ class ServerOptions:
             connection (an honest worker keeps a few per ps task).
         warning_interval: a repeated warning (a refused call, ...) is written
             once per this many seconds, then with the count of the others.
+        serve_forever: a ps task serves until it is stopped (a signal,
+            :meth:`Server.stop`), as before it learned when its job ends.
+            False (default): it ends by itself, and :meth:`Server.join`
+            returns, once every training replica has said it finished (the
+            chief after its final checkpoint).
+        idle_timeout: seconds a ps task keeps its parameters while none of the
+            replicas that have not finished is alive (they were killed, or
+            are suspended), waiting for them to come back; then it ends and
+            :meth:`Server.join` raises. None: wait forever. Unused with
+            ``serve_forever``.
     """
 
     max_workers: int = 256
@@ -105,6 +116,15 @@ class ServerOptions:
     max_streams: int | None = None
     max_streams_per_peer: int = 32
     warning_interval: float = 10.0
+    serve_forever: bool = False
+    idle_timeout: float | None = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise InvalidArgumentError(
+                f"ServerOptions(idle_timeout={self.idle_timeout!r}): give a positive number of "
+                "seconds, or None to keep the parameters forever while the workers are gone."
+            )
 
     def stream_cap(self) -> int:
         """``max_streams``, checked against ``max_workers``.
@@ -181,7 +201,9 @@ class Server:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._auth: AuthInterceptor | None = None
+        self._ended: TowerflowError | None = None
         self.streams: StreamLimiter | None = None
+        self.health = TaskHealth()
         register_server(self)  # so that ``self.target`` names this task in this process
         if start:
             self.start()
@@ -265,6 +287,7 @@ class Server:
             server.add_generic_rpc_handlers(
                 (*self._handlers, *handlers, self._control_handlers())
             )
+            self.health.add_to(server)
             self._add_port(server)
             server.start()
             with self._lock:
@@ -279,6 +302,7 @@ class Server:
         except BaseException:
             self.stop(0)
             raise
+        self.health.set_serving(all(_ready(service) for service in self.services))
 
     def _host_services(self) -> list[tuple[HostedService, list[grpc.GenericRpcHandler]]]:
         """Build the hosted services, leaving out those the given handlers already serve."""
@@ -315,18 +339,42 @@ class Server:
             )
 
     def join(self, *, handle_signals: bool = True) -> None:
-        """Block until :meth:`stop` is called (from another thread or a signal handler).
+        """Block until the server stops: :meth:`stop` (another thread, a signal) or :meth:`end`.
+
+        A ps task ends by itself when its job has finished (see
+        ``ServerOptions.serve_forever``), so the article's ``server.join()``
+        returns then.
 
         Args:
             handle_signals: when called in the main thread, SIGTERM and SIGINT
                 (Ctrl-C) stop the server while it waits, so ``join`` returns and
                 the program ends cleanly; the previous handlers are restored.
+
+        Raises:
+            TowerflowError: the task ended on an error (:meth:`end` with one),
+                e.g. a ps whose workers stayed away past ``idle_timeout``.
         """
         if handle_signals and threading.current_thread() is threading.main_thread():
             with stop_on_signals(self):
                 self._wait_stopped()
         else:
             self._wait_stopped()
+        if self._ended is not None:
+            raise self._ended
+
+    def end(self, error: TowerflowError | None = None, *, grace: float = 1.0) -> None:
+        """End the task from one of its own threads: stop the server in the background.
+
+        Args:
+            error: why the task failed (:meth:`join` raises it), None when it
+                finished its work.
+            grace: seconds in-flight calls get.
+        """
+        with self._lock:
+            if self._ended is None:
+                self._ended = error
+        threading.Thread(target=self.stop, args=(grace,), name="towerflow-end",
+                         daemon=True).start()
 
     def _wait_stopped(self) -> None:
         while not self._stopped.wait(1.0):
@@ -335,8 +383,10 @@ class Server:
     def stop(self, grace: float | None = None) -> None:
         """Stop the hosted services, serving and the peer channels (idempotent).
 
-        In-flight calls get ``grace`` seconds.
+        In-flight calls get ``grace`` seconds; health probes answer
+        ``NOT_SERVING`` from the start.
         """
+        self.health.shutdown()
         for service in reversed(self.services):
             try:
                 service.stop()
@@ -453,6 +503,12 @@ class Server:
             {"job": self.task.job_name, "task": self.task.task_index, "pid": os.getpid()}
         ).encode()
         return raw_handlers(CONTROL_SERVICE, {"Ping": ("unary_unary", lambda _request: identity)})
+
+
+def _ready(service: HostedService) -> bool:
+    """Whether a hosted service is ready (one without ``ready()`` is, once started)."""
+    ready = getattr(service, "ready", None)
+    return bool(ready()) if callable(ready) else True
 
 
 def _bracketed(host: str) -> str:

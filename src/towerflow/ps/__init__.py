@@ -88,14 +88,20 @@ class ShardHost:
     Args:
         server: the ps task's server (not started yet).
 
+    A :class:`~towerflow.ps.lifecycle.JobLifecycle` ends the task once every
+    replica has finished (unless ``server.options.serve_forever``) and keeps
+    its health probe ``NOT_SERVING`` until the shard is initialised.
+
     Attributes:
         service: the :class:`PSService`.
         monitor: the heartbeat monitor, or None.
+        lifecycle: the job's :class:`~towerflow.ps.lifecycle.JobLifecycle`.
     """
 
-    __slots__ = ("server", "service", "monitor")
+    __slots__ = ("server", "service", "monitor", "lifecycle")
 
     def __init__(self, server: Any) -> None:
+        from towerflow.ps.lifecycle import JobLifecycle, peer_describer
         from towerflow.ps.service import PSService, _worker_describer
 
         self.server = server
@@ -109,7 +115,9 @@ class ShardHost:
         replicas = server.cluster.num_replicas
         self.service = PSService(server.task.task_index,
                                  describe_worker=_worker_describer(server.cluster, self.monitor),
-                                 on_worker_done=self._worker_done, replicas=replicas or None)
+                                 on_worker_done=self._worker_done, replicas=replicas or None,
+                                 describe_peer=peer_describer(server.cluster, self.monitor))
+        self.lifecycle = JobLifecycle(server, self.service, self.monitor)
 
     def _worker_done(self, replica: int) -> None:
         """A worker said it finished: stop its heartbeats so it is not reported dead."""
@@ -118,6 +126,11 @@ class ShardHost:
         task = replica_task(self.server.cluster, replica)
         if self.monitor is not None and task is not None:
             self.monitor.mark_finished(task.job_name, task.task_index)
+        self.lifecycle.done(replica, self.service.finished.get(replica, ""))
+
+    def ready(self) -> bool:
+        """Whether the shard is initialised (the task's health probe says SERVING)."""
+        return self.service.initialized
 
     def handlers(self) -> Any:
         """The ``towerflow.ps.PS`` gRPC service."""
@@ -127,12 +140,14 @@ class ShardHost:
         """Start watching the chief and workers (the server listens already)."""
         if self.monitor is not None:
             self.monitor.start()
+        self.lifecycle.start()
         logger.info("ps task %d serving at %s%s", self.server.task.task_index, self.server.target,
                     "" if self.monitor is None
                     else f" (heartbeat every {self.monitor.options.interval:g} s)")
 
     def stop(self) -> None:
-        """Stop the heartbeats (before the server stops)."""
+        """Stop the heartbeats and the lifecycle watcher (before the server stops)."""
+        self.lifecycle.stop()
         if self.monitor is not None:
             self.monitor.stop()
 
@@ -141,8 +156,9 @@ class ShardHost:
 
 
 def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
-                heartbeat: Any = None, bind_host: str | None = None) -> int:
-    """Serve the ps shard of ``task`` until SIGTERM / SIGINT; return 0.
+                heartbeat: Any = None, bind_host: str | None = None,
+                serve_forever: bool = False, idle_timeout: float | None = 3600.0) -> int:
+    """Serve the ps shard of ``task`` until its job has finished (or SIGTERM / SIGINT); return 0.
 
     The same as ``Server(cluster, "ps", i, options=ServerOptions(heartbeat=...)).join()``
     (in the main thread, SIGTERM / SIGINT end the join).
@@ -156,11 +172,19 @@ def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
             its state when a sync step misses its gradient. None: no heartbeats.
         bind_host: the interface to listen on instead of the host the cluster
             names (``ServerOptions.bind_host``); None: that host.
+        serve_forever: serve until stopped, not only until every replica finished.
+        idle_timeout: seconds to keep the parameters while every replica that
+            has not finished is away; None: forever.
+
+    Raises:
+        UnavailableError: the replicas stayed away past ``idle_timeout``.
     """
     from towerflow.cluster import Server, ServerOptions
 
     server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
-                    options=ServerOptions(heartbeat=heartbeat, bind_host=bind_host))
+                    options=ServerOptions(heartbeat=heartbeat, bind_host=bind_host,
+                                          serve_forever=serve_forever,
+                                          idle_timeout=idle_timeout))
     try:
         server.join()
     finally:

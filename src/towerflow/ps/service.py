@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -58,6 +59,7 @@ from towerflow.ps.initspec import InitPlan, check_init
 from towerflow.ps.optimizers import SLOT_NAMES, canonical_name, make_optimizer
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.shard import (
+    APPLIED,
     CHUNK_BYTES,
     REFUSED,
     PushHeader,
@@ -68,6 +70,7 @@ from towerflow.ps.shard import (
     release_free_memory,
     tune_malloc,
 )
+from towerflow.ps.workerstats import WorkerTable
 
 __all__ = ["PSService", "SERVICE_NAME", "parse_message", "pack", "unpack"]
 
@@ -198,6 +201,12 @@ class PSService:
             name one of them.
         staging_bytes: payload bytes a shard may hold while pushes arrive
             (default :func:`~towerflow.ps.shard.default_staging_limit`).
+        describe_peer: ``describe_peer(replica) -> (task, heartbeat,
+            last_heartbeat_age)`` for the per-replica figures of ``Status``.
+
+    Attributes:
+        finished: replica -> how it finished ("" or its final checkpoint), from ``Done``.
+        last_call: ``time.monotonic()`` of the last Init, Push or Pull.
 
     Creating one tunes this process's malloc for streamed chunks
     (:func:`~towerflow.ps.shard.tune_malloc` with one arena): a ps task then
@@ -207,8 +216,13 @@ class PSService:
     def __init__(self, shard_index: int, *, chunk_bytes: int = CHUNK_BYTES,
                  describe_worker: Callable[[int], str] | None = None,
                  on_worker_done: Callable[[int], None] | None = None,
-                 replicas: int | None = None, staging_bytes: int | None = None) -> None:
+                 replicas: int | None = None, staging_bytes: int | None = None,
+                 describe_peer: Callable[[int], tuple[str, str, float]] | None = None) -> None:
         tune_malloc(one_arena=True)
+        self.describe_peer = describe_peer
+        self.workers = WorkerTable(replicas)
+        self.finished: dict[int, str] = {}
+        self.last_call = self._started = time.monotonic()
         self.replicas = replicas
         self.staging_bytes = staging_bytes
         self.shard_index = shard_index
@@ -236,6 +250,16 @@ class PSService:
         })
 
     @property
+    def initialized(self) -> bool:
+        """Whether the chief has initialised the shard."""
+        return self._shard is not None
+
+    def current_step(self) -> int | None:
+        """The shard's global step (None before the chief initialises it)."""
+        current = self._shard
+        return None if current is None else current[0].step
+
+    @property
     def shard(self) -> tuple[ShardState, Aggregator]:
         """The current state and aggregator.
 
@@ -261,6 +285,7 @@ class PSService:
         (from a checkpoint) are merged, so no push is applied twice across it.
         """
         chunks = iter(requests)
+        self.last_call = time.monotonic()
         req = parse_message(pb.InitRequest, next(chunks, b""), "InitRequest")
         plan = check_init(req, self.shard_index, self.replicas)
         params, slots = _receive_buffers(plan, chunks, self.shard_index)
@@ -290,8 +315,11 @@ class PSService:
     def status(self, request: bytes) -> bytes:
         """Report whether the shard is initialised, its step, layout, counters and push table."""
         current = self._shard
+        workers = self.workers.to_proto(self.replicas, self.describe_peer, self.finished)
+        uptime = time.monotonic() - self._started
         if current is None:
-            return pb.StatusReply(initialized=False, shard=self.shard_index).SerializeToString()
+            return pb.StatusReply(initialized=False, shard=self.shard_index, workers=workers,
+                                  uptime=uptime).SerializeToString()
         state, aggregator = current
         with state.cond:
             reply = pb.StatusReply(
@@ -300,7 +328,7 @@ class PSService:
                 mode=aggregator.config.mode, slots=list(state.optimizer.slots),
                 optimizer_step=state.optimizer.step, generation=self._generation,
                 shard=self.shard_index, refusals=state.stats.refusals,
-                staged_bytes=state.staged,
+                staged_bytes=state.staged, workers=workers, uptime=uptime,
                 pushes=[pb.PushRecord(worker_id=w, incarnation=i, seq=q, status=st)
                         for w, i, q, st in state.table.rows()])
         return reply.SerializeToString()
@@ -313,6 +341,8 @@ class PSService:
             dtype=req.dtype or "float32", incarnation=req.incarnation,
             segments=tuple((s.name, tuple(s.shape)) for s in req.segments), finite=req.finite)
         outcome = aggregator.push(header, _Counted(chunks, state))
+        self.last_call = time.monotonic()
+        self.workers.record(req.worker_id, req.token, outcome.step, outcome.status == APPLIED)
         reply = pb.PushReply(status=outcome.status, step=outcome.step, message=outcome.message,
                              duplicate=outcome.duplicate)
         return state, req, reply
@@ -359,6 +389,7 @@ class PSService:
     def pull(self, request: bytes) -> Iterator[bytes]:
         """Stream the parameters (or an optimizer slot buffer)."""
         req = parse_message(pb.PullRequest, request, "PullRequest")
+        self.last_call = time.monotonic()
         state, _ = self.shard
         name = req.buffer or "params"
         buffer = state.buffer(name)
@@ -369,7 +400,10 @@ class PSService:
         yield from state.read_chunks(name, self.chunk_bytes)
 
     def done(self, request: bytes) -> bytes:
-        """A worker has finished: the shard stops waiting for it (sync and ssp)."""
+        """A worker has finished: the shard stops waiting for it (sync and ssp).
+
+        The chief's ``Done`` says at which step it wrote its final checkpoint.
+        """
         req = parse_message(pb.DoneRequest, request, "DoneRequest")
         if self.replicas is not None and not 0 <= req.worker_id < self.replicas:
             raise InvalidArgumentError(
@@ -379,6 +413,9 @@ class PSService:
         current = self._shard
         if current is not None:
             current[1].worker_done(req.worker_id)
+        if self.replicas is not None or len(self.finished) < 1024:  # bounded
+            self.finished.setdefault(req.worker_id, f"wrote its final checkpoint at step "
+                                     f"{req.checkpoint_step}" if req.final_checkpoint else "")
         if self.on_worker_done is not None:
             self.on_worker_done(req.worker_id)
         return pb.Empty().SerializeToString()

@@ -80,7 +80,8 @@ def chaos_run(workdir: str | Path, *, kills: int = 4, workers: int = 3, steps: i
     slots = steps + kills + 64
     args = ["--model", "ledger", "--slots", str(slots), "--journal", str(workdir),
             "--steps", str(steps), "--step-time", str(step_time), "--print-every", "3",
-            "--timeout", "10", "--init-timeout", "120", "--until-file", str(workdir / "stop")]
+            "--timeout", "10", "--init-timeout", "120", "--until-file", str(workdir / "stop"),
+            "--serve-forever"]  # the ps outlives the workers: its parameters are audited
     spec = loopback_cluster(num_ps=1, num_workers=workers)
     with LocalCluster(spec, TASK_COMMAND + args, env=env, log_dir=workdir / "logs") as lc:
         lc.start("ps", 0)

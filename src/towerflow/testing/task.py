@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat", type=float, default=0.0,
                    help="ps: heartbeat interval for watching the workers (0: off)")
     p.add_argument("--max-missed", type=int, default=3)
+    p.add_argument("--serve-forever", action="store_true",
+                   help="ps: serve until stopped, not only until every worker finished")
     return p.parse_args(argv)
 
 
@@ -94,7 +96,7 @@ def _serve_ps(cluster: Any, task: Any, args: argparse.Namespace) -> int:
         beats.setLevel(logging.INFO)
         beats.propagate = False
     _say(f"serving {task.device_name}")
-    return run_ps_task(cluster, task, heartbeat=options)
+    return run_ps_task(cluster, task, heartbeat=options, serve_forever=args.serve_forever)
 
 
 def _ledger_loss(model: Any, onehot: Any) -> Any:
