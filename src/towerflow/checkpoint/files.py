@@ -28,11 +28,12 @@ import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from towerflow.errors import CheckpointError, NotFoundError
 
-__all__ = ["MAX_JSON_DEPTH", "json_depth_exceeds", "loads_bounded", "open_dir", "read_regular"]
+__all__ = ["MAX_JSON_DEPTH", "json_depth_exceeds", "loads_bounded", "open_dir", "open_regular",
+           "read_regular"]
 
 #: The deepest nesting of arrays and objects a checkpoint's JSON may have.
 MAX_JSON_DEPTH = 64
@@ -113,6 +114,56 @@ def _checked_size(info: os.stat_result, fpath: str, max_bytes: int, exact: int |
     return info.st_size
 
 
+def _open_in(dir_fd: int, name: str, flags: int, fpath: str) -> int | None:
+    """``os.open`` relative to ``dir_fd``; None when no entry ``name`` exists."""
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"Checkpoint file {fpath!r} is a symbolic link; a checkpoint reads only regular "
+                f"files inside its own directory, {_RESTORE}."
+            ) from exc
+        raise CheckpointError(f"Checkpoint file {fpath!r} cannot be opened ({exc.strerror}); "
+                              f"{_RESTORE}.") from exc
+
+
+@contextlib.contextmanager
+def open_regular(dir_fd: int, dir_path: str | Path, name: str, *, max_bytes: int,
+                 exact: int | None = None,
+                 what: str = "file") -> Iterator[tuple[BinaryIO, int] | None]:
+    """Open the regular file ``name`` of an opened directory; yield it and its size.
+
+    The checks of :func:`read_regular`, for a caller that reads the file in
+    pieces (a data file hashed block by block). An ``OSError`` while the file
+    is read in the body is a :class:`CheckpointError`.
+
+    Yields:
+        ``(file, size)``, or None when no entry ``name`` exists.
+
+    Raises:
+        CheckpointError: the entry is a symbolic link, not a regular file,
+            larger than ``max_bytes``, not ``exact`` bytes, or unreadable.
+    """
+    fpath = str(Path(dir_path) / name)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = _open_in(dir_fd, name, flags, fpath)
+    if fd is None:
+        yield None
+        return
+    try:
+        size = _checked_size(os.fstat(fd), fpath, max_bytes, exact, what)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            yield f, size
+    except OSError as exc:
+        raise CheckpointError(f"Checkpoint file {fpath!r} cannot be read ({exc.strerror}); "
+                              f"{_RESTORE}.") from exc
+    finally:
+        os.close(fd)
+
+
 def read_regular(dir_fd: int, dir_path: str | Path, name: str, *, max_bytes: int,
                  exact: int | None = None, what: str = "file") -> bytes | None:
     """Read the regular file ``name`` of an opened directory, within a size limit.
@@ -132,32 +183,15 @@ def read_regular(dir_fd: int, dir_path: str | Path, name: str, *, max_bytes: int
         CheckpointError: the entry is a symbolic link, not a regular file,
             larger than ``max_bytes``, not ``exact`` bytes, or unreadable.
     """
-    fpath = str(Path(dir_path) / name)
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(name, flags, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CheckpointError(
-                f"Checkpoint file {fpath!r} is a symbolic link; a checkpoint reads only regular "
-                f"files inside its own directory, {_RESTORE}."
-            ) from exc
-        raise CheckpointError(f"Checkpoint file {fpath!r} cannot be opened ({exc.strerror}); "
-                              f"{_RESTORE}.") from exc
-    try:
-        size = _checked_size(os.fstat(fd), fpath, max_bytes, exact, what)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(size)
-    except OSError as exc:
-        raise CheckpointError(f"Checkpoint file {fpath!r} cannot be read ({exc.strerror}); "
-                              f"{_RESTORE}.") from exc
-    finally:
-        os.close(fd)
+    with open_regular(dir_fd, dir_path, name, max_bytes=max_bytes, exact=exact,
+                      what=what) as opened:
+        if opened is None:
+            return None
+        f, size = opened
+        data = f.read(size)
     if len(data) != size:
-        raise CheckpointError(f"Checkpoint file {fpath!r} changed size while it was read; "
-                              "read it again once no other process writes it.")
+        raise CheckpointError(f"Checkpoint file {str(Path(dir_path) / name)!r} changed size "
+                              "while it was read; read it again once no other process writes it.")
     return data
 
 

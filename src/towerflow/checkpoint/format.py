@@ -17,6 +17,9 @@ every tensor in it::
      "files": {"model.safetensors": {"sha256": "...", "bytes": 1234,
                "tensors": {"fc.weight": {"dtype": "float32", "shape": [10, 4]}}}}}
 
+A group too large for memory may be a chunked group, written and read part
+by part (format ``towerflow.checkpoint/3``: :mod:`towerflow.checkpoint.chunked`).
+
 ``manifest.sha256`` is one line in ``sha256sum`` form
 (``<sha256 of manifest.json>  manifest.json``; ``sha256sum -c manifest.sha256``
 checks it by hand). The digest covers the manifest, the manifest covers every
@@ -47,9 +50,9 @@ import re
 import struct
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -65,6 +68,9 @@ from towerflow.checkpoint.files import (
     read_regular,
 )
 from towerflow.errors import CheckpointError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from towerflow.checkpoint.chunked import ChunkedReader
 
 __all__ = [
     "DIGEST_NAME",
@@ -134,12 +140,15 @@ class Checkpoint:
         groups: Group name (``"model"``, ``"optimizer"``, ...) -> tensor name ->
             tensor, on the device asked for.
         metadata: The JSON metadata saved with it (schedule, data position, ...).
+        chunked: Chunked group name -> a reader of its parts, one at a time
+            (:mod:`towerflow.checkpoint.chunked`; verified, not loaded).
     """
 
     path: Path
     step: int
     groups: dict[str, dict[str, torch.Tensor]]
     metadata: dict[str, Any]
+    chunked: dict[str, ChunkedReader] = field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -159,6 +168,11 @@ def check_group_name(group: str) -> None:
             f"Checkpoint group name {group!r} is not allowed; use letters, digits, '_', '.' or '-' "
             "(e.g. 'model', 'optimizer')."
         )
+
+
+def is_group_name(group: Any) -> bool:
+    """Whether ``group`` is a plain file stem (a group's file is ``<group>.safetensors``)."""
+    return isinstance(group, str) and _GROUP_RE.fullmatch(group) is not None
 
 
 def check_step(step: int) -> None:
@@ -198,7 +212,7 @@ def _prepare(group: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-def _serialize(group: str, tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]]:
+def serialize_group(group: str, tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]]:
     prepared = _prepare(group, tensors)
     data = _st_save(prepared)
     entry = {
@@ -234,9 +248,14 @@ def digest_line(manifest_bytes: bytes) -> bytes:
     return f"{hashlib.sha256(manifest_bytes).hexdigest()}  {MANIFEST_NAME}\n".encode()
 
 
-def _manifest_bytes(step: int, meta: dict[str, Any], files: dict[str, Any]) -> bytes:
-    manifest = {"format": FORMAT, "step": step, "created": time.time(), "metadata": meta,
-                "files": files}
+def _manifest_bytes(step: int, meta: dict[str, Any], files: dict[str, Any],
+                    chunked: dict[str, Any]) -> bytes:
+    manifest: dict[str, Any] = {"format": FORMAT, "step": step, "created": time.time(),
+                                "metadata": meta, "files": files}
+    if chunked:
+        from towerflow.checkpoint.chunked import FORMAT_CHUNKED
+
+        manifest.update(format=FORMAT_CHUNKED, chunked=chunked)
     data = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
     if json_depth_exceeds(data):
         raise InvalidArgumentError(
@@ -263,7 +282,9 @@ def write_checkpoint_dir(
     its digest last; the directory is then renamed to ``target`` (an existing
     one, or anything else by that name, is replaced) and the parent fsynced.
     A crash at any moment leaves either no ``target``, the old one, or the
-    complete new one.
+    complete new one. A group given as a
+    :class:`~towerflow.checkpoint.chunked.ChunkedGroup` is written part by
+    part as it is produced; a failure while producing it leaves no ``target``.
 
     Returns:
         ``target`` as a Path.
@@ -273,17 +294,27 @@ def write_checkpoint_dir(
     meta = _metadata_json(metadata)
     if not groups:
         raise InvalidArgumentError("A checkpoint needs at least one group of tensors, got none.")
+    from towerflow.checkpoint.chunked import ChunkedGroup, write_parts
+
     for group in groups:
         check_group_name(group)
+    if all(isinstance(tensors, ChunkedGroup) for tensors in groups.values()):
+        raise InvalidArgumentError("A checkpoint needs a group of tensors besides its chunked "
+                                   "groups (e.g. 'model'), got none.")
     target.parent.mkdir(parents=True, exist_ok=True)
     with temp_dir(target.parent, target.name) as tmp:
         files: dict[str, Any] = {}
+        chunked: dict[str, Any] = {}
         for group, tensors in groups.items():
-            data, entry = _serialize(group, tensors)
+            if isinstance(tensors, ChunkedGroup):
+                taken = {f"{g}{SUFFIX}" for g in groups}
+                chunked[group] = write_parts(tmp, group, tensors, taken)
+                continue
+            data, entry = serialize_group(group, tensors)
             write_bytes_durable(tmp / f"{group}{SUFFIX}", data)
             files[f"{group}{SUFFIX}"] = entry
             del data
-        manifest = _manifest_bytes(step, meta, files)
+        manifest = _manifest_bytes(step, meta, files, chunked)
         write_bytes_durable(tmp / MANIFEST_NAME, manifest)
         write_bytes_durable(tmp / DIGEST_NAME, digest_line(manifest))
         fsync_dir(tmp)
@@ -299,7 +330,7 @@ def _count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
-def _entry_problem(fname: Any, entry: Any) -> str | None:
+def entry_problem(fname: Any, entry: Any) -> str | None:
     if not (
         isinstance(fname, str)
         and fname.endswith(SUFFIX)
@@ -325,8 +356,11 @@ def _entry_problem(fname: Any, entry: Any) -> str | None:
 
 
 def _manifest_problem(manifest: Any) -> str | None:
-    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, LEGACY_FORMAT):
-        return f"its format is not {FORMAT!r}"
+    from towerflow.checkpoint.chunked import FORMAT_CHUNKED, chunked_problem
+
+    formats = (FORMAT, FORMAT_CHUNKED, LEGACY_FORMAT)
+    if not isinstance(manifest, dict) or manifest.get("format") not in formats:
+        return f"its format is not {FORMAT!r} or {FORMAT_CHUNKED!r}"
     if not _count(manifest.get("step")):
         return "its step is not a non-negative integer"
     if not isinstance(manifest.get("metadata", {}), dict):
@@ -334,7 +368,8 @@ def _manifest_problem(manifest: Any) -> str | None:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         return "it lists no files"
-    return next((p for p in (_entry_problem(k, v) for k, v in files.items()) if p), None)
+    problem = next((p for p in (entry_problem(k, v) for k, v in files.items()) if p), None)
+    return problem or chunked_problem(manifest)
 
 
 def _check_digest(path: Path, manifest: bytes, sealed: bytes) -> None:
@@ -418,7 +453,7 @@ def _parse_header(fpath: Path, data: bytes) -> dict[str, Any]:
     return header
 
 
-def _check_file(fpath: Path, data: bytes, entry: Mapping[str, Any], verify: bool) -> None:
+def check_file(fpath: Path, data: bytes, entry: Mapping[str, Any], verify: bool) -> None:
     """Compare one safetensors file's bytes with its (validated) manifest entry."""
     if verify:
         digest = hashlib.sha256(data).hexdigest()
@@ -446,7 +481,7 @@ def _check_file(fpath: Path, data: bytes, entry: Mapping[str, Any], verify: bool
             )
 
 
-def _read_group(dir_fd: int, path: Path, fname: str, entry: Mapping[str, Any],
+def read_data_file(dir_fd: int, path: Path, fname: str, entry: Mapping[str, Any],
                 verify: bool) -> bytes:
     """The bytes of one data file, checked against its manifest entry."""
     data = read_regular(dir_fd, path, fname, max_bytes=entry["bytes"], exact=entry["bytes"],
@@ -455,7 +490,7 @@ def _read_group(dir_fd: int, path: Path, fname: str, entry: Mapping[str, Any],
         raise CheckpointError(
             f"Checkpoint file {str(path / fname)!r} listed in the manifest is missing; {_RESTORE}."
         )
-    _check_file(path / fname, data, entry, verify)
+    check_file(path / fname, data, entry, verify)
     return data
 
 
@@ -467,11 +502,14 @@ def verify_checkpoint(path: str | Path, *, follow_symlinks: bool = True) -> dict
         CheckpointError: naming the first file that is missing, truncated,
             corrupt or not a regular file.
     """
+    from towerflow.checkpoint.chunked import scan_chunked
+
     path = Path(path)
     with open_dir(path, follow_symlinks=follow_symlinks) as dir_fd:
         manifest = _load_manifest(dir_fd, path)
         for fname, entry in manifest["files"].items():
-            _read_group(dir_fd, path, fname, entry, verify=True)
+            read_data_file(dir_fd, path, fname, entry, verify=True)
+        scan_chunked(dir_fd, path, manifest, verify=True)
     return manifest
 
 
@@ -517,7 +555,7 @@ def as_torch_device(device: str | torch.device | None) -> torch.device:
     return target
 
 
-def _to_tensors(fpath: Path, data: bytes, target: torch.device) -> dict[str, torch.Tensor]:
+def to_tensors(fpath: Path, data: bytes, target: torch.device) -> dict[str, torch.Tensor]:
     try:
         tensors = _st_load(data)
     except (SafetensorError, ValueError, KeyError, AssertionError, RuntimeError,
@@ -551,15 +589,19 @@ def read_checkpoint_dir(
             file and what is wrong with it).
         InvalidArgumentError: ``device`` is not a device of this process.
     """
+    from towerflow.checkpoint.chunked import ChunkedReader, scan_chunked
+
     target = as_torch_device(device)
     path = Path(path)
     groups: dict[str, dict[str, torch.Tensor]] = {}
     with open_dir(path, follow_symlinks=follow_symlinks) as dir_fd:
         manifest = _load_manifest(dir_fd, path)
         for fname, entry in manifest["files"].items():
-            data = _read_group(dir_fd, path, fname, entry, verify)
-            groups[fname.removesuffix(SUFFIX)] = _to_tensors(path / fname, data, target)
+            data = read_data_file(dir_fd, path, fname, entry, verify)
+            groups[fname.removesuffix(SUFFIX)] = to_tensors(path / fname, data, target)
             del data
-    return Checkpoint(
-        path=path, step=manifest["step"], groups=groups, metadata=manifest.get("metadata", {})
-    )
+        scan_chunked(dir_fd, path, manifest, verify)
+    chunked = {group: ChunkedReader(path, group, entries, target, follow_symlinks)
+               for group, entries in manifest.get("chunked", {}).items()}
+    return Checkpoint(path=path, step=manifest["step"], groups=groups,
+                      metadata=manifest.get("metadata", {}), chunked=chunked)
