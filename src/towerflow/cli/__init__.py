@@ -1,4 +1,4 @@
-"""The ``towerflow`` command line: ``devices | train | eval | server | launch | bench``.
+"""The ``towerflow`` command line: ``devices | train | eval | server | launch | status | bench``.
 
 Each sub-command lives in its own module of this package and exposes
 ``add_parser(subparsers)`` (cheap: no torch import) and ``run(args) -> int``.
@@ -21,6 +21,7 @@ _COMMANDS: dict[str, str] = {
     "eval": "evaluate",
     "server": "server",
     "launch": "launch",
+    "status": "status",
     "bench": "bench",
 }
 

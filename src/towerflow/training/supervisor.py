@@ -223,6 +223,7 @@ class Supervisor:
         self._session: ManagedSession | None = None
         self._saved_step: int | None = None
         self._rate: tuple[float, int] | None = None
+        self._cluster: Any = None  # the ps job's cluster/... scalars (towerflow.ps.observe)
         self._told_not_chief = False
 
     def _saver(self, saver: Any) -> Any:
@@ -383,6 +384,9 @@ class Supervisor:
             raise
         finally:
             self._session = None
+            if self._cluster:
+                self._cluster.close()
+            self._cluster = None
             if owns:
                 strategy.shutdown()
             if self._writer is not None:
@@ -450,7 +454,16 @@ class Supervisor:
         self._rate = (now, step)
         writer = self._summaries()
         if writer is not None:
-            writer.scalars(step, {"global_step/sec": (step - first) / (now - then)})
+            writer.scalars(step, {"global_step/sec": (step - first) / (now - then),
+                                  **self._cluster_scalars()})
+
+    def _cluster_scalars(self) -> dict[str, float]:
+        """A ps job's ``cluster/...`` figures (per ps shard and worker), else none."""
+        if self._cluster is None and self._session is not None:
+            from towerflow.ps.observe import ClusterScalars
+
+            self._cluster = ClusterScalars.of(self._session.strategy) or False
+        return self._cluster() if self._cluster else {}
 
     def _save_before_stopping(self, session: ManagedSession) -> tuple[Path, int] | None:
         """The chief's checkpoint when a step failed for a missing peer (None elsewhere)."""

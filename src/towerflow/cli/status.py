@@ -1,0 +1,172 @@
+"""``towerflow status``: a live view of a running cluster.
+
+    towerflow status --cluster cluster.json          # refreshed every second until Ctrl-C
+    towerflow status --once --json                   # one snapshot as JSON (cluster from TF_CONFIG)
+
+Shows every task and whether it is up, dead or suspended; per ps shard its
+parameter bytes, pushes/s, bytes/s, stale and refused pushes, global step and
+bounded-staleness lead; per worker its steps/s, how far behind the global
+step its last push was, and its last heartbeat (as the ps sees it). It calls
+the tasks as any cluster peer does, with the cluster secret
+(``TOWERFLOW_SECRET_FILE`` / ``TOWERFLOW_SECRET`` or ``--secret-file``) and
+TLS settings of the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``towerflow status``."""
+    parser = subparsers.add_parser(
+        "status",
+        help="show a running cluster live: tasks up/dead/suspended, ps traffic, worker progress",
+        description="Show a running cluster, refreshed live. The cluster comes from --cluster, "
+        "else from TF_CONFIG, torchrun or Slurm variables.",
+    )
+    parser.add_argument("--cluster", help="cluster JSON file ({job: [host:port, ...]})")
+    parser.add_argument("--secret-file", help="cluster secret file (default: "
+                        "TOWERFLOW_SECRET(_FILE))")
+    parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    parser.add_argument("--json", action="store_true", help="print snapshots as JSON (one a line)")
+    parser.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                        help="seconds between two refreshes; also the sample a single "
+                        "snapshot's rates are measured over (default 1)")
+    parser.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="deadline of each call; a task that does not answer within it is "
+                        "shown suspended (default 2)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Show the cluster until Ctrl-C (or once); returns 0."""
+    from dataclasses import replace
+
+    from towerflow.cluster import resolve_cluster
+    from towerflow.cluster.transport import Credentials, read_secret_file
+    from towerflow.errors import InvalidArgumentError
+    from towerflow.ps.observe import ClusterObserver
+
+    if not args.interval > 0:
+        raise InvalidArgumentError(
+            f"--interval {args.interval:g} is not a positive number of seconds; give how often "
+            "the view is refreshed, e.g. --interval 1.")
+    cluster = _cluster(args, resolve_cluster)
+    if cluster is None:
+        raise InvalidArgumentError(
+            "no cluster given; pass --cluster cluster.json or set TF_CONFIG.")
+    credentials = Credentials.from_env()
+    if args.secret_file:
+        credentials = replace(credentials, secret=read_secret_file(args.secret_file))
+    with ClusterObserver(cluster, credentials, timeout=args.timeout) as observer:
+        if args.once:
+            _print(observer.snapshot(sample=args.interval), args.json)
+            return 0
+        if args.json:
+            while True:
+                _print(observer.snapshot(sample=args.interval), True)
+                time.sleep(args.interval)
+        _live(observer, args.interval)
+    return 0
+
+
+def _cluster(args: argparse.Namespace, resolve: Any) -> Any:
+    """The cluster of ``--cluster`` or the environment; any task of it may be "this" one."""
+    from towerflow.cluster import ClusterSpec
+
+    if args.cluster:
+        from pathlib import Path
+
+        from towerflow.errors import InvalidArgumentError
+
+        path = Path(args.cluster)
+        try:
+            return ClusterSpec(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"--cluster {args.cluster}: cannot read a cluster JSON file ({exc}); give a file "
+                'like {"ps": ["host:2222"], "worker": ["host:2223"]}.') from None
+    cluster, _ = resolve(None, None, None)
+    return cluster
+
+
+def _print(snapshot: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(snapshot), flush=True)
+    else:
+        from rich.console import Console
+
+        Console().print(render(snapshot))
+
+
+def _live(observer: Any, interval: float) -> None:
+    from rich.live import Live
+
+    with Live(render(observer.snapshot(sample=interval)), auto_refresh=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(render(observer.snapshot()), refresh=True)
+
+
+def _num(value: Any, unit: str = "", digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if unit == "B":
+        for scale, prefix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if abs(value) >= scale:
+                return f"{value / scale:.{digits}f} {prefix}"
+        return f"{value:.0f} B"
+    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
+_STATE_STYLE = {"up": "green", "dead": "bold red", "suspended": "bold yellow"}
+
+
+def render(snapshot: dict[str, Any]) -> Any:
+    """The snapshot as ``rich`` tables (tasks, ps shards, workers)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    tasks = Table(title="tasks", title_justify="left")
+    for column in ("task", "address", "state", "pid", "detail"):
+        tasks.add_column(column)
+    for task in snapshot["tasks"]:
+        style = _STATE_STYLE.get(task["state"], "red")
+        tasks.add_row(task["task"], task["address"], f"[{style}]{task['state']}[/]",
+                      _num(task["pid"]), task["detail"])
+    shards = Table(title="ps shards", title_justify="left")
+    for column in ("shard", "params", "global step", "pushes/s", "bytes/s", "stale", "refused",
+                   "lead (max)", "mode"):
+        shards.add_column(column, justify="right")
+    for shard in snapshot["ps"]:
+        if shard.get("error") or not shard.get("initialized", False):
+            shards.add_row(str(shard["shard"]), shard.get("error") or "not initialised",
+                           *["-"] * 7)
+            continue
+        shards.add_row(str(shard["shard"]), _num(shard["param_bytes"], "B"),
+                       _num(shard["global_step"]), _num(shard["pushes_per_sec"]),
+                       _num(shard["bytes_per_sec"], "B") + ("/s" if shard["bytes_per_sec"]
+                                                            is not None else ""),
+                       _num(shard["stale"]), _num(shard["refused"]),
+                       f"{shard['lead']} ({shard['max_lead']})", shard["mode"])
+    workers = Table(title="workers", title_justify="left")
+    for column in ("replica", "task", "state", "steps", "steps/s", "behind", "last push",
+                   "heartbeat", "last heartbeat"):
+        workers.add_column(column)
+    for worker in snapshot["workers"]:
+        state = worker.get("state") or "-"
+        style = _STATE_STYLE.get(state, "red")
+        workers.add_row(str(worker["replica"]), worker["task"], f"[{style}]{state}[/]",
+                        _num(worker.get("steps")), _num(worker.get("steps_per_sec")),
+                        _num(worker.get("behind")), _ago(worker.get("last_push_age")),
+                        worker.get("heartbeat") or "-", _ago(worker.get("last_heartbeat_age")))
+    stamp = time.strftime("%H:%M:%S", time.localtime(snapshot["time"]))
+    return Group(f"[bold]towerflow status[/] at {stamp}", tasks, shards, workers)
+
+
+def _ago(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f} s ago"
