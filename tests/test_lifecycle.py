@@ -205,8 +205,10 @@ def test_a_ps_process_whose_workers_were_killed_stays_up_then_exits_2(subprocess
         ps = lc.start("ps", 0, SERVER + ["--cluster", _cluster_file(tmp_path, spec), "--job",
                                          "ps", "--task", "0", "--idle-timeout", "4"])
         workers = [lc.start("worker", i) for i in range(2)]
-        for worker in workers:
+        for index, worker in enumerate(workers):
             worker.wait_for_line(r"^step \d+", timeout=120)
+            ps.wait_for_line(rf"task /job:worker/replica:0/task:{index} at \S+ is alive",
+                             timeout=60)  # seen once, so no start-up grace delays its death
         for worker in workers:
             worker.kill()
         ps.wait_for_line(r"every replica that has not finished is dead or suspended", timeout=20)
