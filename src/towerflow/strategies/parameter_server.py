@@ -44,6 +44,13 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+from towerflow.strategies.ps_state import (
+    PUSH_TABLE_GROUP,
+    assemble,
+    push_table_rows,
+    push_table_tensor,
+    split_flat,
+)
 
 __all__ = ["ParameterServer"]
 
@@ -90,7 +97,11 @@ class ParameterServer(Strategy):
         sparse_threshold_bytes: every ``nn.Embedding`` / ``nn.EmbeddingBag``
             whose weight has this many bytes or more becomes a sparse table on
             the ps tasks (``towerflow.ps.ShardedEmbedding``: only a batch's rows
-            travel); None (default): only explicit ``ShardedEmbedding`` modules.
+            travel); None (default): only explicit ``ShardedEmbedding`` modules
+            (a swapped table starts from the table initializer and needs a row-wise
+            optimizer, so the swap is asked for, never implied).
+        table_part_bytes: bytes of a sparse table's rows and slots per checkpoint
+            file (default 64 MiB): saving or restoring a table holds one such part.
     """
 
     name = "ps"
@@ -104,7 +115,8 @@ class ParameterServer(Strategy):
                  prefetch: bool = False, is_chief: bool | None = None,
                  device_setter: Any = None, server: Any = True,
                  bind_host: str | None = None,
-                 sparse_threshold_bytes: int | None = None) -> None:
+                 sparse_threshold_bytes: int | None = None,
+                 table_part_bytes: int | None = None) -> None:
         from towerflow.cluster import resolve_cluster
         from towerflow.devices import resolve_device
         from towerflow.ps.aggregation import AggregationConfig
@@ -151,6 +163,7 @@ class ParameterServer(Strategy):
         self._step = 0
         self._meta: dict[str, Any] = {}
         self._sparse_threshold, self._tables = sparse_threshold_bytes, None
+        self._table_part_bytes, self._table_restore = table_part_bytes, None
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -290,8 +303,15 @@ class ParameterServer(Strategy):
             params, slots, step, opt_step, pushes = self._restore
         else:
             params, slots, step, opt_step, pushes = buffers.host_params(), None, 0, 0, None
-        if self._tables:
-            self._tables.initialize()  # before the dense Init the other workers wait for
+        if self._tables:  # before the dense Init the other workers wait for
+            from towerflow.ps.table_checkpoint import import_tables
+
+            pending, self._table_restore = self._table_restore, None
+            configs = [module.config for _, module in self._tables.modules]
+            if pending:
+                import_tables(self._tables.client, configs, *pending)
+            else:
+                self._tables.initialize()
         self.client.initialize(params, optimizer=self._opt_spec, aggregation=self.aggregation,
                                step=step, slots=slots, optimizer_step=opt_step, pushes=pushes)
         self._needs_init, self._restore, self._step = False, None, step
@@ -368,21 +388,33 @@ class ParameterServer(Strategy):
         return self._step
 
     # -- checkpoints ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The parameters and optimizer state pulled from the ps tasks, plus local buffers."""
+    def state_dict(self) -> dict[str, Any]:
+        """The parameters and optimizer state pulled from the ps tasks, plus local buffers.
+
+        Sparse tables are a chunked group (``ps_tables``), streamed from the ps
+        shards part by part while the checkpoint is written, never gathered.
+        """
         self._ensure_initialized()
         self._drain()
         snaps = self._snapshot()
         placement = self._buffers.placement
-        model_group = {name: _assemble(placement, snaps, name, "params") for name in placement.names()}
+        model_group = {name: assemble(placement, snaps, name, "params") for name in placement.names()}
         for name, tensor in self.model.state_dict().items():
             model_group.setdefault(name, tensor.detach().cpu())
-        optimizer_group = {f"{name}/{slot}": _assemble(placement, snaps, name, slot)
+        optimizer_group = {f"{name}/{slot}": assemble(placement, snaps, name, slot)
                            for slot in snaps[0].slots for name in placement.names()}
         self._meta = {"global_step": snaps[0].step, "optimizer_step": snaps[0].optimizer_step,
                       "optimizer": self._opt.name, "mode": self.aggregation.mode}
-        pushes = {f"shard_{i}": _table_tensor(snap.pushes) for i, snap in enumerate(snaps)}
-        return {"model": model_group, "optimizer": optimizer_group, PUSH_TABLE_GROUP: pushes}
+        pushes = {f"shard_{i}": push_table_tensor(snap.pushes) for i, snap in enumerate(snaps)}
+        groups = {"model": model_group, "optimizer": optimizer_group, PUSH_TABLE_GROUP: pushes}
+        if self._tables:
+            from towerflow.ps import table_checkpoint as tables
+
+            configs = [module.config for _, module in self._tables.modules]
+            groups[tables.TABLES_GROUP] = tables.export_tables(
+                self._tables.client, configs, part_bytes=self._table_part_bytes or tables.PART_BYTES)
+            self._meta[tables.TABLES_KEY] = tables.describe_tables(configs)
+        return groups
 
     def _snapshot(self) -> list[Any]:
         """The ps shards' state; in sync mode, every shard's as of the same global step.
@@ -447,9 +479,14 @@ class ParameterServer(Strategy):
     def load_state_dict(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         self.load_state(groups, None)
 
-    def load_state(self, groups: Mapping[str, Mapping[str, torch.Tensor]],
+    def load_state(self, groups: Mapping[str, Any],
                    metadata: Mapping[str, Any] | None = None) -> None:
-        """Restore a checkpoint: the chief sends it to the ps tasks; others keep local buffers."""
+        """Restore a checkpoint: the chief sends it to the ps tasks; others keep local buffers.
+
+        Sparse tables come from the ``ps_tables`` chunked group (a
+        :class:`~towerflow.checkpoint.ChunkedReader`), imported part by part
+        into the ps tasks, however many there are now, before the dense Init.
+        """
         from towerflow.checkpoint import load_into_module
 
         if self._model is None:
@@ -463,18 +500,22 @@ class ParameterServer(Strategy):
         if not self._chief:
             return
         metadata = dict(metadata or {})
+        if self._tables:
+            from towerflow.ps.table_checkpoint import TABLES_GROUP, TABLES_KEY
+
+            self._table_restore = (groups.get(TABLES_GROUP), metadata.get(TABLES_KEY))
         placement = self._buffers.placement
-        params = _split(placement, lambda name: model_group[name])
+        params = split_flat(placement, lambda name: model_group[name])
         optimizer_group = groups.get("optimizer", {})
         slot_names = sorted({key.rsplit("/", 1)[1] for key in optimizer_group})
         slots: list[dict[str, np.ndarray]] = [{} for _ in params]
         if slot_names and metadata.get("optimizer") == self._opt.name:
             for slot in slot_names:
-                per_shard = _split(placement, lambda name, s=slot: optimizer_group[f"{name}/{s}"])
+                per_shard = split_flat(placement, lambda name, s=slot: optimizer_group[f"{name}/{s}"])
                 for shard_slots, values in zip(slots, per_shard, strict=True):
                     shard_slots[slot] = values
         tables = groups.get(PUSH_TABLE_GROUP, {})
-        pushes = [_table_rows(tables.get(f"shard_{i}")) for i in range(len(params))]
+        pushes = [push_table_rows(tables.get(f"shard_{i}")) for i in range(len(params))]
         self._restore = (params, slots, int(metadata.get("global_step", 0)),
                          int(metadata.get("optimizer_step", metadata.get("global_step", 0))),
                          pushes)
@@ -495,6 +536,8 @@ class ParameterServer(Strategy):
             pending, self._pending = self._pending, None
             if client is not None and pending is not None:
                 self._outcome(pending.result)
+            if self._tables:  # deferred row pushes reach the ps tasks before this Done
+                self._outcome(self._tables.flush)
         finally:
             if client is not None:
                 client.close(done=not self._unfinished)
@@ -504,52 +547,6 @@ class ParameterServer(Strategy):
             if owned:
                 self._server = None
                 server.stop(grace=1.0)
-
-
-#: checkpoint group of the ps shards' push tables (``shard_<i>``: int64 rows
-#: ``worker, incarnation, seq, status code``), so a restored ps applies no push twice
-PUSH_TABLE_GROUP = "ps_pushes"
-_STATUS_CODES = ("applied", "stale", "voided")
-
-
-def _table_tensor(rows: Any) -> torch.Tensor:
-    """A shard's push-table rows as an int64 ``[n, 4]`` tensor."""
-    data = [(w, i, q, _STATUS_CODES.index(st) if st in _STATUS_CODES else 0)
-            for w, i, q, st in rows]
-    return torch.tensor(data, dtype=torch.int64).reshape(-1, 4)
-
-
-def _table_rows(tensor: torch.Tensor | None) -> list[tuple[int, int, int, str]]:
-    """The rows of a :func:`_table_tensor` (none when the checkpoint has no table)."""
-    if tensor is None:
-        return []
-    if tensor.dtype != torch.int64 or tensor.dim() != 2 or tensor.shape[1] != 4:
-        raise InvalidArgumentError(
-            f"The checkpoint's push table is {tensor.dtype} of shape {list(tensor.shape)}, not "
-            "int64 rows of 4; restore a checkpoint written by towerflow."
-        )
-    return [(int(w), int(i), int(q), _STATUS_CODES[int(c)] if 0 <= c < 3 else "applied")
-            for w, i, q, c in tensor.tolist()]
-
-
-def _assemble(placement: Any, snaps: list[Any], name: str, buffer: str) -> torch.Tensor:
-    parts = placement.segments_of(name)
-    var_shape = parts[0][1].var_shape
-    out = np.empty(int(np.prod(var_shape, dtype=np.int64)), np.float32)
-    for task, seg in parts:
-        source = snaps[task].params if buffer == "params" else snaps[task].slots[buffer]
-        out[seg.start:seg.start + seg.numel] = source[seg.offset:seg.offset + seg.numel]
-    return torch.from_numpy(out).reshape(var_shape)
-
-
-def _split(placement: Any, tensor_of: Any) -> list[np.ndarray]:
-    """Per-shard flat arrays from whole tensors (``tensor_of(name)``)."""
-    shards = [np.empty(s.numel, np.float32) for s in placement.shards]
-    for shard in placement.shards:
-        for seg in shard.segments:
-            flat = tensor_of(seg.name).detach().to("cpu", torch.float32).reshape(-1).numpy()
-            shards[shard.index][seg.offset:seg.offset + seg.numel] = flat[seg.start:seg.start + seg.numel]
-    return shards
 
 
 class _FlatBuffers:

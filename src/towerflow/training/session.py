@@ -85,7 +85,8 @@ def restore_latest(manager: Any, strategy: Strategy,
     ckpt = manager.restore(device=device)
     if ckpt is None:
         return None
-    strategy.load_state(ckpt.groups, ckpt.metadata.get("strategy"))
+    # chunked groups (a ps's sparse tables) are readers of their parts, loaded by the strategy
+    strategy.load_state({**ckpt.groups, **ckpt.chunked}, ckpt.metadata.get("strategy"))
     log.info("restored %s at step %d", ckpt.path, ckpt.step)
     return ckpt
 
