@@ -5,14 +5,26 @@ linear layer; batches of 512 examples with 16 ids each drawn from Zipf(1.2)
 over the table's rows; Adagrad (row-wise on the ps); async. Figures:
 
 - examples/s of the 2 workers together, and of the one-process ceiling loop
-  (plain torch: unique ids, ``index_select`` of the rows, ``embedding_bag``,
-  backward, a row-wise Adagrad on the touched rows) measured in the same run;
+  (plain torch, one thread as the workers: unique ids, ``index_select`` of the
+  rows, ``embedding_bag``, backward, a row-wise Adagrad on the touched rows)
+  measured in the same run;
+- with ``--tf-python``: TensorFlow 1's ps runtime on the same workload
+  (``sparse_embedding_tf.py``: partitioned ``get_variable``,
+  ``embedding_lookup_sparse``, ``AdagradOptimizer``, ``Session(server.target)``,
+  2 ps + 2 workers), run after towerflow in the same run, and the ratio;
 - table bytes on the wire per step and direction, against unique rows x row bytes;
-- each ps task's peak resident memory against its table + slot bytes.
+- CPU time per step of the workers and the ps tasks;
+- each ps task's peak resident memory against its table + slot bytes, gross
+  and net of a bare ps task's (interpreter, torch, gRPC, no table) measured
+  in the same run.
+
+The table is built with ``defer_push=True`` (a step's row gradients travel
+with the next step's pull: one round trip per shard and step);
+``--no-defer-push`` measures a pull and a push per shard and step.
 
 Commands::
 
-    python benchmarks/sparse_embedding.py                      # 1M rows, 20 s per worker
+    python benchmarks/sparse_embedding.py --tf-python /tmp/tfvenv/bin/python  # 1M rows, 20 s
     python benchmarks/sparse_embedding.py --rows 100000 --seconds 5
 """
 
@@ -31,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
+from sparse_embedding_tf import peak_rss  # the same directory; it imports no TensorFlow
 from torch import nn
 
 DIM, BATCH, IDS = 32, 512, 16
@@ -46,7 +59,8 @@ def labels_of(ids: torch.Tensor) -> torch.Tensor:
 
 
 def ceiling(rows: int, seconds: float) -> float:
-    """Examples/s of the one-process loop with no ps."""
+    """Examples/s of the one-process loop with no ps (one thread, as each worker)."""
+    torch.set_num_threads(1)
     table = torch.empty(rows, DIM).uniform_(-0.05, 0.05)
     accum = torch.full((rows, DIM), 0.1)
     linear = nn.Linear(DIM, 1)
@@ -72,30 +86,17 @@ def ceiling(rows: int, seconds: float) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import towerflow.ps.table_client as tc
     from towerflow.cluster import ClusterSpec, TaskInfo
     from towerflow.ps.embedding import ShardedEmbedding
     from towerflow.strategies import OptimizerConfig
     from towerflow.strategies.parameter_server import ParameterServer
 
-    wire = {"pull_sent": 0, "pull_recv": 0, "push_sent": 0, "push_recv": 0}
-    plain = tc.unary
-
-    def counting(channel, method, payload, *, timeout):  # noqa: ANN001, ANN202
-        reply = plain(channel, method, payload, timeout=timeout)
-        kind = "pull" if method.endswith("PullRows") else "push" if method.endswith(
-            "PushRows") else None
-        if kind:
-            wire[f"{kind}_sent"] += len(payload)
-            wire[f"{kind}_recv"] += len(reply)
-        return reply
-
-    tc.unary = counting
+    torch.set_num_threads(1)
     cluster = ClusterSpec(json.loads(args.cluster))
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device="cpu",
                                server=False)
     model = nn.Sequential()
-    model.emb = ShardedEmbedding(args.rows, DIM, mode="sum",
+    model.emb = ShardedEmbedding(args.rows, DIM, mode="sum", defer_push=args.defer_push,
                                  optimizer={"name": "adagrad",
                                             "hyper": {"initial_accumulator_value": 0.1}})
     model.out = nn.Linear(DIM, 1)
@@ -109,32 +110,33 @@ def worker(args: argparse.Namespace) -> None:
     unique = [torch.unique(b).numel() for b in batches]
     for b in batches[:5]:
         strategy.run_step(loss_fn, b)
-    for key in wire:
-        wire[key] = 0
-    steps, start = 0, time.perf_counter()
+    wire = model.emb.client.wire
+    wire.clear()
+    steps, start, cpu, began = 0, time.perf_counter(), time.process_time(), time.time()
     while time.perf_counter() - start < args.seconds:
         strategy.run_step(loss_fn, batches[steps % len(batches)])
         steps += 1
-    elapsed = time.perf_counter() - start
+    elapsed, cpu, ended = time.perf_counter() - start, time.process_time() - cpu, time.time()
+    sums = {k: [0, 0] for k in ("pull", "push")}
+    for method, (_, sent, received) in wire.items():
+        if method in ("PullRows", "PushPullRows"):  # a PushPullRows' reply is the pull's rows
+            sums["pull"][1] += received
+        if method in ("PushRows", "PushPullRows"):  # its request carries the push's rows
+            sums["push"][0] += sent
+        if method == "PullRows":
+            sums["pull"][0] += sent
+    calls = sum(c for c, _, _ in wire.values())
+    total = sum(sent + received for _, sent, received in wire.values())
     strategy.shutdown()
     rows_seen = sum(unique[i % len(unique)] for i in range(steps))
-    report = {"examples_per_s": steps * BATCH / elapsed, "steps": steps,
+    report = {"examples_per_s": steps * BATCH / elapsed, "steps": steps, "began": began,
+              "ended": ended,
+              "cpu_ms_per_step": 1e3 * cpu / steps, "table_calls_per_step": calls / steps,
               "unique_rows_per_step": rows_seen / steps,
-              **{k: v / steps for k, v in wire.items()},
+              "pull_recv": sums["pull"][1] / steps, "push_sent": sums["push"][0] / steps,
+              "wire_bytes_per_step": total / steps,
               "row_bytes_per_step": rows_seen / steps * DIM * 4}
     Path(args.report).write_text(json.dumps(report))
-
-
-def peak_rss(pid: int) -> int:
-    """The process's peak resident memory (VmHWM), 0 once it has exited."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    for line in text.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def free_port() -> int:
@@ -143,42 +145,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def window_cpu(samples: list[tuple[float, float]], begin: float, end: float) -> float:
+    """CPU seconds between ``begin`` and ``end`` from ``(time, cpu)`` samples (interpolated)."""
+    times = [t for t, _ in samples]
+    values = [c for _, c in samples]
+    return float(np.interp(end, times, values) - np.interp(begin, times, values))
+
+
+PS_CODE = ("import sys, json, towerflow; from towerflow.cluster import ClusterSpec; "
+           "towerflow.Server(ClusterSpec(json.loads(sys.argv[1])), 'ps', int(sys.argv[2]))"
+           ".join()")
+#: a ps task that holds no table: the interpreter, torch, gRPC and the services loaded
+BARE_PS_CODE = "import torch, towerflow.ps.table_shard; " + PS_CODE
+
+
 def run_cluster(args: argparse.Namespace) -> dict:
     spec = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(2)],
             "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+    bare_spec = {"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]}
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "TOWERFLOW_SECRET": os.environ.get("TOWERFLOW_SECRET", "bench-secret")}
     base = [sys.executable, __file__, "--cluster", json.dumps(spec), "--rows", str(args.rows),
-            "--seconds", str(args.seconds)]
-    code = ("import sys, json, towerflow; from towerflow.cluster import ClusterSpec; "
-            "towerflow.Server(ClusterSpec(json.loads(sys.argv[1])), 'ps', int(sys.argv[2]))"
-            ".join()")
-    ps = [subprocess.Popen([sys.executable, "-c", code, json.dumps(spec), str(i)], env=env)
+            "--seconds", str(args.seconds), *([] if args.defer_push else ["--no-defer-push"])]
+    ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
           for i in range(2)]
+    bare = subprocess.Popen([sys.executable, "-c", BARE_PS_CODE, json.dumps(bare_spec), "0"],
+                            env=env)
     tmp = Path(tempfile.mkdtemp())
     try:
         workers = [subprocess.Popen([*base, "--role", "worker", "--index", str(i),
                                      "--report", str(tmp / f"{i}.json")], env=env)
                    for i in range(2)]
-        rss = [0, 0]
+        rss, cpu = [0, 0], [[], []]
         deadline = time.monotonic() + args.seconds + 300
         while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
             rss = [max(r, peak_rss(p.pid)) for r, p in zip(rss, ps, strict=True)]
+            for samples, p in zip(cpu, ps, strict=True):
+                samples.append((time.time(), cpu_seconds(p.pid)))
             time.sleep(0.5)  # sampling interval of the ps tasks' high-water marks
         if any(w.poll() != 0 for w in workers):
             raise SystemExit("a worker failed")
+        bare_rss = peak_rss(bare.pid)
     finally:
-        for p in ps:
+        for p in [*ps, bare]:
             p.terminate()
             p.wait(30)
     reports = [json.loads((tmp / f"{i}.json").read_text()) for i in range(2)]
-    return {"workers": reports, "ps_peak_rss": rss}
+    begin, end = max(r["began"] for r in reports), min(r["ended"] for r in reports)
+    steps = sum(r["examples_per_s"] for r in reports) / BATCH * (end - begin)
+    ps_ms = [1e3 * window_cpu(samples, begin, end) / steps for samples in cpu]
+    return {"workers": reports, "ps_peak_rss": rss, "bare_ps_rss": bare_rss,
+            "ps_cpu_ms_per_step": ps_ms}
+
+
+def measure_tensorflow(tf_python: str, rows: int, seconds: float) -> dict:
+    """TensorFlow 1's ps runtime on the same workload (``sparse_embedding_tf.py``)."""
+    script = Path(__file__).with_name("sparse_embedding_tf.py")
+    proc = subprocess.run([tf_python, str(script), "--rows", str(rows), "--seconds",
+                           str(seconds)], capture_output=True, text=True, timeout=seconds + 900,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tf_python} {script} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--tf-python", default=None,
+                        help="a python with tensorflow-cpu: measure TensorFlow 1's ps runtime")
+    parser.add_argument("--no-defer-push", dest="defer_push", action="store_false",
+                        help="a pull and a push per shard and step (default: push with the "
+                        "next pull)")
     parser.add_argument("--role", default="main")
     parser.add_argument("--cluster")
     parser.add_argument("--index", type=int, default=0)
@@ -189,21 +234,37 @@ def main() -> None:
         return
     result = run_cluster(args)
     ceil = ceiling(args.rows, args.seconds)
+    tf = measure_tensorflow(args.tf_python, args.rows, args.seconds) if args.tf_python else None
+    report(args, result, ceil, tf)
+
+
+def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None) -> None:
     total = sum(w["examples_per_s"] for w in result["workers"])
     shard_bytes = args.rows // 2 * DIM * 4 * 2  # rows + Adagrad accumulator per ps
     print(f"2 ps + 2 workers, {args.rows} x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), "
-          "Adagrad, async")
+          f"Adagrad, async, defer_push={args.defer_push}")
     print(f"  towerflow: {total:,.0f} examples/s; one-process ceiling {ceil:,.0f} examples/s "
           f"(ratio {total / ceil:.2f})")
+    if tf is not None:
+        print(f"  TensorFlow {tf['version']} ps runtime: {tf['examples_per_s']:,.0f} examples/s "
+              f"(embedding_lookup_sparse, partition_strategy={tf['partition_strategy']}) -> "
+              f"towerflow {total / tf['examples_per_s']:.2f}x (target >= 2x); TensorFlow ps "
+              f"peak RSS {', '.join(f'{r / 2**20:.0f}' for r in tf['ps_peak_rss'])} MiB")
     for i, w in enumerate(result["workers"]):
         row_bytes = w["row_bytes_per_step"]
         print(f"  worker {i}: {w['examples_per_s']:,.0f} examples/s, {w['unique_rows_per_step']:.0f}"
               f" unique rows/step; pull {w['pull_recv'] / row_bytes:.3f}x and push "
               f"{w['push_sent'] / row_bytes:.3f}x of unique rows x row bytes "
-              f"({w['pull_sent'] + w['pull_recv'] + w['push_sent'] + w['push_recv']:,.0f} B/step)")
-    for i, rss in enumerate(result["ps_peak_rss"]):
+              f"({w['wire_bytes_per_step']:,.0f} B/step in {w['table_calls_per_step']:.1f} "
+              f"table calls); {w['cpu_ms_per_step']:.2f} ms CPU/step")
+    bare = result["bare_ps_rss"]
+    print(f"  bare ps task (no table): peak RSS {bare / 2**20:.0f} MiB")
+    for i, (rss, ms) in enumerate(zip(result["ps_peak_rss"], result["ps_cpu_ms_per_step"],
+                                      strict=True)):
         print(f"  ps {i}: peak RSS {rss / 2**20:.0f} MiB = {rss / shard_bytes:.2f}x its table + "
-              f"slot bytes ({shard_bytes / 2**20:.0f} MiB)")
+              f"slot bytes ({shard_bytes / 2**20:.0f} MiB); net of the bare ps "
+              f"{(rss - bare) / 2**20:.0f} MiB = {(rss - bare) / shard_bytes:.2f}x (target <= "
+              f"1.3x); {ms:.2f} ms CPU per step of the cluster")
 
 
 if __name__ == "__main__":

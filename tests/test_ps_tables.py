@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from towerflow.cluster import ClusterSpec, Server, TaskInfo
+from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from towerflow.ps import tables_pb2 as tpb
@@ -67,13 +67,17 @@ def raw_push(spec, shard: int, **fields) -> tpb.PushRowsReply:
                                   grads=torch.as_tensor(grads).numpy().tobytes())
     for key, value in fields.items():
         setattr(request, key, value)
+    return tpb.PushRowsReply.FromString(call_shard(spec, shard, "PushRows", request))
+
+
+def call_shard(spec, shard: int, method: str, request) -> bytes:
+    """One authenticated call of the Tables service of ps task ``shard``."""
     channel = make_channel(spec.task_address("ps", shard), SECRET)
     try:
-        data = unary(channel, "/towerflow.ps.Tables/PushRows", request.SerializeToString(),
+        return unary(channel, f"/towerflow.ps.Tables/{method}", request.SerializeToString(),
                      timeout=10)
     finally:
         channel.close()
-    return tpb.PushRowsReply.FromString(data)
 
 
 def table_rows(client, cfg) -> torch.Tensor:
@@ -250,11 +254,12 @@ def click_loss(model: nn.Module, batch) -> torch.Tensor:
 
 @pytest.fixture
 def ps_servers(free_ports):
-    """Two full ps tasks (dense and table services) in this process."""
+    """Two full ps tasks (dense and table services) in this process, serving after Done."""
     ports = free_ports(3)
     spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
                         "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET) for i in range(2)]
+    servers = [Server(spec, "ps", i, credentials=SECRET,
+                      options=ServerOptions(serve_forever=True)) for i in range(2)]
     try:
         yield spec
     finally:
@@ -264,6 +269,15 @@ def ps_servers(free_ports):
 
 @pytest.mark.parametrize("swap", [False, True])
 def test_a_step_through_the_strategy_matches_a_local_sgd_step(ps_servers, swap):
+    _strategy_step_matches_local_sgd(ps_servers, swap=swap, defer=False)
+
+
+def test_a_deferred_push_through_the_strategy_is_seen_by_the_next_lookup_and_at_shutdown(
+        ps_servers):
+    _strategy_step_matches_local_sgd(ps_servers, swap=False, defer=True)
+
+
+def _strategy_step_matches_local_sgd(ps_servers, *, swap: bool, defer: bool) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (8, 5))
     ids[0, :2] = 7  # a row used twice in one bag
@@ -272,7 +286,8 @@ def test_a_step_through_the_strategy_matches_a_local_sgd_step(ps_servers, swap):
     with torch.no_grad():  # a swapped table starts from the default initializer
         init = DEFAULT_INITIALIZER if swap else INIT
         local.emb.weight.copy_(expected_rows(torch.arange(50), 4, init))
-    model = Click(50, embedding=nn.EmbeddingBag(50, 4, mode="sum") if swap else None)
+    model = Click(50, embedding=nn.EmbeddingBag(50, 4, mode="sum") if swap else
+                  ShardedEmbedding(50, 4, mode="sum", initializer=INIT, defer_push=defer))
     model.out.load_state_dict(local.out.state_dict())
     strategy = ParameterServer(ps_servers, TaskInfo("worker", 0), credentials=SECRET,
                                device="cpu", server=False,
@@ -285,11 +300,128 @@ def test_a_step_through_the_strategy_matches_a_local_sgd_step(ps_servers, swap):
         optimizer = torch.optim.SGD(local.parameters(), lr=0.5)
         click_loss(local, (ids, labels)).backward()
         optimizer.step()
-        rows = strategy._tables.client.pull(model.emb.config, torch.arange(50))
-        torch.testing.assert_close(rows, local.emb.weight.detach())
-        torch.testing.assert_close(model.out.weight, local.out.weight)
+        if defer:  # kept for the next pull: another worker does not see it yet
+            viewer = TableClient(ps_servers.job_tasks("ps"), credentials=SECRET, worker_id=1)
+            unseen = viewer.pull(model.emb.config, torch.arange(50))
+            torch.testing.assert_close(unseen, expected_rows(torch.arange(50), 4), rtol=0,
+                                       atol=0)
+            with torch.no_grad():  # this worker's next lookup sends it and sees it
+                model.emb(torch.arange(50).view(1, 50))
+            assert model.emb.client.deferred() == 0
+            strategy.run_step(click_loss, (ids, labels))  # a second deferred push ...
+            assert model.emb.client.deferred() > 0
+        rows = model.emb.client.pull(model.emb.config, torch.arange(50))
+        if not defer:
+            torch.testing.assert_close(rows, local.emb.weight.detach())
+            torch.testing.assert_close(model.out.weight, local.out.weight)
     finally:
         strategy.shutdown()
+    if defer:  # ... sent at shutdown, before the worker's Done
+        optimizer.zero_grad()
+        click_loss(local, (ids, labels)).backward()
+        optimizer.step()
+        try:
+            torch.testing.assert_close(viewer.pull(model.emb.config, torch.arange(50)),
+                                       local.emb.weight.detach())
+        finally:
+            viewer.close()
+
+
+# --------------------------------------------------------------------------- push and pull at once
+def raw_push_pull(spec, shard: int, pull_ids, push: tpb.PushRowsRequest | None = None,
+                  *, table: str = "t") -> tpb.PushPullRowsReply:
+    request = tpb.PushPullRowsRequest(pull=tpb.PullRowsRequest(
+        table=table, shard=shard, num_ids=len(pull_ids),
+        ids=torch.tensor(pull_ids, dtype=torch.int64).numpy().tobytes()))
+    if push is not None:
+        request.push.CopyFrom(push)
+    return tpb.PushPullRowsReply.FromString(call_shard(spec, shard, "PushPullRows", request))
+
+
+def push_request(ids, grads, *, shard: int = 0, seq: int = 1, table: str = "t"):
+    return tpb.PushRowsRequest(table=table, shard=shard, worker_id=0, incarnation=1, seq=seq,
+                               lr=0.5, step=1, num_ids=len(ids), dtype="float32",
+                               ids=torch.tensor(ids, dtype=torch.int64).numpy().tobytes(),
+                               grads=torch.as_tensor(grads).numpy().tobytes())
+
+
+def reply_rows(reply: tpb.PushPullRowsReply, dim: int = 3) -> torch.Tensor:
+    return torch.frombuffer(bytearray(reply.pull.rows), dtype=torch.float32).view(-1, dim)
+
+
+def test_push_pull_rows_applies_the_push_then_answers_rows_that_include_it(cluster):
+    spec, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    push = push_request([4, 2], [[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
+    first = raw_push_pull(spec, 0, [4, 6, 2], push)
+    assert (first.push.status, first.push.duplicate, first.push.applied) == ("applied", False, 1)
+    expected = before[[4, 6, 2]].clone()
+    expected[0] -= 0.5 * torch.tensor([1.0, 2.0, 3.0])
+    expected[2] -= 0.5
+    torch.testing.assert_close(reply_rows(first), expected)
+    again = raw_push_pull(spec, 0, [4, 6, 2], push)  # a retried call: the push applies once
+    assert (again.push.status, again.push.duplicate, again.push.applied) == ("applied", True, 1)
+    torch.testing.assert_close(reply_rows(again), expected)
+    alone = raw_push_pull(spec, 0, [6])  # no push: a pull, and no push reply
+    assert not alone.HasField("push") and client.status(cfg, 0).applied == 1
+    torch.testing.assert_close(reply_rows(alone), before[[6]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("push", "pull_ids", "pattern"), [
+    (push_request([2], [[float("nan")] * 3]), [2], r"row gradients of id 2 hold \[nan"),
+    (push_request([2], [[1.0] * 3]), [3], r"ids\[0\] = 3 belongs to shard 1, not shard 0"),
+    (push_request([1], [[1.0] * 3], shard=1), [2],
+     r"pushes to table 't' shard 1 but pulls from table 't' shard 0"),
+    (push_request([2], [[1.0] * 3], table="u"), [2], r"pushes to table 'u' shard 0 but pulls"),
+])
+def test_a_refused_push_pull_applies_nothing_and_reads_nothing(cluster, push, pull_ids, pattern):
+    spec, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    pulled = client.status(cfg, 0).pulled_rows
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        raw_push_pull(spec, 0, pull_ids, push)
+    torch.testing.assert_close(table_rows(client, cfg), before, rtol=0, atol=0)
+    status = client.status(cfg, 0)
+    assert (status.applied, list(status.pushes)) == (0, [])
+    assert status.pulled_rows == pulled + 10  # table_rows' 10 of shard 0: the call read none
+
+
+def test_a_deferred_push_travels_with_the_next_pull_and_applies_once(cluster):
+    spec, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    other = TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=1, timeout=10.0)
+    try:
+        ids, grads = torch.tensor([3, 4, 9]), torch.ones(3, 3)
+        assert client.push(cfg, ids, grads, lr=0.5, step=1, defer=True) == []
+        assert client.deferred() == 2  # one request per owning shard, none sent
+        torch.testing.assert_close(table_rows(other, cfg), before, rtol=0, atol=0)
+        client.wire.clear()
+        rows = client.pull(cfg, torch.tensor([4, 0]))  # only shard 0 is asked
+        assert client.deferred() == 0  # shard 0's push went with the pull, shard 1's alone
+        assert {k: v[0] for k, v in client.wire.items()} == {"PushPullRows": 1, "PushRows": 1}
+        torch.testing.assert_close(rows, torch.stack([before[4] - 0.5, before[0]]))
+        torch.testing.assert_close(table_rows(other, cfg)[[3, 9]], before[[3, 9]] - 0.5)
+        client.push(cfg, torch.tensor([9]), grads[:1], lr=0.5, step=2, defer=True)
+        client.push(cfg, torch.tensor([3]), grads[:1], lr=0.5, step=3, defer=True)
+        assert client.deferred() == 1  # shard 1's first push was sent before its second
+        assert client.wire["PushRows"][0] == 2
+        chunks = list(client.export_shard(cfg, 1))  # an export holds every deferred push
+        assert client.deferred() == 0
+        exported = torch.frombuffer(bytearray(chunks[0].rows), dtype=torch.float32).view(-1, 3)
+        torch.testing.assert_close(exported[[1, 4]], torch.stack([before[3] - 1.0,
+                                                                  before[9] - 1.0]))
+        assert [client.status(cfg, s).applied for s in range(2)] == [1, 3]
+        client.push(cfg, torch.tensor([2]), grads[:1], lr=0.5, step=4, defer=True)
+        client.close()  # close sends it
+        torch.testing.assert_close(table_rows(other, cfg)[2], before[2] - 0.5)
+    finally:
+        other.close()
 
 
 # --------------------------------------------------------------------------- real processes

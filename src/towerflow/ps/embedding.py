@@ -82,6 +82,19 @@ class ShardedEmbedding(nn.Module):
             or ``range`` (contiguous rows, as ``tf.fixed_size_partitioner``).
         name: the table's name on the ps (default: the module's path in the model).
         dtype: ``torch.float32`` (default) or ``torch.float64``.
+        defer_push: send a step's row gradients with the next pull of this
+            table (one ``PushPullRows`` round trip per ps shard and step
+            instead of a pull and a push). The ps applies them before it reads
+            the rows of that pull, so this worker's next lookup sees its own
+            update as without deferral; the other workers see it one step
+            later (when this worker's next step starts, not when its step
+            ends). Each push still applies exactly once. A deferred push is
+            sent alone before a later push of the same table, before an
+            export or import of the table (checkpoints hold it) and when the
+            strategy shuts down (before it tells the ps tasks it is done);
+            an error of a deferred push is raised by the call that sends it.
+            False (default): each step's push is sent and answered within the
+            step.
 
     Example::
 
@@ -96,7 +109,8 @@ class ShardedEmbedding(nn.Module):
 
     def __init__(self, num_rows: int, dim: int, *, mode: str | None = None,
                  optimizer: Any = None, initializer: Any = None, partitioner: str = "mod",
-                 name: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 name: str | None = None, dtype: torch.dtype = torch.float32,
+                 defer_push: bool = False) -> None:
         super().__init__()
         for what, value in (("num_rows", num_rows), ("dim", dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -116,13 +130,15 @@ class ShardedEmbedding(nn.Module):
         self.initializer = _describe(DEFAULT_INITIALIZER if initializer is None else initializer,
                                      "initializer")
         self.partitioner_kind, self.table_name = partitioner, name
+        self.defer_push = bool(defer_push)
         self._client: TableClient | None = None
         self.config: TableConfig | None = None
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def extra_repr(self) -> str:
         bag = "" if self.mode is None else f", mode={self.mode!r}"
-        return f"{self.num_rows}, {self.dim}{bag}, partitioner={self.partitioner_kind!r}"
+        defer = ", defer_push=True" if self.defer_push else ""
+        return f"{self.num_rows}, {self.dim}{bag}, partitioner={self.partitioner_kind!r}{defer}"
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +157,11 @@ class ShardedEmbedding(nn.Module):
     def bind(self, client: TableClient, config: TableConfig) -> None:
         """Attach to the ps tasks (the strategy's ``prepare()`` does this)."""
         self._client, self.config = client, config
+
+    @property
+    def client(self) -> TableClient | None:
+        """The client of the ps tasks this table is bound to (None before ``prepare()``)."""
+        return self._client
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,  # noqa: A002
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -319,11 +340,20 @@ class SparseTables:
 
     def push(self, taken: list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]], *,
              lr: float, step: int) -> None:
-        """Push each table's row gradients to the owning shards (in parallel)."""
+        """Push each table's row gradients to the owning shards (in parallel).
+
+        A table built with ``defer_push=True`` keeps them for its next pull.
+        """
         for module, ids, grads in taken:
-            self.client.push(module.config, ids, grads, lr=lr, step=step)  # type: ignore[union-attr, arg-type]
+            self.client.push(module.config, ids, grads, lr=lr, step=step,  # type: ignore[union-attr, arg-type]
+                             defer=module.defer_push)
+
+    def flush(self) -> None:
+        """Send the deferred pushes of every table (before the strategy says it is done)."""
+        if self.client is not None:
+            self.client.flush()
 
     def close(self) -> None:
-        """Close the client's channels."""
+        """Send the deferred pushes and close the client's channels."""
         if self.client is not None:
             self.client.close()

@@ -20,16 +20,20 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 
 from towerflow.cluster.transport import (
     Credentials,
+    channel_address,
     make_channel,
+    map_rpc_error,
     stream_unary,
     unary,
     unary_stream,
@@ -88,8 +92,13 @@ def _decode(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
         )
     if not data:
         return torch.empty(shape, dtype=dtype)
-    out = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    out = torch.frombuffer(data, dtype=dtype).view(shape)  # read only: copied by the caller
     return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
+
+
+with warnings.catch_warnings():  # torch warns once per process about read-only buffers
+    warnings.simplefilter("ignore")
+    torch.frombuffer(bytes(8), dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,39 @@ class TableConfig:
             initializer=json.dumps(dict(self.initializer), sort_keys=True), shard=shard)
 
 
+def _rows_of(config: TableConfig, method: str, data: bytes, count: int) -> torch.Tensor:
+    """The rows of a ``PullRows`` / ``PushPullRows`` reply (a read-only view of ``data``)."""
+    if method == "PushPullRows":
+        reply = tpb.PushPullRowsReply.FromString(data).pull
+    else:
+        reply = tpb.PullRowsReply.FromString(data)
+    return _decode(reply.rows, config.dtype, (count, config.dim))
+
+
+class _Call:
+    """One call to one shard: its method, request bytes and whether it may be sent again."""
+
+    __slots__ = ("shard", "method", "payload", "retry")
+
+    def __init__(self, shard: int, method: str, payload: bytes, retry: bool) -> None:
+        self.shard, self.method, self.payload, self.retry = shard, method, payload, retry
+
+
 class TableClient:
     """A worker's calls to the ``towerflow.ps.Tables`` service of every ps task.
+
+    Calls to different shards are in flight together (gRPC futures, no thread
+    per call); the calls to one shard go one after the other, so its pushes
+    arrive in ``seq`` order. A call that fails ``UNAVAILABLE`` /
+    ``DEADLINE_EXCEEDED`` is sent again (the same bytes: a push's ``seq``
+    makes it apply at most once; a pull reads again).
+
+    A push may be deferred (``push(..., defer=True)``): its requests are kept
+    and travel with the table's next pull of each shard in one
+    ``PushPullRows`` round trip (the ps applies the push, then reads the rows,
+    so that pull sees it), or are sent by :meth:`flush`, which
+    :meth:`export_shard`, :meth:`import_rows`, :meth:`status` and
+    :meth:`close` call first. Until then the other workers do not see it.
 
     Args:
         addresses: the ps tasks' addresses; task ``i`` holds shard ``i``.
@@ -143,8 +183,11 @@ class TableClient:
         timeout: deadline of each call, seconds.
         max_call_bytes: largest rows payload of one call; bigger pulls and
             pushes to a shard are cut into several calls.
-        retries: how often a push that failed UNAVAILABLE / DEADLINE_EXCEEDED
-            is sent again (the same ``seq``: applied at most once).
+        retries: how often a call that failed UNAVAILABLE / DEADLINE_EXCEEDED
+            is sent again.
+
+    Attributes:
+        wire: per method, ``[calls, request bytes, reply bytes]`` so far.
     """
 
     def __init__(self, addresses: Sequence[str], *, credentials: Credentials | None = None,
@@ -163,6 +206,9 @@ class TableClient:
         self.retries = retries
         self._seq = itertools.count(1)
         self._seq_lock = threading.Lock()
+        self._deferred: dict[tuple[str, int], bytes] = {}  # (table, shard) -> PushRowsRequest
+        self._deferred_lock = threading.Lock()
+        self.wire: dict[str, list[int]] = {}
 
     @property
     def num_shards(self) -> int:
@@ -180,6 +226,45 @@ class TableClient:
             return [fn(*jobs[0])]
         futures = [self._pool.submit(fn, shard, job) for shard, job in jobs]
         return [f.result() for f in futures]
+
+    def _run(self, queues: list[list[_Call]]) -> list[list[bytes]]:
+        """Send each queue's calls in order, the queues (one per shard) side by side.
+
+        Returns each call's reply bytes, queue by queue.
+        """
+        replies: list[list[bytes]] = [[] for _ in queues]
+        attempts = [0] * len(queues)
+        while True:
+            flying = []
+            for i, queue in enumerate(queues):
+                if len(replies[i]) < len(queue):
+                    call = queue[len(replies[i])]
+                    method = _method(call.method)
+                    future = self._channels[call.shard].unary_unary(method).future(
+                        call.payload, timeout=self.timeout)
+                    flying.append((i, call, future))
+            if not flying:
+                return replies
+            for i, call, future in flying:
+                try:
+                    data = future.result()
+                except grpc.RpcError as exc:
+                    error = map_rpc_error(exc, _method(call.method),
+                                          channel_address(self._channels[call.shard]))
+                    if not (call.retry and isinstance(error, UnavailableError | DeadlineExceededError)
+                            and attempts[i] < self.retries):
+                        for _, _, other in flying:
+                            other.cancel()
+                        raise error from None
+                    time.sleep(min(2.0, 0.1 * 2 ** attempts[i]))
+                    attempts[i] += 1
+                    continue
+                attempts[i] = 0
+                replies[i].append(data)
+                count = self.wire.setdefault(call.method, [0, 0, 0])
+                count[0] += 1
+                count[1] += len(call.payload)
+                count[2] += len(data)
 
     def _pieces(self, config: TableConfig, ids: torch.Tensor) -> list[tuple[int, slice]]:
         step = max(1, self.max_call_bytes // config.row_bytes)
@@ -218,23 +303,45 @@ class TableClient:
             )
 
     def pull(self, config: TableConfig, ids: torch.Tensor) -> torch.Tensor:
-        """The ``(len(ids), dim)`` rows of ``ids``, one call per owning shard, in parallel."""
+        """The ``(len(ids), dim)`` rows of ``ids``, one call per owning shard, in parallel.
+
+        A deferred push of this table goes with the pull of its shard (one
+        ``PushPullRows`` call; the rows answered include it), or alone
+        (``PushRows``) to a shard this pull does not ask.
+        """
         ids = config.partitioner.check(check_ids(ids))
         out = torch.empty((ids.numel(), config.dim), dtype=config.dtype)
-        jobs = [(s, part) for s, part in enumerate(config.partitioner.split(ids))
-                if part[0].numel()]
-
-        def pull_shard(shard: int, part: tuple[torch.Tensor, torch.Tensor]) -> None:
-            positions, shard_ids = part
+        with self._deferred_lock:
+            deferred = {s: self._deferred.pop((config.name, s))
+                        for s in range(self.num_shards) if (config.name, s) in self._deferred}
+        queues: list[list[_Call]] = []
+        places: list[list[tuple[torch.Tensor, int] | None]] = []
+        for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
+            push = deferred.get(shard)
+            queue: list[_Call] = []
+            place: list[tuple[torch.Tensor, int] | None] = []
             for _, piece in self._pieces(config, shard_ids):
                 chunk = shard_ids[piece]
-                reply = self._call(shard, "PullRows", tpb.PullRowsRequest(
-                    table=config.name, shard=shard, num_ids=chunk.numel(), ids=_encode(chunk)),
-                    tpb.PullRowsReply)
-                rows = _decode(reply.rows, config.dtype, (chunk.numel(), config.dim))
-                out.index_copy_(0, positions[piece], rows)
-
-        self._each(jobs, pull_shard)
+                pull = tpb.PullRowsRequest(table=config.name, shard=shard,
+                                           num_ids=chunk.numel(), ids=_encode(chunk))
+                if push is not None:
+                    request = tpb.PushPullRowsRequest(pull=pull)
+                    request.push.ParseFromString(push)
+                    queue.append(_Call(shard, "PushPullRows", request.SerializeToString(), True))
+                    push = None
+                else:
+                    queue.append(_Call(shard, "PullRows", pull.SerializeToString(), True))
+                place.append((positions[piece], chunk.numel()))
+            if push is not None:  # nothing to pull from this shard: the push goes alone
+                queue.append(_Call(shard, "PushRows", push, True))
+                place.append(None)
+            if queue:
+                queues.append(queue)
+                places.append(place)
+        for queue, replies, place in zip(queues, self._run(queues), places, strict=True):
+            for call, data, where in zip(queue, replies, place, strict=True):
+                if where is not None:
+                    out.index_copy_(0, where[0], _rows_of(config, call.method, data, where[1]))
         return out
 
     def next_seq(self) -> int:
@@ -243,54 +350,73 @@ class TableClient:
             return next(self._seq)
 
     def push(self, config: TableConfig, ids: torch.Tensor, grads: torch.Tensor, *, lr: float,
-             step: int) -> list[Any]:
+             step: int, defer: bool = False) -> list[Any]:
         """Push row gradients (duplicates are summed on the ps); the ``PushRowsReply``s.
 
         Each owning shard gets one call (more when larger than
         ``max_call_bytes``), the shards in parallel, each applied at most once.
+        ``defer=True``: a shard's push that fits one call is kept and sent
+        with this table's next pull of that shard (see the class docstring);
+        no reply is returned for it. A push deferred before and not sent yet
+        is sent first.
         """
         ids = config.partitioner.check(check_ids(ids))
         grads = grads.detach().to("cpu", config.dtype)
-        jobs = [(s, part) for s, part in enumerate(config.partitioner.split(ids))
-                if part[0].numel()]
         dtype = _DTYPE_NAMES[config.dtype]
-
-        def push_shard(shard: int, part: tuple[torch.Tensor, torch.Tensor]) -> list[Any]:
-            positions, shard_ids = part
+        self.flush(config)  # pushes of one shard reach it in seq order
+        queues = []
+        for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
+            if not shard_ids.numel():
+                continue
             shard_grads = grads.index_select(0, positions)
-            replies = []
+            queue = []
             for _, piece in self._pieces(config, shard_ids):
                 chunk = shard_ids[piece]
-                request = tpb.PushRowsRequest(
+                queue.append(_Call(shard, "PushRows", tpb.PushRowsRequest(
                     table=config.name, shard=shard, worker_id=self.worker_id,
                     incarnation=self.incarnation, seq=self.next_seq(), lr=lr, step=step,
                     num_ids=chunk.numel(), dtype=dtype, ids=_encode(chunk),
-                    grads=_encode(shard_grads[piece]))
-                replies.append(self._push_once(shard, request))
-            return replies
+                    grads=_encode(shard_grads[piece])).SerializeToString(), True))
+            if defer and len(queue) == 1:
+                with self._deferred_lock:
+                    self._deferred[(config.name, shard)] = queue[0].payload
+            else:
+                queues.append(queue)
+        return [tpb.PushRowsReply.FromString(data)
+                for replies in self._run(queues) for data in replies]
 
-        return [r for replies in self._each(jobs, push_shard) for r in replies]
+    def flush(self, config: TableConfig | None = None) -> list[Any]:
+        """Send the deferred pushes (of ``config``'s table, or of every table); their replies."""
+        with self._deferred_lock:
+            keys = [k for k in self._deferred if config is None or k[0] == config.name]
+            taken = [(k[1], self._deferred.pop(k)) for k in keys]
+        if not taken:
+            return []
+        by_shard: dict[int, list[_Call]] = {}
+        for shard, payload in taken:
+            by_shard.setdefault(shard, []).append(_Call(shard, "PushRows", payload, True))
+        return [tpb.PushRowsReply.FromString(data)
+                for replies in self._run(list(by_shard.values())) for data in replies]
 
-    def _push_once(self, shard: int, request: Any) -> Any:
-        """Send a push, again on a lost connection (its seq makes it apply once)."""
-        for attempt in range(self.retries + 1):
-            try:
-                return self._call(shard, "PushRows", request, tpb.PushRowsReply)
-            except (UnavailableError, DeadlineExceededError):
-                if attempt == self.retries:
-                    raise
-                time.sleep(min(2.0, 0.1 * 2**attempt))
-        raise AssertionError("unreachable")  # pragma: no cover
+    def deferred(self) -> int:
+        """Number of deferred pushes not sent yet (one per table shard at most)."""
+        with self._deferred_lock:
+            return len(self._deferred)
 
     def status(self, config: TableConfig, shard: int) -> Any:
-        """The ``TableStatusReply`` of one shard."""
+        """The ``TableStatusReply`` of one shard (deferred pushes of the table sent first)."""
+        self.flush(config)
         return self._call(shard, "TableStatus",
                           tpb.TableStatusRequest(table=config.name, shard=shard),
                           tpb.TableStatusReply)
 
     def export_shard(self, config: TableConfig, shard: int, *, chunk_rows: int = 0
                      ) -> Iterator[Any]:
-        """The ``RowChunk``s of one shard (rows and slots of one moment), streamed."""
+        """The ``RowChunk``s of one shard (rows and slots of one moment), streamed.
+
+        Deferred pushes of the table are sent first, so the export holds them.
+        """
+        self.flush(config)
         request = tpb.ExportRowsRequest(table=config.name, shard=shard, chunk_rows=chunk_rows)
         for data in unary_stream(self._channels[shard], _method("ExportRows"),
                                  request.SerializeToString(), timeout=self.timeout * 10):
@@ -303,7 +429,9 @@ class TableClient:
         """Set rows (and slots) of shard ``shard`` from ``(ids, rows, slots)`` pieces.
 
         The ps checks every piece before it sets any row; returns the rows set.
+        Deferred pushes of the table are sent first (the import overwrites them).
         """
+        self.flush(config)
         spec = config.spec(shard)
 
         def chunks() -> Iterator[bytes]:
@@ -326,7 +454,17 @@ class TableClient:
         return tpb.ImportRowsReply.FromString(data).rows
 
     def close(self) -> None:
-        """Close the channels and the thread pool."""
+        """Send the deferred pushes, then close the channels and the thread pool.
+
+        The channels are closed even when a deferred push cannot be sent; its
+        error is raised then.
+        """
+        try:
+            self.flush()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self._pool.shutdown(wait=False)
         for channel in self._channels:
             channel.close()

@@ -4,18 +4,22 @@ Each ps task serves shard ``i`` (its task index) of every sparse embedding
 table next to its dense shard (``towerflow.ps.PS``); the messages are in
 ``tables.proto``:
 
-==============  ===============  ============================================
-method          kind             messages
-==============  ===============  ============================================
-``InitTable``   unary            ``InitTableRequest`` -> ``InitTableReply``;
-                                 idempotent for the same description, refused
-                                 (``FAILED_PRECONDITION``) for another
-``PullRows``    unary            ``PullRowsRequest`` -> ``PullRowsReply``
-``PushRows``    unary            ``PushRowsRequest`` -> ``PushRowsReply``
-``ExportRows``  unary -> stream  ``ExportRowsRequest`` -> ``RowChunk`` ...
-``ImportRows``  stream -> unary  ``RowChunk`` ... -> ``ImportRowsReply``
-``TableStatus`` unary            ``TableStatusRequest`` -> ``TableStatusReply``
-==============  ===============  ============================================
+================  ===============  ==========================================
+method            kind             messages
+================  ===============  ==========================================
+``InitTable``     unary            ``InitTableRequest`` -> ``InitTableReply``;
+                                   idempotent for the same description,
+                                   refused (``FAILED_PRECONDITION``) for another
+``PullRows``      unary            ``PullRowsRequest`` -> ``PullRowsReply``
+``PushRows``      unary            ``PushRowsRequest`` -> ``PushRowsReply``
+``PushPullRows``  unary            ``PushPullRowsRequest`` ->
+                                   ``PushPullRowsReply``: a push (optional),
+                                   then a pull of the same table shard under
+                                   one hold of its lock
+``ExportRows``    unary -> stream  ``ExportRowsRequest`` -> ``RowChunk`` ...
+``ImportRows``    stream -> unary  ``RowChunk`` ... -> ``ImportRowsReply``
+``TableStatus``   unary            ``TableStatusRequest`` -> ``TableStatusReply``
+================  ===============  ==========================================
 
 The handlers are raw-bytes handlers of
 :func:`towerflow.cluster.transport.raw_handlers`, so every call is
@@ -81,6 +85,7 @@ class TableService:
             "InitTable": ("unary_unary", self.init_table),
             "PullRows": ("unary_unary", self.pull_rows),
             "PushRows": ("unary_unary", self.push_rows),
+            "PushPullRows": ("unary_unary", self.push_pull_rows),
             "ExportRows": ("unary_stream", self.export_rows),
             "ImportRows": ("stream_unary", self.import_rows),
             "TableStatus": ("unary_unary", self.table_status),
@@ -148,6 +153,25 @@ class TableService:
         return tpb.PushRowsReply(status=outcome.status, message=outcome.message,
                                  duplicate=outcome.duplicate,
                                  applied=applied).SerializeToString()
+
+    def push_pull_rows(self, data: bytes) -> bytes:
+        request = _parse(tpb.PushPullRowsRequest, data, "PushPullRows")
+        pull = request.pull
+        push = request.push if request.HasField("push") else None
+        if push is not None and (push.table, push.shard) != (pull.table, pull.shard):
+            raise InvalidArgumentError(
+                f"PushPullRows pushes to table {push.table!r} shard {push.shard} but pulls from "
+                f"table {pull.table!r} shard {pull.shard}; one call serves one table shard."
+            )
+        shard = self.table(pull.table, pull.shard)
+        outcome, applied, rows = shard.push_pull(push, pull.ids, pull.num_ids)
+        reply = tpb.PushPullRowsReply(pull=tpb.PullRowsReply(
+            num_ids=pull.num_ids, dim=shard.store.dim,
+            dtype=str(shard.dtype).removeprefix("torch."), rows=rows))
+        if outcome is not None:
+            reply.push.CopyFrom(tpb.PushRowsReply(status=outcome.status, message=outcome.message,
+                                                  duplicate=outcome.duplicate, applied=applied))
+        return reply.SerializeToString()
 
     def export_rows(self, data: bytes) -> Iterator[bytes]:
         from towerflow.ps.table_shard import encode

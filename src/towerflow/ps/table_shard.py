@@ -17,8 +17,10 @@ its lock and its counters; nothing else reaches into them:
 - an import checks every chunk before it sets any row.
 
 Buffers arrive as raw little-endian bytes (int64 ids, rows in the table's
-dtype) and are copied once into tensors; a refusal names the value and
-leaves the shard as it was.
+dtype) and are read in place (``torch.frombuffer`` over the received
+message's bytes, no copy); a refusal names the value and leaves the shard as
+it was. A push-and-pull (``PushPullRows``) is a push and a pull under one
+hold of the lock.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -71,7 +74,11 @@ def describe_spec(spec: Any) -> dict[str, Any]:
 
 
 def decode(data: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    """``count`` values of ``dtype`` from raw little-endian ``data`` (one copy).
+    """``count`` values of ``dtype`` from raw little-endian ``data``, without a copy.
+
+    The tensor is a read-only view of ``data`` (it keeps ``data`` alive):
+    nothing on the ps writes into a received buffer; the row store copies what
+    it keeps (``index_copy_``) and reads the rest.
 
     Raises:
         InvalidArgumentError: ``data`` holds another number of bytes.
@@ -84,8 +91,23 @@ def decode(data: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tens
         )
     if not data:
         return torch.empty(0, dtype=dtype)
-    out = torch.frombuffer(bytearray(data), dtype=dtype)
+    out = torch.frombuffer(data, dtype=dtype)
     return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
+
+
+def _quiet_readonly_warning() -> None:
+    """Spend torch's one-time warning about tensors over read-only buffers.
+
+    ``torch.frombuffer`` of ``bytes`` warns once per process that the tensor
+    could write into an immutable buffer; :func:`decode`'s tensors are only
+    read, so the warning is raised here, once, and dropped.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(bytes(8), dtype=torch.int64)
+
+
+_quiet_readonly_warning()
 
 
 def encode(tensor: torch.Tensor) -> bytes:
@@ -160,6 +182,31 @@ class TableShard:
 
     def push(self, request: Any) -> tuple[PushOutcome, int]:
         """Apply a ``PushRowsRequest`` once; return its outcome and the pushes applied."""
+        checked = self._check_push(request)
+        with self._lock:
+            return self._apply_once(*checked)
+
+    def push_pull(self, push: Any | None, data: bytes, count: int
+                  ) -> tuple[PushOutcome | None, int, bytes]:
+        """Apply ``push`` (a ``PushRowsRequest`` or None) once, then read the rows of ``data``.
+
+        Everything is checked before the lock is taken (a refused push refuses
+        the call: nothing applied, nothing read); the apply and the read are
+        one hold of it, so the rows answered include the push. Returns the
+        push's outcome (None without a push), the pushes applied, the rows' bytes.
+        """
+        checked = None if push is None else self._check_push(push)
+        ids = self._ids(data, count)
+        with self._lock:
+            outcome, applied = (None, self._applied) if checked is None else \
+                self._apply_once(*checked)
+            rows = self.store.lookup(ids)
+            self._pulled_rows += ids.numel()
+        return outcome, applied, encode(rows)
+
+    def _check_push(self, request: Any
+                    ) -> tuple[PushHeader, torch.Tensor, torch.Tensor, float, int]:
+        """Everything a push needs checked, outside the lock: header, ids, grads, lr, step."""
         if request.worker_id < 0 or request.seq < 1:
             raise InvalidArgumentError(
                 f"Table {self.name!r}: a push needs worker_id >= 0 and seq >= 1, got "
@@ -173,24 +220,28 @@ class TableShard:
             raise InvalidArgumentError(f"Table {self.name!r}: {exc}") from None
         header = PushHeader(worker_id=request.worker_id, seq=request.seq, token=0, lr=lr,
                             numel=grads.numel(), incarnation=request.incarnation)
-        with self._lock:
-            look = self._pushes.lookup(header, self._applied)
-            if look.kind == "superseded":
-                raise FailedPreconditionError(f"Table {self.name!r}: {look.message}")
-            if look.kind == "done":
-                outcome = look.outcome
-                return PushOutcome(outcome.status, outcome.step, outcome.message, True), \
-                    self._applied
-            self._pushes.register(header)
-            try:
-                self.store.apply(ids, grads, lr, step)
-            except BaseException:
-                self._pushes.drop(header)
-                raise
-            self._applied += 1
-            outcome = PushOutcome(APPLIED, self._applied)
-            self._pushes.settle(header, outcome)
-            return outcome, self._applied
+        return header, ids, grads, lr, step
+
+    def _apply_once(self, header: PushHeader, ids: torch.Tensor, grads: torch.Tensor,
+                    lr: float, step: int) -> tuple[PushOutcome, int]:
+        """Classify, apply and record a checked push; the caller holds the lock."""
+        look = self._pushes.lookup(header, self._applied)
+        if look.kind == "superseded":
+            raise FailedPreconditionError(f"Table {self.name!r}: {look.message}")
+        if look.kind == "done":
+            outcome = look.outcome
+            return PushOutcome(outcome.status, outcome.step, outcome.message, True), \
+                self._applied
+        self._pushes.register(header)
+        try:
+            self.store.apply(ids, grads, lr, step)
+        except BaseException:
+            self._pushes.drop(header)
+            raise
+        self._applied += 1
+        outcome = PushOutcome(APPLIED, self._applied)
+        self._pushes.settle(header, outcome)
+        return outcome, self._applied
 
     def snapshot(self) -> tuple[RowExport, list[tuple[int, int, int, str]]]:
         """Rows, slots and push table of one moment (copies)."""
