@@ -97,7 +97,7 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
-_CHUNK = 1 << 16  # ids per initializer chunk, to bound temporary memory
+_CHUNK = 1 << 12  # ids per initializer chunk: its temporaries stay near 1 MiB per 32 values
 
 
 class RowExport(NamedTuple):

@@ -26,14 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 
 from towerflow.cluster.transport import (
     Credentials,
-    channel_address,
     make_channel,
-    map_rpc_error,
     stream_unary,
     unary,
     unary_stream,
@@ -162,8 +159,8 @@ class _Call:
 class TableClient:
     """A worker's calls to the ``towerflow.ps.Tables`` service of every ps task.
 
-    Calls to different shards are in flight together (gRPC futures, no thread
-    per call); the calls to one shard go one after the other, so its pushes
+    Calls to different shards are in flight together; the calls to one shard
+    go one after the other, so its pushes
     arrive in ``seq`` order. A call that fails ``UNAVAILABLE`` /
     ``DEADLINE_EXCEEDED`` is sent again (the same bytes: a push's ``seq``
     makes it apply at most once; a pull reads again).
@@ -209,6 +206,7 @@ class TableClient:
         self._deferred: dict[tuple[str, int], bytes] = {}  # (table, shard) -> PushRowsRequest
         self._deferred_lock = threading.Lock()
         self.wire: dict[str, list[int]] = {}
+        self._wire_lock = threading.Lock()
 
     @property
     def num_shards(self) -> int:
@@ -230,41 +228,41 @@ class TableClient:
     def _run(self, queues: list[list[_Call]]) -> list[list[bytes]]:
         """Send each queue's calls in order, the queues (one per shard) side by side.
 
+        The first queue runs in this thread, the others in the pool (blocking
+        calls: a gRPC future would start a channel polling thread per call).
         Returns each call's reply bytes, queue by queue.
         """
-        replies: list[list[bytes]] = [[] for _ in queues]
-        attempts = [0] * len(queues)
-        while True:
-            flying = []
-            for i, queue in enumerate(queues):
-                if len(replies[i]) < len(queue):
-                    call = queue[len(replies[i])]
-                    method = _method(call.method)
-                    future = self._channels[call.shard].unary_unary(method).future(
-                        call.payload, timeout=self.timeout)
-                    flying.append((i, call, future))
-            if not flying:
-                return replies
-            for i, call, future in flying:
+        if not queues:
+            return []
+        futures = [self._pool.submit(self._send, queue) for queue in queues[1:]]
+        try:
+            first = self._send(queues[0])
+        finally:
+            rest = [f.result() for f in futures]
+        out = [first, *rest]
+        with self._wire_lock:
+            for queue, replies in zip(queues, out, strict=True):
+                for call, data in zip(queue, replies, strict=True):
+                    count = self.wire.setdefault(call.method, [0, 0, 0])
+                    count[0] += 1
+                    count[1] += len(call.payload)
+                    count[2] += len(data)
+        return out
+
+    def _send(self, queue: list[_Call]) -> list[bytes]:
+        """The replies of ``queue``'s calls, sent one after the other."""
+        replies = []
+        for call in queue:
+            for attempt in range(self.retries + 1):
                 try:
-                    data = future.result()
-                except grpc.RpcError as exc:
-                    error = map_rpc_error(exc, _method(call.method),
-                                          channel_address(self._channels[call.shard]))
-                    if not (call.retry and isinstance(error, UnavailableError | DeadlineExceededError)
-                            and attempts[i] < self.retries):
-                        for _, _, other in flying:
-                            other.cancel()
-                        raise error from None
-                    time.sleep(min(2.0, 0.1 * 2 ** attempts[i]))
-                    attempts[i] += 1
-                    continue
-                attempts[i] = 0
-                replies[i].append(data)
-                count = self.wire.setdefault(call.method, [0, 0, 0])
-                count[0] += 1
-                count[1] += len(call.payload)
-                count[2] += len(data)
+                    replies.append(unary(self._channels[call.shard], _method(call.method),
+                                         call.payload, timeout=self.timeout))
+                    break
+                except (UnavailableError, DeadlineExceededError):
+                    if not call.retry or attempt == self.retries:
+                        raise
+                    time.sleep(min(2.0, 0.1 * 2**attempt))
+        return replies
 
     def _pieces(self, config: TableConfig, ids: torch.Tensor) -> list[tuple[int, slice]]:
         step = max(1, self.max_call_bytes // config.row_bytes)
