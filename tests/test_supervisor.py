@@ -289,7 +289,6 @@ _PREEMPTED = textwrap.dedent("""
     import sys, torch
     from towerflow.models.linear import LinearRegression, mse_loss, regression_data
     from towerflow.strategies import OptimizerConfig
-from towerflow.strategies.single import SingleDevice
     from towerflow.training.supervisor import Supervisor
     data = regression_data(16)
     sv = Supervisor(is_chief=True, logdir=sys.argv[1], save_model_secs=None)
