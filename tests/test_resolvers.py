@@ -153,12 +153,13 @@ def test_tf_config_of_a_kubeflow_tfjob_master_makes_it_the_training_chief():
 def test_a_ps_task_of_a_tfjob_with_a_master_counts_and_names_the_master_as_replica_0():
     from types import SimpleNamespace
 
+    from towerflow.cluster import ServerOptions
     from towerflow.ps import ShardHost
     from towerflow.ps.service import replica_task
 
     spec, _ = resolve_cluster(env=tf_config("ps", 0, {"master": ["m:1"], "ps": ["p:1"], "worker": ["w:1"]}))
     assert [replica_task(spec, r) for r in range(3)] == [TaskInfo("master", 0), TaskInfo("worker", 0), None]
-    server = SimpleNamespace(cluster=spec, task=TaskInfo("ps", 0), options=SimpleNamespace(heartbeat=None))
+    server = SimpleNamespace(cluster=spec, task=TaskInfo("ps", 0), options=ServerOptions())
     assert ShardHost(server).service.replicas == 2
 
 
