@@ -51,6 +51,8 @@ def _ps_strategy(*flags: str):  # noqa: ANN202
     (["--init-timeout", "9"], lambda s: s._init_timeout, 9.0),
     (["--on-bad-gradient", "skip"], lambda s: s._policy, "skip"),
     (["--ps-prefetch"], lambda s: s._prefetch, True),
+    (["--sparse-threshold", "1MiB"], lambda s: s._sparse_threshold, 1048576),
+    (["--table-part-bytes", "4KiB"], lambda s: s._table_part_bytes, 4096),
 ])
 def test_each_ps_flag_reaches_the_parameter_server_strategy(flags, read, expected) -> None:
     strategy = _ps_strategy(*flags)
@@ -67,7 +69,7 @@ def test_the_ps_defaults_are_the_strategy_defaults() -> None:
     built = _ps_strategy()
     plain = ParameterServer(*resolve_cluster(env=PS_ENV), server=False)
     for name in ("aggregation", "_ps_strategy", "_threshold", "_timeout", "_init_timeout",
-                 "_policy", "_prefetch"):
+                 "_policy", "_prefetch", "_sparse_threshold", "_table_part_bytes"):
         ours, theirs = getattr(built, name), getattr(plain, name)
         assert ours == theirs or (name == "_ps_strategy" and theirs is None
                                   and ours == "round_robin"), name

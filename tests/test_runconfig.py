@@ -192,6 +192,20 @@ def test_a_resume_takes_the_recorded_processes_unless_told_otherwise(tmp_path) -
     assert args.device is None  # this machine's device is never taken from the record
 
 
+def test_a_resume_may_change_the_table_part_size_but_not_the_sparse_threshold(tmp_path) -> None:
+    assert _train(tmp_path) == 0
+    record = _record(tmp_path)
+    save_run_settings(tmp_path, record | {"ps": 1, "replicas": 2, "sparse_threshold": 1 << 20,
+                                          "table_part_bytes": 1 << 16})
+    args = _resolved("--train-dir", str(tmp_path), "--table-part-bytes", "1MiB")
+    assert (args.sparse_threshold, args.table_part_bytes) == (1 << 20, 1 << 20)
+    assert _resolved("--train-dir", str(tmp_path)).table_part_bytes == 1 << 16
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "holds a run trained with sparse_threshold 1048576, and this run asks for "
+            "--sparse-threshold 2097152, but this setting cannot change when a run resumes")):
+        _resolved("--train-dir", str(tmp_path), "--sparse-threshold", "2MiB")
+
+
 def test_without_a_checkpoint_the_record_does_not_bind(tmp_path) -> None:
     save_run_settings(tmp_path, {"model": "digits", "batch_size": 64})
     assert _train(tmp_path, "--batch-size", "8") == 0

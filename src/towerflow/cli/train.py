@@ -68,6 +68,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "ps_timeout": ("ps", "timeout"), "step_timeout": ("ps", "step_timeout"),
     "init_timeout": ("ps", "init_timeout"), "on_bad_gradient": ("ps", "on_bad_gradient"),
     "ps_prefetch": ("ps", "prefetch"), "bind": ("ps", "bind_host"),
+    "sparse_threshold": ("ps", "sparse_threshold_bytes"),
+    "table_part_bytes": ("ps", "table_part_bytes"),
     "backend": ("mirrored", "backend"), "collective_timeout": ("mirrored", "timeout_s"),
 }
 #: keywords of the strategies that no flag sets: the cluster decides them (the chief by the
@@ -190,6 +192,13 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--partition-threshold", type=byte_count, default=None, metavar="BYTES",
                        help="split a variable larger than this across the ps tasks (e.g. "
                        "1048576 or 64MiB); default: never")
+    group.add_argument("--sparse-threshold", type=byte_count, default=None, metavar="BYTES",
+                       help="make every nn.Embedding / nn.EmbeddingBag of this many bytes or "
+                       "more a sparse table sharded over the ps tasks (only a batch's rows "
+                       "travel; e.g. 64MiB); default: never")
+    group.add_argument("--table-part-bytes", type=byte_count, default=None, metavar="BYTES",
+                       help="bytes of a sparse table's rows and slots per checkpoint file "
+                       "(what saving or restoring a table holds at once); default: 64MiB")
     group.add_argument("--ps-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="deadline of each call to a ps task")
     group.add_argument("--step-timeout", "--aggregation-timeout", type=float, default=120.0,

@@ -41,8 +41,9 @@ RUN_FILE = "run.yaml"
 #: settings a resumed run may change; a run started without them takes the recorded values
 MAY_CHANGE = frozenset({
     "ps", "replicas", "num_gpus", "max_steps", "log_every", "summary_every", "checkpoint_every",
-    "max_to_keep", "data_dir", "no_download", "ps_strategy", "partition_threshold", "ps_timeout", "step_timeout",
-    "init_timeout", "on_bad_gradient", "ps_prefetch", "collective_timeout",
+    "max_to_keep", "data_dir", "no_download", "ps_strategy", "partition_threshold", "ps_timeout",
+    "step_timeout", "init_timeout", "on_bad_gradient", "ps_prefetch", "collective_timeout",
+    "table_part_bytes",
 })
 
 #: settings of this machine or this invocation: never taken from the record
