@@ -469,10 +469,11 @@ def test_two_ps_two_workers_async_training_of_a_click_model_reduces_the_loss(
 
 @pytest.mark.slow
 def test_a_workers_memory_does_not_grow_with_the_table(free_ports, subprocess_env, tmp_path):
+    # 16 values per row: the 10M-row table (640 MB) is well above a worker's own ~350 MB
     small = _run_cluster(free_ports, subprocess_env, tmp_path, num_rows=1_000_000, steps=30,
-                         workers=1, extra=("--dim", "8"))[0]
+                         workers=1, extra=("--dim", "16"))[0]
     large = _run_cluster(free_ports, subprocess_env, tmp_path, num_rows=10_000_000, steps=30,
-                         workers=1, extra=("--dim", "8"))[0]
-    table_bytes = 10_000_000 * 8 * 4
+                         workers=1, extra=("--dim", "16"))[0]
+    table_bytes = 10_000_000 * 16 * 4
     assert large["peak_rss"] < 1.10 * small["peak_rss"], (small, large)
     assert large["peak_rss"] < table_bytes  # it never held the table
