@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from towerflow.ps.embedding import ShardedEmbedding, swap_embeddings
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.rows import UniformRows
 from towerflow.ps.table_client import DEFAULT_INITIALIZER, TableClient, TableConfig
+from towerflow.ps.table_service import TableHost
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 
@@ -422,6 +424,37 @@ def test_a_deferred_push_travels_with_the_next_pull_and_applies_once(cluster):
         torch.testing.assert_close(table_rows(other, cfg)[2], before[2] - 0.5)
     finally:
         other.close()
+
+
+def test_deferred_pushes_reach_the_ps_before_the_worker_says_it_is_done(free_ports):
+    ports = free_ports(3)
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
+                        "worker": [f"127.0.0.1:{ports[2]}"]})
+    servers = [Server(spec, "ps", i, credentials=SECRET) for i in range(2)]  # end at Done
+    model = Click(50, embedding=ShardedEmbedding(50, 4, mode="sum", initializer=INIT,
+                                                 defer_push=True))
+    strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+                               server=False)
+    try:
+        strategy.prepare(model, OptimizerConfig("sgd", lr=0.5))
+        ids = torch.arange(10).view(2, 5)  # rows of both shards
+        strategy.run_step(click_loss, (ids, torch.tensor([0.0, 1.0])))
+        assert model.emb.client.deferred() == 2
+        strategy.shutdown()  # sends them, then Done: the ps tasks end by themselves
+        waiters = [threading.Thread(target=s.join, kwargs={"handle_signals": False})
+                   for s in servers]
+        for waiter in waiters:
+            waiter.start()
+        for waiter in waiters:
+            waiter.join(30)
+        assert not any(w.is_alive() for w in waiters)
+        tables = [next(h.service for h in s.services if isinstance(h, TableHost))
+                  for s in servers]
+        assert [t.table(model.emb.config.name, i).status()["applied"]
+                for i, t in enumerate(tables)] == [1, 1]
+    finally:
+        for server in servers:
+            server.stop()
 
 
 # --------------------------------------------------------------------------- real processes
