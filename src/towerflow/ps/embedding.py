@@ -12,7 +12,9 @@ never materialised on a worker. For a batch, :class:`ShardedEmbedding`:
 4. after backward, the leaf's gradient *is* the summed gradient of each
    unique row: (unique ids, row gradients) go to the owning shards with one
    ``PushRows`` call per shard, in parallel, applied there once by the
-   table's row-wise optimizer (:mod:`towerflow.ps.sparse_optim`).
+   table's row-wise optimizer (:mod:`towerflow.ps.sparse_optim`). With
+   ``defer_push=True`` they travel instead with the next step's pull of the
+   same shard (one ``PushPullRows`` round trip per shard and step).
 
 Bytes on the wire per step are ``unique rows x row bytes`` (+ 8 bytes per id)
 each way, whatever the table's size.
