@@ -216,3 +216,111 @@ def test_a_ps_process_whose_workers_were_killed_stays_up_then_exits_2(subprocess
         assert ps.wait(timeout=30) == 2
         ps.wait_for_line(r"ps task 0 gave up after 4 s without a live replica", timeout=5)
     assert leftover_processes() == []
+
+
+# ------------------------------------------------------------ how a training loop ends
+class _Broken(RuntimeError):
+    pass
+
+
+class _Script:
+    """Worker 1 raises at its local step 3; the chief waits at its step 3 until it has."""
+
+    def __init__(self) -> None:
+        self.failed = threading.Event()
+
+    def after(self, worker: int, local: int) -> None:
+        if worker == 1 and local == 3:
+            self.failed.set()
+            raise _Broken(f"worker 1 failed at its step {local}")
+        if worker == 0 and local == 3:
+            assert self.failed.wait(60)
+
+
+def _supervised(spec: ClusterSpec, server: Server, logdir, script: _Script) -> None:
+    import torch
+
+    from towerflow.models.linear import LinearRegression, mse_loss, regression_data
+    from towerflow.strategies import OptimizerConfig
+    from towerflow.training.supervisor import Supervisor
+
+    data, worker = regression_data(16), server.task.task_index
+    sv = Supervisor(is_chief=worker == 0, logdir=logdir, save_model_secs=None, timeout=10.0)
+    model = LinearRegression(torch.Generator().manual_seed(0))
+    with sv.managed_session(server, model=model, optimizer=OptimizerConfig("sgd", lr=0.1)) as s:
+        for local in range(1, 21):
+            s.run_step(mse_loss, data)
+            script.after(worker, local)
+
+
+def _trained(spec: ClusterSpec, server: Server, logdir, script: _Script) -> None:
+    import torch
+
+    from towerflow.models.linear import LinearRegression, mse_loss, regression_data
+    from towerflow.strategies import OptimizerConfig
+    from towerflow.strategies.parameter_server import ParameterServer
+    from towerflow.training.hooks import Hook
+    from towerflow.training.loop import Trainer
+
+    worker = server.task.task_index
+
+    class Steps(Hook):
+        local = 0
+
+        def after_step(self, ctx) -> None:  # noqa: ANN001
+            self.local += 1
+            script.after(worker, self.local)
+
+    strategy = ParameterServer(spec, server.task, credentials=SECRET, server=server, timeout=10.0)
+    trainer = Trainer(LinearRegression(torch.Generator().manual_seed(0)), mse_loss,
+                      [regression_data(16)] * 1000, strategy=strategy,
+                      optimizer=OptimizerConfig("sgd", lr=0.1), hooks=[Steps()],
+                      train_dir=logdir if worker == 0 else None, max_steps=30,
+                      summary_every=0, checkpoint_every=1000, ema_decay=None)
+    try:
+        with trainer:
+            trainer.fit()
+    finally:
+        strategy.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", [_supervised, _trained], ids=["supervisor", "trainer"])
+def test_a_worker_that_raises_is_not_finished_and_the_chiefs_done_names_its_checkpoint(
+        spec, tmp_path, caplog, loop):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from towerflow.checkpoint import CheckpointManager
+
+    ps = Server(spec, "ps", 0, credentials=SECRET)
+    workers = [Server(spec, "worker", i, credentials=SECRET) for i in range(2)]
+    thread, outcome = _joined(ps)
+    script = _Script()
+    try:
+        with caplog.at_level(logging.INFO, logger="towerflow.ps"), ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(loop, spec, workers[i], tmp_path, script) for i in range(2)]
+            assert runs[0].result(timeout=120) is None
+            with pytest.raises(_Broken, match="worker 1 failed at its step 3"):
+                runs[1].result(timeout=120)
+        final = CheckpointManager(tmp_path).latest()
+        assert final is not None
+        step = int(final.name.rsplit("-", 1)[1])
+        lifecycle = ps.services[0].lifecycle
+        wait_until(lambda: 0 in lifecycle.finished, timeout=10, what="the chief's Done")
+        assert lifecycle.finished == {0: f"wrote its final checkpoint at step {step}"}
+        assert (f"ps task 0: /job:worker/replica:0/task:0 finished (wrote its final checkpoint "
+                f"at step {step})") in caplog.text
+        thread.join(1.0)  # a ps that counted the failed worker as finished ends within this
+        assert thread.is_alive() and not ps.stopped and outcome == []
+        reply = PSClient(spec, plan_placement({"w": (1,)}, 1), worker_id=0,
+                         credentials=SECRET)
+        try:
+            rows = {w.worker_id: w for w in reply.shards[0].status().workers}
+        finally:
+            reply.close(done=False)
+        assert rows[0].done and not rows[1].done
+    finally:
+        ps.stop()
+        for worker in workers:
+            worker.stop()
+        thread.join(10.0)

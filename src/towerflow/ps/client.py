@@ -397,10 +397,12 @@ class ShardClient:
         finally:
             call.cancel()
 
-    def done(self, worker_id: int) -> None:
-        """Tell the shard this worker has finished."""
-        unary(self.channel, _M + "Done", pb.DoneRequest(worker_id=worker_id).SerializeToString(),
-              timeout=self.timeout)
+    def done(self, worker_id: int, checkpoint_step: int | None = None) -> None:
+        """Tell the shard this worker has finished (the chief: after its final checkpoint,
+        written at global step ``checkpoint_step``; None: it wrote none)."""
+        request = pb.DoneRequest(worker_id=worker_id, final_checkpoint=checkpoint_step is not None,
+                                 checkpoint_step=checkpoint_step or 0)
+        unary(self.channel, _M + "Done", request.SerializeToString(), timeout=self.timeout)
 
     def ledger(self, since: int = 0) -> pb.LedgerReply:
         """The pushes the shard applied, from ledger entry ``since`` on."""
@@ -590,8 +592,15 @@ class PSClient:
         """Each shard's counters (applied, stale, refused, duplicates, ...)."""
         return [dict(shard.status().stats) for shard in self.shards]
 
-    def close(self, *, done: bool = True) -> None:
-        """Tell the shards this worker is done (best effort), then close. Idempotent."""
+    def close(self, *, done: bool = True, checkpoint_step: int | None = None) -> None:
+        """Tell the shards this worker is done (best effort), then close. Idempotent.
+
+        Args:
+            done: False for a worker that stopped before finishing (an error):
+                the shards go on counting it as a replica that has not finished.
+            checkpoint_step: the chief's ``Done`` carries the global step of its
+                final checkpoint (the ps tasks log it); None: no checkpoint.
+        """
         if self._closed:
             return
         self._closed = True
@@ -599,7 +608,7 @@ class PSClient:
         if done:
             for shard in self.shards:
                 try:
-                    shard.done(self.worker_id)
+                    shard.done(self.worker_id, checkpoint_step)
                 except (UnavailableError, DeadlineExceededError, FailedPreconditionError,
                         InvalidArgumentError) as exc:
                     logger.debug("done to ps %d failed: %s", shard.layout.index, exc)

@@ -68,7 +68,13 @@ class JobLifecycle:
     def done(self, replica: int, note: str = "") -> None:
         """Replica ``replica`` said it finished (``note``: its final checkpoint, if any)."""
         with self._lock:
+            first = replica not in self._finished
             self._finished.setdefault(replica, note)
+        if first:
+            name = (self.replicas[replica].device_name if 0 <= replica < len(self.replicas)
+                    else f"worker {replica}")
+            logger.info("ps task %d: %s finished%s", self.server.task.task_index, name,
+                        f" ({note})" if note else "")
         self._wake.set()
 
     def start(self) -> None:

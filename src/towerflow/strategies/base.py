@@ -206,6 +206,15 @@ class Strategy(abc.ABC):
     def barrier(self) -> None:
         """Wait for every replica (no-op for a single process)."""
 
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+        """How this replica's training ended, for what :meth:`shutdown` tells its peers.
+
+        The Supervisor and the Trainer call it when training stops. Args:
+        ``finished``: False when it stopped on an error (its peers must not
+        count it as finished); ``checkpoint_step``: the global step of the final
+        checkpoint this task wrote, if any. No-op by default.
+        """
+
     def shutdown(self) -> None:
         """Release process groups, channels and threads. Idempotent."""
 

@@ -157,7 +157,8 @@ class ParameterServer(Strategy):
         self._bind_host = bind_host
         self._model: nn.Module | None = None
         self._pending: Future | None = None
-        self._unfinished = False  # a push failed for a missing peer: no Done at shutdown
+        self._unfinished = False  # stopped on an error (a missing peer...): no Done at shutdown
+        self._checkpoint_step: int | None = None  # the chief's final checkpoint, for its Done
         self._needs_init = False
         self._restore: tuple[Any, ...] | None = None
         self._step = 0
@@ -523,11 +524,19 @@ class ParameterServer(Strategy):
         self._needs_init = True
 
     # -- lifetime ----------------------------------------------------------------------------
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+        """Say how training ended (see :meth:`Strategy.end_training`): an unfinished worker
+        sends no ``Done`` at :meth:`shutdown`; the chief's ``Done`` carries ``checkpoint_step``."""
+        self._unfinished = not finished
+        self._checkpoint_step = checkpoint_step if finished else None
+
     def shutdown(self) -> None:
         """Finish a pending push, tell the ps tasks this worker is done, close channels.
 
-        A worker whose push failed for a missing peer did not finish: the ps
-        tasks are not told it is done (they go on counting it as a replica).
+        A worker that stopped on an error (:meth:`end_training` said so, or its
+        push failed for a missing peer) did not finish: the ps tasks are not
+        told it is done (they go on counting it as a replica). The chief's
+        ``Done`` carries the step of its final checkpoint.
 
         Then stop this task's server if :meth:`prepare` started it.
         """
@@ -540,7 +549,7 @@ class ParameterServer(Strategy):
                 self._outcome(self._tables.flush)
         finally:
             if client is not None:
-                client.close(done=not self._unfinished)
+                client.close(done=not self._unfinished, checkpoint_step=self._checkpoint_step)
             if self._tables:
                 self._tables.close()
             server, owned, self._owns_server = self._server, self._owns_server, False

@@ -319,6 +319,7 @@ class CheckpointHook(Hook):
     def __init__(self, manager: CheckpointManager, every: int = 1000) -> None:
         self.manager = manager
         self.every = every
+        self.saved_step: int | None = None  # of the last checkpoint it wrote
         self._trainer: Trainer | None = None
 
     def begin(self, trainer: Trainer) -> None:
@@ -345,6 +346,7 @@ class CheckpointHook(Hook):
         if trainer.strategy.is_chief:
             groups, metadata = trainer.checkpoint_state()
             path = self.manager.save(ctx.step, groups, metadata)
+            self.saved_step = ctx.step
             log.info("saved checkpoint %s", path)
 
 

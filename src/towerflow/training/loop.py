@@ -148,6 +148,7 @@ class Trainer:
         self._manager: Any = None
         self._restored_from: int | None = None
         self._position: dict[str, Any] | None = None
+        self._saver: CheckpointHook | None = None
 
     # -- read-only facts for hooks --------------------------------------------------------
     @property
@@ -223,7 +224,8 @@ class Trainer:
             train_dir = cfg.train_dir
             if cfg.summary_every:
                 hooks.append(SummaryHook(lambda: SummaryWriter(train_dir), cfg.summary_every))
-            hooks.append(CheckpointHook(self._checkpoint_manager(), cfg.checkpoint_every))
+            self._saver = CheckpointHook(self._checkpoint_manager(), cfg.checkpoint_every)
+            hooks.append(self._saver)
         return hooks + self._extra_hooks
 
     # -- checkpoint state -----------------------------------------------------------------
@@ -272,6 +274,22 @@ class Trainer:
         """
         if max_steps is not None:
             self.config = self.config.replace(max_steps=max_steps)
+        try:
+            result = self._fit()
+        except BaseException:
+            self.strategy.end_training(finished=False)  # its peers must not count it finished
+            raise
+        self.strategy.end_training(finished=True, checkpoint_step=self._final_checkpoint())
+        return result
+
+    def _final_checkpoint(self) -> int | None:
+        """The step of the last checkpoint the chief wrote or resumed from; None elsewhere."""
+        if not self.strategy.is_chief or self._checkpoint_manager() is None:
+            return None
+        saved = self._saver.saved_step if self._saver is not None else None
+        return saved if saved is not None else self._restored_from
+
+    def _fit(self) -> TrainResult:
         self._setup()
         if self.global_step >= self.config.max_steps and self.strategy.is_chief:
             log.warning("%s already holds global step %d, which reaches max_steps %d: nothing "

@@ -363,6 +363,7 @@ class Supervisor:
         """
         owns = strategy is None
         strategy = strategy if strategy is not None else self._strategy_for(master)
+        finished = False
         try:
             with self._signals():
                 prepared = strategy.prepare(model, optimizer or OptimizerConfig())
@@ -378,11 +379,14 @@ class Supervisor:
                                                lambda: self._save_before_stopping(session)
                                                ) from exc
                 self._final_save(session)
+                finished = True
         except SystemExit:
             if self.preempted and self._session is not None:
                 self._final_save(self._session)
             raise
         finally:
+            # a session that raised did not finish: its peers are not told it did
+            strategy.end_training(finished=finished, checkpoint_step=self._final_checkpoint())
             self._session = None
             if self._cluster:
                 self._cluster.close()
@@ -471,6 +475,10 @@ class Supervisor:
             return None
         path = self._save_to(self._manager, session, schedule=True)
         return path, int(self._saved_step or 0)
+
+    def _final_checkpoint(self) -> int | None:
+        """The step of the last checkpoint the chief saved or restored; None elsewhere."""
+        return self._saved_step if self.is_chief and self._manager is not None else None
 
     def _final_save(self, session: ManagedSession) -> None:
         if self.is_chief and self._manager is not None \
