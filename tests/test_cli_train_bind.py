@@ -73,7 +73,7 @@ def test_a_worker_whose_service_name_does_not_resolve_serves_on_the_bound_interf
 
 def _ps_task(cluster: dict, env: dict[str, str], *argv: str) -> subprocess.Popen:
     env = {**env, "TF_CONFIG": _tf_config(cluster, "ps", 0)}
-    return subprocess.Popen([sys.executable, "-m", "towerflow", "train", "digits", *argv],
+    return subprocess.Popen([sys.executable, "-m", "towerflow", *argv],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -88,13 +88,16 @@ def _wait_listening(proc: subprocess.Popen, port: int, timeout: float = 60.0) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["flag", "environment"])
-def test_a_ps_task_of_towerflow_train_listens_where_it_is_told(how, free_ports, subprocess_env,
-                                                              tmp_path) -> None:
+@pytest.mark.parametrize(("command", "how"), [("train", "flag"), ("train", "environment"),
+                                              ("server", "flag"), ("server", "environment")])
+def test_a_ps_task_listens_where_it_is_told(command, how, free_ports, subprocess_env,
+                                            tmp_path) -> None:
+    """``towerflow train`` and ``towerflow server`` alike: --bind, else TOWERFLOW_BIND."""
     ps_port, worker_port = free_ports(2)
     cluster = {"ps": [f"ps-0.invalid:{ps_port}"], "worker": [f"worker-0.invalid:{worker_port}"]}
     base = {k: v for k, v in subprocess_env.items() if k != "TOWERFLOW_BIND"}
-    argv = ("--train-dir", str(tmp_path / "run"))
+    argv = (("train", "digits", "--train-dir", str(tmp_path / "run")) if command == "train"
+            else ("server",))
     told = (_ps_task(cluster, base, *argv, "--bind", "127.0.0.1") if how == "flag"
             else _ps_task(cluster, {**base, "TOWERFLOW_BIND": "127.0.0.1"}, *argv))
     try:
@@ -106,3 +109,4 @@ def test_a_ps_task_of_towerflow_train_listens_where_it_is_told(how, free_ports, 
     untold = _ps_task(cluster, base, *argv)
     out, _ = untold.communicate(timeout=120)
     assert untold.returncode != 0 and f"ps-0.invalid:{ps_port}" in out, out
+

@@ -18,8 +18,8 @@ seconds (default one hour), then exits with status 2 naming them. Every task
 answers the standard gRPC health check (``grpc.health.v1``) without
 credentials, for Kubernetes probes.
 
-The server listens on the address its cluster spec names (``--bind 0.0.0.0``
-to listen on every interface), refuses a non-loopback address without a
+The server listens on the address its cluster spec names (``--bind 0.0.0.0``,
+or ``TOWERFLOW_BIND=0.0.0.0``, to listen on every interface), refuses a non-loopback address without a
 cluster secret and TLS unless ``--insecure``, and refuses a stream past
 ``--max-streams`` in all or ``--max-streams-per-peer`` on one connection.
 """
@@ -30,6 +30,13 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from towerflow.cli._serving import (
+    BIND_ENV,
+    add_lifecycle_arguments,
+    bind_host,
+    idle_timeout_from_args,
+)
 
 if TYPE_CHECKING:
     from towerflow.cluster.heartbeat import HeartbeatOptions
@@ -63,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--bind",
         metavar="HOST",
         help="listen on HOST (e.g. 0.0.0.0 for every interface) with the spec's port, instead "
-        "of the address the cluster spec names (default: that address)",
+        f"of the address the cluster spec names (default: ${BIND_ENV}, else that address)",
     )
     parser.add_argument(
         "--max-streams",
@@ -90,44 +97,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_lifecycle_arguments(parser)
     return parser
-
-
-def add_lifecycle_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--serve-forever`` and ``--idle-timeout``: when a ps task ends."""
-    parser.add_argument(
-        "--serve-forever",
-        action="store_true",
-        help="ps: serve until stopped (SIGTERM, Ctrl-C) instead of ending once every worker "
-        "and the chief have finished",
-    )
-    parser.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="ps: while every worker that has not finished is dead or suspended, keep the "
-        "parameters for their return this long, then exit with an error (default 3600; 0 "
-        "waits forever)",
-    )
-
-
-def idle_timeout_from_args(args: argparse.Namespace) -> float | None:
-    """``--idle-timeout SECONDS`` as ``ServerOptions.idle_timeout`` (None for 0).
-
-    Raises:
-        InvalidArgumentError: a negative or non-finite value.
-    """
-    import math
-
-    from towerflow.errors import InvalidArgumentError
-
-    seconds = args.idle_timeout
-    if not (seconds >= 0 and math.isfinite(seconds)):
-        raise InvalidArgumentError(
-            f"--idle-timeout {seconds:g} is not a number of seconds >= 0; give how long a ps "
-            "keeps the parameters while its workers are away, or 0 to keep them forever."
-        )
-    return seconds or None
 
 
 def credentials_from_args(args: argparse.Namespace) -> Credentials:
@@ -179,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             "no cluster and task given; pass --cluster cluster.json --job ps --task 0 or set "
             "TF_CONFIG."
         )
-    options = ServerOptions(heartbeat=heartbeat_from_args(args), bind_host=args.bind,
+    options = ServerOptions(heartbeat=heartbeat_from_args(args), bind_host=bind_host(args),
                             max_streams=args.max_streams,
                             max_streams_per_peer=args.max_streams_per_peer,
                             serve_forever=args.serve_forever,

@@ -41,6 +41,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from towerflow.cli._argv import argv_from_namespace
+from towerflow.cli._serving import (
+    BIND_ENV,
+    add_lifecycle_arguments,
+    bind_host,
+    idle_timeout_from_args,
+)
 
 if TYPE_CHECKING:  # torch stays out of the command line's start-up
     from towerflow.strategies.base import OptimizerConfig, Strategy
@@ -58,8 +64,6 @@ _MODES = ("async", "sync", "ssp")  # towerflow.ps.aggregation.MODES
 _PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
 _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
 
-#: the environment variable that names the interface a task's server listens on (--bind)
-BIND_ENV = "TOWERFLOW_BIND"
 #: option dest -> (the strategy that takes it, its keyword there)
 _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "mode": ("ps", "mode"), "staleness": ("ps", "staleness"),
@@ -77,6 +81,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
 #: device setter is what --ps-strategy and --partition-threshold describe
 FROM_THE_CLUSTER = {"ps": frozenset({"is_chief", "credentials", "server", "device_setter"}),
                     "mirrored": frozenset()}
+#: options of the ps tasks' servers (when a ps task ends), not keywords of a strategy
+_PS_TASK_OPTIONS = ("serve_forever", "idle_timeout")
 #: ps options that only one update mode uses
 _MODE_OPTIONS = {"staleness": "ssp", "replicas_to_aggregate": "sync"}
 _KINDS = {"ps": "the parameter-server strategy (--ps K, or a cluster with a ps job)",
@@ -215,6 +221,7 @@ def _add_ps_arguments(group: Any) -> None:
                        help="the interface this task's server listens on (0.0.0.0 or :: for "
                        "all) instead of the host its cluster names, e.g. in a pod whose Service "
                        f"name resolves only once it runs; default: ${BIND_ENV}, else that host")
+    add_lifecycle_arguments(group)
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2,
@@ -314,36 +321,32 @@ def strategy_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
 
     explicit = getattr(args, "_explicit", None)
     options: dict[str, Any] = {}
-    for dest, (owner, keyword) in _STRATEGY_OPTIONS.items():
+    owners = {**_STRATEGY_OPTIONS, **{dest: ("ps", None) for dest in _PS_TASK_OPTIONS}}
+    for dest, (owner, keyword) in owners.items():
         value = getattr(args, dest)
         mode = _MODE_OPTIONS.get(dest) if owner == kind else None
         if owner == kind and (mode is None or mode == args.mode):
-            options[keyword] = value
+            if keyword is not None:
+                options[keyword] = value
             continue
         if value == _defaults()[dest]:
             continue
+        given = _flag(dest) if value is True else f"{_flag(dest)} {value}"
         if explicit is not None and dest not in explicit:  # taken from the resumed run
             if dest in MAY_CHANGE | PER_RUN:
                 setattr(args, dest, _defaults()[dest])
                 continue
             raise InvalidArgumentError(
-                f"{args.train_dir!r} holds a run trained with {_flag(dest)} {value} "
+                f"{args.train_dir!r} holds a run trained with {given} "
                 f"({RUN_FILE}), which this run, with {_KINDS[kind]}, cannot keep; resume it "
                 f"as it was trained ({_KINDS[owner]}), or start a new run with another "
                 "--train-dir.")
         where = f"--mode {args.mode}" if mode else _KINDS[kind]
         need = f"--mode {mode}" if mode else _KINDS[owner]
         raise InvalidArgumentError(
-            f"{_flag(dest)} {value} does not apply: this run trains with {where}; remove it, "
+            f"{given} does not apply: this run trains with {where}; remove it, "
             f"or train with {need}.")
     return options
-
-
-def bind_host(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
-    """Where this task's server listens: ``--bind``, else ``$TOWERFLOW_BIND``, else None (the
-    host its cluster names)."""
-    env = os.environ if env is None else env
-    return args.bind or env.get(BIND_ENV) or None
 
 
 def build_strategy(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Strategy:
@@ -536,7 +539,9 @@ def run(args: argparse.Namespace) -> int:
     from towerflow.training.ps_train import serve_task
 
     if cluster is not None and task not in cluster.replicas:
-        return serve_task(cluster, task, bind_host=bind_host(args))
+        return serve_task(cluster, task, bind_host=bind_host(args),
+                          serve_forever=args.serve_forever,
+                          idle_timeout=idle_timeout_from_args(args))
     from towerflow.training.run import run_training
 
     strategy = build_strategy(args)

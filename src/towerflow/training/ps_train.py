@@ -25,17 +25,22 @@ __all__ = ["serve_task"]
 log = logging.getLogger("towerflow.training")
 
 
-def serve_task(cluster: Any, task: Any, bind_host: str | None = None) -> int:
+def serve_task(cluster: Any, task: Any, bind_host: str | None = None, *,
+               serve_forever: bool = False, idle_timeout: float | None = 3600.0) -> int:
     """Play a task that does not train: a ps serves its shard (watching the workers with
-    heartbeats; on ``bind_host`` instead of the cluster's host when given) until stopped; any
-    other (an evaluator) has nothing to do. Returns the exit status."""
+    heartbeats; on ``bind_host`` instead of the cluster's host when given) until its job
+    ends (``serve_forever``: until stopped; ``idle_timeout``: how long it keeps the
+    parameters while every unfinished replica is away, see
+    :func:`towerflow.ps.run_ps_task`); any other (an evaluator) has nothing to do. Returns
+    the exit status."""
     if task.job_name == "ps":
         from towerflow.cluster.heartbeat import HeartbeatOptions
         from towerflow.cluster.transport import Credentials
         from towerflow.ps import run_ps_task
 
         return run_ps_task(cluster, task, Credentials.from_env(), heartbeat=HeartbeatOptions(),
-                           bind_host=bind_host)
+                           bind_host=bind_host, serve_forever=serve_forever,
+                           idle_timeout=idle_timeout)
     print(f"towerflow train: task {task} does not train; start `towerflow eval` for an "
           "evaluator", file=sys.stderr)
     return 0
