@@ -23,6 +23,13 @@ its push waits for the step and comes back as a new incarnation joins the
 same step: the dead incarnation's gradient stays counted, the new one's push
 waits with it, and both are answered when the step is applied.
 
+A push that waits (for its sync step, for the ssp bound, or as a retry of a
+push still in progress) stops waiting once its call has ended (its deadline
+passed, or its caller went away), so a worker that sends a push again after
+each attempt's deadline (``step_timeout=None``) holds one handler thread, not
+one per attempt: the step still counts the push, and the push table keeps its
+answer for the retry.
+
 A push is atomic. Its payload is staged as it arrives (the received bytes
 are kept, not copied) and every chunk is checked; no lock that another push or
 pull needs is held meanwhile, so a peer that stalls half way through its
@@ -151,16 +158,20 @@ class Aggregator(abc.ABC):
         self._done: set[int] = set()
         self._closed = False
 
-    def push(self, header: PushHeader, chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+    def push(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
+             active: Callable[[], bool] | None = None) -> PushOutcome:
         """Handle one push: check, de-duplicate, stage, validate, apply (or drop).
 
         A refused push returns a ``refused`` outcome (counted, parameters
         unchanged); a retry of a push already answered returns its outcome again.
+        ``active()`` (the call's ``is_active``) ends a wait of a push whose call
+        has ended with ``DeadlineExceededError``: a sync push stays counted in its
+        step, whose answer its retry gets from the push table.
         """
         state = self.state
         try:
             self.config.check_replica(header.worker_id, f"Push {header.seq}")
-            begun = state.begin_push(header, self.config.timeout)
+            begun = state.begin_push(header, self.config.timeout, active)
         except InvalidArgumentError as exc:
             return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc))))
         if isinstance(begun, PushOutcome):
@@ -168,7 +179,7 @@ class Aggregator(abc.ABC):
         with state.cond:
             self._done.discard(header.worker_id)
         try:
-            outcome = self._accept(header, begun, chunks)
+            outcome = self._accept(header, begun, chunks, active)
         except (InvalidArgumentError, DataLossError) as exc:  # nothing was applied
             state.drop_push(header)
             return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc))))
@@ -179,7 +190,7 @@ class Aggregator(abc.ABC):
             raise
         outcome = state.finish_push(header, outcome)
         if outcome.status == APPLIED:
-            self._after_applied(header)
+            self._after_applied(header, active)
         return outcome
 
     @contextlib.contextmanager
@@ -211,11 +222,11 @@ class Aggregator(abc.ABC):
             state.release(held)
 
     @abc.abstractmethod
-    def _accept(self, header: PushHeader, pending: Pending,
-                chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+    def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
+                active: Callable[[], bool] | None) -> PushOutcome:
         """Receive the payload and apply or accumulate it."""
 
-    def _after_applied(self, header: PushHeader) -> None:
+    def _after_applied(self, header: PushHeader, active: Callable[[], bool] | None) -> None:
         """Hook run after an applied push has been recorded (ssp waits here)."""
 
     def worker_done(self, worker_id: int) -> None:
@@ -245,8 +256,8 @@ class Aggregator(abc.ABC):
 class _AsyncAggregator(Aggregator):
     """Applies every gradient once all of it has arrived."""
 
-    def _accept(self, header: PushHeader, pending: Pending,
-                chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+    def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
+                active: Callable[[], bool] | None) -> PushOutcome:
         with self._staged(header, chunks) as parts:
             self._before_apply(header)
             step = self.state.apply_parts(parts, header.lr)
@@ -275,7 +286,7 @@ class _SSPAggregator(_AsyncAggregator):
             self._clocks[header.worker_id] = clock + 1
             self.state.cond.notify_all()
 
-    def _after_applied(self, header: PushHeader) -> None:
+    def _after_applied(self, header: PushHeader, active: Callable[[], bool] | None) -> None:
         state, bound, timeout = self.state, self.config.staleness, self.config.timeout
         deadline = state.deadline(timeout)
 
@@ -289,7 +300,7 @@ class _SSPAggregator(_AsyncAggregator):
 
         with state.cond:
             while self._clocks[header.worker_id] - self._min_clock() > bound and not self._closed:
-                state.wait_once(deadline, message)
+                state.wait_once(deadline, message, active)
 
 
 class _SyncAggregator(Aggregator):
@@ -304,8 +315,8 @@ class _SyncAggregator(Aggregator):
         self._waiting: list[tuple[PushHeader, Pending]] = []
         self._lr = 0.0
 
-    def _accept(self, header: PushHeader, pending: Pending,
-                chunks: Iterable[bytes | memoryview]) -> PushOutcome:
+    def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
+                active: Callable[[], bool] | None) -> PushOutcome:
         state = self.state
         with state.cond:
             if header.token != state.step:
@@ -322,7 +333,7 @@ class _SyncAggregator(Aggregator):
             if len(self._counted) >= self._needed():
                 self._complete()
         return state.wait_outcome(pending, self.config.timeout,
-                                  lambda: self._missing_message(header))
+                                  lambda: self._missing_message(header), active)
 
     @property
     def counted(self) -> int:

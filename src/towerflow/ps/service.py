@@ -333,28 +333,30 @@ class PSService:
                         for w, i, q, st in state.table.rows()])
         return reply.SerializeToString()
 
-    def _push(self, chunks: Iterator[bytes]) -> tuple[ShardState, pb.PushRequest, pb.PushReply]:
+    def _push(self, chunks: Iterator[bytes], active: Callable[[], bool] | None = None
+              ) -> tuple[ShardState, pb.PushRequest, pb.PushReply]:
         req = parse_message(pb.PushRequest, next(chunks, b""), "PushRequest")
         state, aggregator = self.shard
         header = PushHeader(
             worker_id=req.worker_id, seq=req.seq, token=req.token, lr=req.lr, numel=req.numel,
             dtype=req.dtype or "float32", incarnation=req.incarnation,
             segments=tuple((s.name, tuple(s.shape)) for s in req.segments), finite=req.finite)
-        outcome = aggregator.push(header, _Counted(chunks, state))
+        outcome = aggregator.push(header, _Counted(chunks, state), active)
         self.last_call = time.monotonic()
         self.workers.record(req.worker_id, req.token, outcome.step, outcome.status == APPLIED)
         reply = pb.PushReply(status=outcome.status, step=outcome.step, message=outcome.message,
                              duplicate=outcome.duplicate)
         return state, req, reply
 
-    def push(self, requests: Iterator[bytes]) -> bytes:
+    def push(self, requests: Iterator[bytes], context: grpc.ServicerContext | None = None) -> bytes:
         """Apply (or aggregate, or refuse) one pushed gradient."""
-        _, _, reply = self._push(iter(requests))
+        _, _, reply = self._push(iter(requests), _active(context))
         return reply.SerializeToString()
 
-    def push_pull(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+    def push_pull(self, requests: Iterator[bytes],
+                  context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
         """Push, then stream the fresh parameters back in the same call."""
-        state, req, reply = self._push(iter(requests))
+        state, req, reply = self._push(iter(requests), _active(context))
         send = req.want_params and reply.status != REFUSED
         if send:
             reply.numel = state.layout.numel
@@ -362,17 +364,19 @@ class PSService:
         if send:
             yield from state.read_chunks("params", self.chunk_bytes)
 
-    def push_pull_small(self, request: bytes) -> bytes:
+    def push_pull_small(self, request: bytes, context: grpc.ServicerContext | None = None) -> bytes:
         """``PushPull`` of a small shard: header and payload packed in one message each way."""
         head, payload = unpack(request)
-        state, req, reply = self._push(iter((head, payload) if len(payload) else (head,)))
+        state, req, reply = self._push(iter((head, payload) if len(payload) else (head,)),
+                                       _active(context))
         params = b""
         if req.want_params and reply.status != REFUSED:
             reply.numel = state.layout.numel
             params = b"".join(state.read_chunks("params", max(state.layout.nbytes, 1)))
         return pack(reply.SerializeToString(), params)
 
-    def push_pull_small_stream(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+    def push_pull_small_stream(self, requests: Iterator[bytes],
+                               context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
         """Many ``PushPullSmall`` round trips on one long-lived call, one reply per request.
 
         A failure ends the call with its status, as it ends a unary call; the
@@ -384,7 +388,7 @@ class PSService:
                 request = next(replies)
             except (StopIteration, grpc.RpcError):  # the worker closed or dropped the stream
                 return
-            yield self.push_pull_small(request)
+            yield self.push_pull_small(request, context)
 
     def pull(self, request: bytes) -> Iterator[bytes]:
         """Stream the parameters (or an optimizer slot buffer)."""
@@ -432,6 +436,11 @@ class PSService:
         return pb.LedgerReply(first=first, total=state.ledger_total, entries=[
             pb.LedgerEntry(**record._asdict()) for record in entries
         ]).SerializeToString()
+
+
+def _active(context: grpc.ServicerContext | None) -> Callable[[], bool] | None:
+    """Whether a call is still going (a push that waits stops when it is not); None: unknown."""
+    return None if context is None else context.is_active
 
 
 def replica_task(cluster, replica: int):  # noqa: ANN001, ANN201 - cluster types

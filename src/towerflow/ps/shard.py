@@ -94,6 +94,9 @@ MESSAGE_LIMIT = 1024
 REFUSALS_KEPT = 10
 #: the least a shard's staging limit ever is (bytes of payloads still arriving)
 STAGING_FLOOR = 256 << 20
+#: a push that waits (sync step, ssp bound, a retry of a push in progress) looks this often
+#: whether its call is still active, and stops waiting when it is not
+LIVENESS_SECONDS = 0.25
 
 
 def default_staging_limit(nbytes: int, replicas: int) -> int:
@@ -247,7 +250,8 @@ class ShardState:
             self.staged -= nbytes
 
     # -- push bookkeeping ---------------------------------------------------------
-    def begin_push(self, header: PushHeader, timeout: float | None) -> PushOutcome | Pending:
+    def begin_push(self, header: PushHeader, timeout: float | None,
+                   active: Callable[[], bool] | None = None) -> PushOutcome | Pending:
         """Check ``header`` against the push table and the layout; register the push.
 
         Returns:
@@ -260,7 +264,8 @@ class ShardState:
             InvalidArgumentError: a superseded incarnation, or a header that
                 does not match the layout (nothing is registered).
             DeadlineExceededError: a retry whose first attempt is still in
-                progress after ``timeout`` seconds (None: no limit).
+                progress after ``timeout`` seconds (None: no limit), or whose
+                call ended meanwhile (``active``: see :meth:`wait_once`).
         """
         deadline = self.deadline(timeout)
         with self.cond:
@@ -276,7 +281,7 @@ class ShardState:
                 self.wait_once(deadline, lambda: (
                     f"Push {header.seq} of worker {header.worker_id} is a retry of a push still "
                     f"in progress on shard {self.layout.index} after {timeout:.0f} s; retry "
-                    "later."))
+                    "later."), active)
             self.validate_header(header)
             self.stats.pushes += 1
             return self.table.register(header)
@@ -286,23 +291,38 @@ class ShardState:
         """The monotonic time ``timeout`` seconds from now (None: no deadline)."""
         return None if timeout is None else time.monotonic() + timeout
 
-    def wait_once(self, deadline: float | None, message: Callable[[], str]) -> None:
-        """Wait on the condition once (caller holds it) or raise DeadlineExceededError."""
+    def wait_once(self, deadline: float | None, message: Callable[[], str],
+                  active: Callable[[], bool] | None = None) -> None:
+        """Wait on the condition once (caller holds it) or raise DeadlineExceededError.
+
+        ``active()`` says whether the call that waits is still going (its gRPC
+        context's ``is_active``); once it has ended (its caller's deadline
+        passed, or the caller went away) the wait stops, so it holds no handler
+        thread for nobody. What it waited for still happens: a sync step
+        answers the push in the push table, and the retry gets that answer.
+        """
+        if active is not None and not active():
+            raise DeadlineExceededError(
+                f"A call waiting on ps shard {self.layout.index} ended (its caller's deadline "
+                "passed, or it went away); its retry gets the answer.")
+        slice_ = None if active is None else LIVENESS_SECONDS
         if deadline is None:
-            self.cond.wait()
+            self.cond.wait(slice_)
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceededError(message())
-        self.cond.wait(remaining)
+        self.cond.wait(remaining if slice_ is None else min(remaining, slice_))
 
     def wait_outcome(self, pending: Pending, timeout: float | None,
-                     message: Callable[[], str]) -> PushOutcome:
-        """Wait until ``pending`` is answered (a sync step completes it)."""
+                     message: Callable[[], str],
+                     active: Callable[[], bool] | None = None) -> PushOutcome:
+        """Wait until ``pending`` is answered (a sync step completes it); ``active``: see
+        :meth:`wait_once` (the push stays in its step and in the push table)."""
         deadline = self.deadline(timeout)
         with self.cond:
             while pending.outcome is None:
-                self.wait_once(deadline, message)
+                self.wait_once(deadline, message, active)
             return pending.outcome
 
     def drop_push(self, header: PushHeader) -> None:
