@@ -1,4 +1,5 @@
-"""The ps task of ``towerflow train``: when it ends (--serve-forever, --idle-timeout)."""
+"""The ps job of ``towerflow train``: when a ps task ends (--serve-forever, --idle-timeout), and
+the chief's ``cluster/...`` TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -98,3 +99,25 @@ def test_the_ps_task_ends_after_its_worker_unless_told_to_serve_forever(
         out, _ = proc.communicate(timeout=30)
     assert re.search(r"ps task 0: /job:worker/replica:0/task:0 finished", out), out
     assert ("every replica finished" in out) != forever, out
+
+
+@pytest.mark.slow
+def test_the_chief_of_towerflow_train_writes_the_cluster_scalars(subprocess_env, tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "towerflow", "train", "digits", "--ps", "1", "--workers", "2",
+            "--mode", "sync", "--max-steps", "20", "--batch-size", "16", "--summary-every", "5",
+            "--log-every", "5", "--checkpoint-every", "0", "--no-progress",
+            "--train-dir", str(train_dir)]
+    proc = subprocess.run(argv, env=subprocess_env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = EventAccumulator(str(train_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "cluster/ps0/global_step", "cluster/ps0/param_bytes"} <= tags, tags
+    assert {"cluster/worker0/steps", "cluster/worker1/steps"} <= tags, tags
+    steps = [e.value for e in events.Scalars("cluster/ps0/global_step")]
+    assert steps and len(steps) == 4 and all(0 < s <= 20 for s in steps) and steps == sorted(steps), steps
+    assert events.Scalars("cluster/ps0/param_bytes")[-1].value > 0

@@ -45,7 +45,7 @@ from towerflow.errors import (
 )
 from towerflow.ps import ps_pb2 as pb
 
-__all__ = ["ClusterObserver", "ClusterScalars", "summary_scalars"]
+__all__ = ["ClusterObserver", "ClusterScalars", "ChiefClusterScalars", "summary_scalars"]
 
 STATUS_METHOD = "/towerflow.ps.PS/Status"
 
@@ -338,3 +338,32 @@ class ClusterScalars:
     def close(self) -> None:
         """Stop the observer's threads (the client's channels stay open)."""
         self._observer.close()
+
+
+class ChiefClusterScalars:
+    """A training loop's ``cluster/...`` scalars: :class:`ClusterScalars` of its strategy,
+    opened at the first read; none for a strategy without ps tasks.
+
+    The Supervisor and the Trainer's summaries (chief only) both read them.
+
+    Example:
+        >>> ChiefClusterScalars().read(object())  # not a ParameterServer: no scalars
+        {}
+    """
+
+    __slots__ = ("_scalars",)
+
+    def __init__(self) -> None:
+        self._scalars: ClusterScalars | None | bool = None  # False: the strategy has no ps
+
+    def read(self, strategy: Any) -> dict[str, float]:
+        """The scalars of ``strategy``'s ps job now ({} without one)."""
+        if self._scalars is None:
+            self._scalars = ClusterScalars.of(strategy) or False
+        return self._scalars() if self._scalars else {}
+
+    def close(self) -> None:
+        """Stop the observer (idempotent); a later read opens another."""
+        scalars, self._scalars = self._scalars, None
+        if scalars:
+            scalars.close()

@@ -274,7 +274,12 @@ class StepLogHook(Hook):
 
 
 class SummaryHook(Hook):
-    """TensorBoard scalars and histograms every ``every`` steps (chief only)."""
+    """TensorBoard scalars and histograms every ``every`` steps (chief only).
+
+    With ps tasks (a ``ParameterServer`` strategy) the scalars include the
+    job's ``cluster/...`` figures per ps shard and per replica
+    (:class:`~towerflow.ps.observe.ChiefClusterScalars`), as the Supervisor's do.
+    """
 
     def __init__(self, writer_factory: Any, every: int = 100) -> None:
         self.every = every
@@ -282,12 +287,16 @@ class SummaryHook(Hook):
         self._writer: SummaryWriter | None = None
         self._trainer: Trainer | None = None
         self._rate = _Rate(0)
+        self._cluster: Any = None
 
     def begin(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self._rate = _Rate(trainer.global_step)
         if trainer.strategy.is_chief:
+            from towerflow.ps.observe import ChiefClusterScalars
+
             self._writer = self._factory()
+            self._cluster = ChiefClusterScalars()
 
     def wants_loss(self, step: int) -> bool:
         return _every(step, self.every)
@@ -301,6 +310,8 @@ class SummaryHook(Hook):
         scalars = {"loss": ctx.loss, "examples_per_sec": examples_per_sec}
         if ctx.lr is not None:
             scalars["learning_rate"] = ctx.lr
+        if self._cluster is not None:
+            scalars.update(self._cluster.read(self._trainer.strategy))
         from towerflow.training.summaries import parameter_histograms
 
         self._writer.scalars(ctx.step, scalars)
@@ -308,6 +319,9 @@ class SummaryHook(Hook):
             self._trainer.model.named_parameters()))
 
     def end(self, ctx: StepContext | None, error: BaseException | None) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

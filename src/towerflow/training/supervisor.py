@@ -223,7 +223,7 @@ class Supervisor:
         self._session: ManagedSession | None = None
         self._saved_step: int | None = None
         self._rate: tuple[float, int] | None = None
-        self._cluster: Any = None  # the ps job's cluster/... scalars (towerflow.ps.observe)
+        self._cluster: Any = None  # the ps job's cluster/... scalars (ChiefClusterScalars)
         self._told_not_chief = False
 
     def _saver(self, saver: Any) -> Any:
@@ -388,9 +388,8 @@ class Supervisor:
             # a session that raised did not finish: its peers are not told it did
             strategy.end_training(finished=finished, checkpoint_step=self._final_checkpoint())
             self._session = None
-            if self._cluster:
+            if self._cluster is not None:
                 self._cluster.close()
-            self._cluster = None
             if owns:
                 strategy.shutdown()
             if self._writer is not None:
@@ -463,11 +462,13 @@ class Supervisor:
 
     def _cluster_scalars(self) -> dict[str, float]:
         """A ps job's ``cluster/...`` figures (per ps shard and worker), else none."""
-        if self._cluster is None and self._session is not None:
-            from towerflow.ps.observe import ClusterScalars
+        if self._session is None:
+            return {}
+        if self._cluster is None:
+            from towerflow.ps.observe import ChiefClusterScalars
 
-            self._cluster = ClusterScalars.of(self._session.strategy) or False
-        return self._cluster() if self._cluster else {}
+            self._cluster = ChiefClusterScalars()
+        return self._cluster.read(self._session.strategy)
 
     def _save_before_stopping(self, session: ManagedSession) -> tuple[Path, int] | None:
         """The chief's checkpoint when a step failed for a missing peer (None elsewhere)."""
