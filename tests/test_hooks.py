@@ -237,10 +237,42 @@ def test_the_last_checkpoint_is_written_when_another_worker_passed_max_steps(tmp
     # async ps: the chief's last push may return a global step beyond max_steps
     manager = CheckpointManager(tmp_path)
     trainer = SimpleNamespace(
-        max_steps=300, strategy=SimpleNamespace(is_chief=True), non_finite_state=lambda: None,
+        global_step=0, max_steps=300, strategy=SimpleNamespace(is_chief=True),
+        non_finite_state=lambda: None,
         checkpoint_state=lambda: ({"model": {"w": torch.ones(2)}}, {}))
     hook = CheckpointHook(manager, every=0)
     hook.begin(trainer)
     assert hook.wants_loss(302)
     hook.after_step(StepContext(302, 300, None, 0.5, 32))
     assert manager.latest() is not None and manager.latest().name.endswith("302")
+
+
+def test_periodic_hooks_act_once_per_multiple_when_other_workers_skip_the_steps(tmp_path) -> None:
+    """Async ps: one worker sees global steps 3, 7, 12, 18, 21, ... — every multiple passed acts."""
+    steps = [3, 7, 12, 18, 21, 22, 29, 33, 41]
+    trainer = SimpleNamespace(
+        global_step=0, max_steps=1000, strategy=SimpleNamespace(is_chief=True, batches_per_step=1),
+        non_finite_state=lambda: None,
+        checkpoint_state=lambda: ({"model": {"w": torch.ones(2)}}, {}))
+    stream = io.StringIO()
+    log_hook, ckpt_hook = StepLogHook(every=10, stream=stream), CheckpointHook(
+        CheckpointManager(tmp_path, max_to_keep=None), every=10)
+    for hook in (log_hook, ckpt_hook):
+        hook.begin(trainer)
+    for step in steps:
+        loss = 1.0 if any(h.wants_loss(step) for h in (log_hook, ckpt_hook)) else None
+        for hook in (log_hook, ckpt_hook):
+            hook.after_step(StepContext(step, 1000, None, loss, 32))
+    logged = [int(LINE.match(line).group(2)) for line in stream.getvalue().splitlines()]
+    assert logged == [12, 21, 33, 41]
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("ckpt-*")) == [12, 21, 33, 41]
+
+
+def test_a_resumed_run_acts_at_the_next_multiple_not_at_its_first_step() -> None:
+    stream = io.StringIO()
+    hook = StepLogHook(every=10, stream=stream)
+    hook.begin(SimpleNamespace(global_step=20, strategy=SimpleNamespace(is_chief=True,
+                                                                        batches_per_step=1)))
+    assert [s for s in range(21, 32) if hook.wants_loss(s)] == [30, 31]
+    hook.after_step(StepContext(30, 100, None, 1.0, 32))
+    assert not hook.wants_loss(31) and hook.wants_loss(40)

@@ -224,8 +224,34 @@ class _Rate:
         return global_batch / duration, duration / max(batches, 1)
 
 
-def _every(step: int, every: int) -> bool:
-    return every > 0 and step % every == 0
+class _Period:
+    """When an every-``N``-steps action is due: the first step of each new multiple of ``N``.
+
+    A step that lands on a multiple is due, as is the first step past one the
+    loop never saw: in asynchronous parameter-server training the other
+    workers' pushes advance the global step too, so one worker's steps skip
+    numbers and ``step % N == 0`` would miss most multiples.
+
+    Example:
+        >>> period = _Period(10, start=0)
+        >>> [s for s in (3, 9, 11, 12, 20, 37) if period.due(s) and period.fired(s) is None]
+        [11, 20, 37]
+    """
+
+    __slots__ = ("every", "_last")
+
+    def __init__(self, every: int, start: int = 0) -> None:
+        self.every = every
+        self._last = start // every if every > 0 else 0
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is the first step at or past a multiple not yet acted on."""
+        return self.every > 0 and step // self.every > self._last
+
+    def fired(self, step: int) -> None:
+        """Record that the action ran at ``step``."""
+        if self.every > 0:
+            self._last = step // self.every
 
 
 class Hook:
@@ -252,20 +278,23 @@ class StepLogHook(Hook):
         self.every = every
         self.stream = stream
         self._rate = _Rate(0)
+        self._period = _Period(every)
         self._chief = True
         self._batches = 1
 
     def begin(self, trainer: Trainer) -> None:
         self._rate = _Rate(trainer.global_step)
+        self._period = _Period(self.every, trainer.global_step)
         self._chief = trainer.strategy.is_chief
         self._batches = trainer.strategy.batches_per_step
 
     def wants_loss(self, step: int) -> bool:
-        return _every(step, self.every)
+        return self._period.due(step)
 
     def after_step(self, ctx: StepContext) -> None:
-        if ctx.loss is None or not _every(ctx.step, self.every):
+        if ctx.loss is None or not self._period.due(ctx.step):
             return
+        self._period.fired(ctx.step)
         examples_per_sec, sec_per_batch = self._rate.read(ctx.step, ctx.global_batch,
                                                           self._batches)
         if self._chief:
@@ -287,11 +316,13 @@ class SummaryHook(Hook):
         self._writer: SummaryWriter | None = None
         self._trainer: Trainer | None = None
         self._rate = _Rate(0)
+        self._period = _Period(every)
         self._cluster: Any = None
 
     def begin(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self._rate = _Rate(trainer.global_step)
+        self._period = _Period(self.every, trainer.global_step)
         if trainer.strategy.is_chief:
             from towerflow.ps.observe import ChiefClusterScalars
 
@@ -299,11 +330,12 @@ class SummaryHook(Hook):
             self._cluster = ChiefClusterScalars()
 
     def wants_loss(self, step: int) -> bool:
-        return _every(step, self.every)
+        return self._period.due(step)
 
     def after_step(self, ctx: StepContext) -> None:
-        if ctx.loss is None or not _every(ctx.step, self.every):
+        if ctx.loss is None or not self._period.due(ctx.step):
             return
+        self._period.fired(ctx.step)
         examples_per_sec, _ = self._rate.read(ctx.step, ctx.global_batch)
         if self._writer is None or self._trainer is None:
             return
@@ -335,13 +367,15 @@ class CheckpointHook(Hook):
         self.every = every
         self.saved_step: int | None = None  # of the last checkpoint it wrote
         self._trainer: Trainer | None = None
+        self._period = _Period(every)
 
     def begin(self, trainer: Trainer) -> None:
         self._trainer = trainer
+        self._period = _Period(self.every, trainer.global_step)
 
     def _due(self, step: int, max_steps: int) -> bool:
         # >=: in asynchronous training another worker's push may carry the step past max_steps
-        return _every(step, self.every) or step >= max_steps
+        return self._period.due(step) or step >= max_steps
 
     def wants_loss(self, step: int) -> bool:
         trainer = self._trainer
@@ -351,6 +385,7 @@ class CheckpointHook(Hook):
         trainer = self._trainer
         if trainer is None or not self._due(ctx.step, ctx.max_steps):
             return
+        self._period.fired(ctx.step)
         bad = trainer.non_finite_state()
         if bad:
             raise NanLossDuringTrainingError(
