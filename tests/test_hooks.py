@@ -276,3 +276,14 @@ def test_a_resumed_run_acts_at_the_next_multiple_not_at_its_first_step() -> None
     assert [s for s in range(21, 32) if hook.wants_loss(s)] == [30, 31]
     hook.after_step(StepContext(30, 100, None, 1.0, 32))
     assert not hook.wants_loss(31) and hook.wants_loss(40)
+
+
+def test_the_supervisors_step_schedule_saves_past_each_multiple_a_worker_skips() -> None:
+    from towerflow.training.session import SaveSchedule
+
+    schedule, saved = SaveSchedule(every_steps=10), []
+    for step in (1001, 1004, 1009, 1013, 1018, 1020, 1033):  # resumed at 1000, steps skip
+        if schedule.due(step):
+            schedule.saved(step)
+            saved.append(step)
+    assert saved == [1013, 1020, 1033]

@@ -224,7 +224,7 @@ class _Rate:
         return global_batch / duration, duration / max(batches, 1)
 
 
-class _Period:
+class StepPeriod:
     """When an every-``N``-steps action is due: the first step of each new multiple of ``N``.
 
     A step that lands on a multiple is due, as is the first step past one the
@@ -232,21 +232,30 @@ class _Period:
     workers' pushes advance the global step too, so one worker's steps skip
     numbers and ``step % N == 0`` would miss most multiples.
 
+    ``start`` is the step the loop resumes from; None takes it from the first
+    step asked about (the step before it).
+
     Example:
-        >>> period = _Period(10, start=0)
+        >>> period = StepPeriod(10, start=0)
         >>> [s for s in (3, 9, 11, 12, 20, 37) if period.due(s) and period.fired(s) is None]
         [11, 20, 37]
     """
 
     __slots__ = ("every", "_last")
 
-    def __init__(self, every: int, start: int = 0) -> None:
+    def __init__(self, every: int, start: int | None = 0) -> None:
         self.every = every
-        self._last = start // every if every > 0 else 0
+        self._last: int | None = None
+        if start is not None and every > 0:
+            self._last = start // every
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is the first step at or past a multiple not yet acted on."""
-        return self.every > 0 and step // self.every > self._last
+        if self.every <= 0:
+            return False
+        if self._last is None:
+            self._last = (step - 1) // self.every
+        return step // self.every > self._last
 
     def fired(self, step: int) -> None:
         """Record that the action ran at ``step``."""
@@ -278,13 +287,13 @@ class StepLogHook(Hook):
         self.every = every
         self.stream = stream
         self._rate = _Rate(0)
-        self._period = _Period(every)
+        self._period = StepPeriod(every)
         self._chief = True
         self._batches = 1
 
     def begin(self, trainer: Trainer) -> None:
         self._rate = _Rate(trainer.global_step)
-        self._period = _Period(self.every, trainer.global_step)
+        self._period = StepPeriod(self.every, trainer.global_step)
         self._chief = trainer.strategy.is_chief
         self._batches = trainer.strategy.batches_per_step
 
@@ -316,13 +325,13 @@ class SummaryHook(Hook):
         self._writer: SummaryWriter | None = None
         self._trainer: Trainer | None = None
         self._rate = _Rate(0)
-        self._period = _Period(every)
+        self._period = StepPeriod(every)
         self._cluster: Any = None
 
     def begin(self, trainer: Trainer) -> None:
         self._trainer = trainer
         self._rate = _Rate(trainer.global_step)
-        self._period = _Period(self.every, trainer.global_step)
+        self._period = StepPeriod(self.every, trainer.global_step)
         if trainer.strategy.is_chief:
             from towerflow.ps.observe import ChiefClusterScalars
 
@@ -367,11 +376,11 @@ class CheckpointHook(Hook):
         self.every = every
         self.saved_step: int | None = None  # of the last checkpoint it wrote
         self._trainer: Trainer | None = None
-        self._period = _Period(every)
+        self._period = StepPeriod(every)
 
     def begin(self, trainer: Trainer) -> None:
         self._trainer = trainer
-        self._period = _Period(self.every, trainer.global_step)
+        self._period = StepPeriod(self.every, trainer.global_step)
 
     def _due(self, step: int, max_steps: int) -> bool:
         # >=: in asynchronous training another worker's push may carry the step past max_steps

@@ -39,7 +39,7 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.strategies.base import Strategy
-from towerflow.training.hooks import non_finite_tensor
+from towerflow.training.hooks import StepPeriod, non_finite_tensor
 
 __all__ = ["SaveSchedule", "restore_latest", "checkpoint_metadata", "refuse_non_finite",
            "save_before_stopping", "PEER_FAILURES"]
@@ -53,12 +53,15 @@ log = logging.getLogger("towerflow.training")
 class SaveSchedule:
     """When the next periodic checkpoint is due: every ``every_steps`` steps and/or ``every_secs`` s.
 
+    By steps, the first step at or past each multiple is due (a worker's steps
+    skip numbers in asynchronous training; see :class:`StepPeriod`).
+
     Args:
         every_steps: steps between saves (0 or None: not by steps).
         every_secs: seconds between saves (0 or None: not by time).
     """
 
-    __slots__ = ("every_steps", "every_secs", "_last_time")
+    __slots__ = ("every_steps", "every_secs", "_last_time", "_period")
 
     def __init__(self, every_steps: int | None = None, every_secs: float | None = None) -> None:
         for name, value in (("every_steps", every_steps), ("every_secs", every_secs)):
@@ -67,16 +70,17 @@ class SaveSchedule:
         self.every_steps = int(every_steps or 0)
         self.every_secs = float(every_secs or 0.0)
         self._last_time = time.monotonic()
+        self._period = StepPeriod(self.every_steps, start=None)
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is due after ``step``."""
-        by_steps = self.every_steps > 0 and step % self.every_steps == 0
         by_time = self.every_secs > 0 and time.monotonic() - self._last_time >= self.every_secs
-        return by_steps or by_time
+        return self._period.due(step) or by_time
 
-    def saved(self) -> None:
-        """Record that a checkpoint was just written."""
+    def saved(self, step: int) -> None:
+        """Record that a checkpoint of ``step`` was just written."""
         self._last_time = time.monotonic()
+        self._period.fired(step)
 
 
 def restore_latest(manager: Any, strategy: Strategy,

@@ -316,7 +316,7 @@ class Supervisor:
                           step, manager.directory)
         path = manager.save(step, groups, metadata)
         if schedule:
-            self._schedule.saved()
+            self._schedule.saved(step)
             self._saved_step = step
         log.info("saved checkpoint %s", path)
         return path
