@@ -209,13 +209,14 @@ def test_a_diverged_model_is_never_saved(tmp_path) -> None:
     from towerflow.errors import NanLossDuringTrainingError
 
     sv = Supervisor(logdir=tmp_path, save_model_secs=None)
-    with pytest.raises(NanLossDuringTrainingError, match=r"weight is not finite at step 1"):
+    with pytest.raises(NanLossDuringTrainingError, match=r"weight is not finite at step 1") as err:
         with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
             sess.run_step(mse_loss, DATA)
             with torch.no_grad():
                 sess.model.weight.fill_(float("nan"))
             sv.save(sess)
     assert CheckpointManager(tmp_path).latest() is None
+    assert "checkpoint" not in str(err.value)  # none exists, so none is named
 
 
 def test_a_checkpoint_of_the_supervisor_has_the_trainers_metadata(tmp_path) -> None:

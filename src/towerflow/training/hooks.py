@@ -95,6 +95,20 @@ def _diverged(step: int, loss: float, newest: Path | None,
     )
 
 
+def refuse_to_save(bad: str | None, step: int, manager: CheckpointManager | None) -> None:
+    """Raise instead of saving a model whose tensor ``bad`` is not finite (None: finite).
+
+    The message names the newest checkpoint of ``manager`` (always finite) only
+    when there is one.
+    """
+    if bad is None:
+        return
+    raise NanLossDuringTrainingError(
+        f"Model diverged with loss = NaN: {bad} is not finite at step {step} and was not "
+        f"saved{_checkpoint_note(_newest(manager))}. Lower the learning rate (--lr)."
+    )
+
+
 def check_finite_loss(loss: float, step: int, train_dir: Any = None) -> None:
     """Raise :class:`NanLossDuringTrainingError` when ``loss`` is NaN or infinite.
 
@@ -395,12 +409,7 @@ class CheckpointHook(Hook):
         if trainer is None or not self._due(ctx.step, ctx.max_steps):
             return
         self._period.fired(ctx.step)
-        bad = trainer.non_finite_state()
-        if bad:
-            raise NanLossDuringTrainingError(
-                f"Model diverged with loss = NaN: {bad} is not finite at step {ctx.step} and "
-                f"was not saved{_checkpoint_note(_newest(self.manager))}. Lower the learning rate (--lr)."
-            )
+        refuse_to_save(trainer.non_finite_state(), ctx.step, self.manager)
         if trainer.strategy.is_chief:
             groups, metadata = trainer.checkpoint_state()
             path = self.manager.save(ctx.step, groups, metadata)

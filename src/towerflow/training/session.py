@@ -34,12 +34,11 @@ import torch
 from towerflow.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
-    NanLossDuringTrainingError,
     TowerflowError,
     UnavailableError,
 )
 from towerflow.strategies.base import Strategy
-from towerflow.training.hooks import StepPeriod, non_finite_tensor
+from towerflow.training.hooks import StepPeriod, non_finite_tensor, refuse_to_save
 
 __all__ = ["SaveSchedule", "restore_latest", "checkpoint_metadata", "refuse_non_finite",
            "save_before_stopping", "PEER_FAILURES"]
@@ -110,17 +109,12 @@ def checkpoint_metadata(strategy: Strategy,
     return metadata
 
 
-def refuse_non_finite(named: Mapping[str, torch.Tensor], step: int,
-                      directory: str | Path | None) -> None:
-    """Raise :class:`NanLossDuringTrainingError` instead of saving a non-finite model."""
-    bad = non_finite_tensor(named)
-    if bad is None:
-        return
-    kept = f"; the checkpoints in {str(directory)!r} hold finite parameters" if directory else ""
-    raise NanLossDuringTrainingError(
-        f"Model diverged with loss = NaN: {bad} is not finite at step {step}; no checkpoint "
-        f"was written{kept}. Lower the learning rate (--lr)."
-    )
+def refuse_non_finite(named: Mapping[str, torch.Tensor], step: int, manager: Any) -> None:
+    """Raise :class:`NanLossDuringTrainingError` instead of saving a non-finite model.
+
+    The same refusal as the trainer's checkpoint hook (:func:`refuse_to_save`).
+    """
+    refuse_to_save(non_finite_tensor(named), step, manager)
 
 
 def save_before_stopping(strategy: Strategy, error: TowerflowError,

@@ -313,7 +313,7 @@ class Supervisor:
         metadata = checkpoint_metadata(strategy)
         step = metadata["step"]
         refuse_non_finite({n: p.detach() for n, p in session.model.named_parameters()},
-                          step, manager.directory)
+                          step, manager)
         path = manager.save(step, groups, metadata)
         if schedule:
             self._schedule.saved(step)
