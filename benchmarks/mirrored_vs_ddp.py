@@ -165,7 +165,7 @@ def main() -> int:
         return 0
     status = 0
     if args.only in (None, "mirrored"):
-        from towerflow.training.spawn import spawn_replicas
+        from towerflow.cluster.launcher import spawn_replicas
 
         argv = [sys.executable, os.path.abspath(__file__), "--replica",
                 "--batch-size", str(args.batch_size), "--steps", str(args.steps),

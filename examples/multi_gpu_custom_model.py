@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import towerflow
+from towerflow.cluster.launcher import spawn_replicas
 from towerflow.data import load_digits
 from towerflow.strategies import OptimizerConfig
 from towerflow.training import ExponentialDecay, TrainConfig, default_strategy
 from towerflow.training.evaluate import evaluate
-from towerflow.training.spawn import spawn_replicas
 
 
 class SmallConvNet(nn.Module):

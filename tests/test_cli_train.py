@@ -14,7 +14,7 @@ import torch
 from towerflow.checkpoint import CheckpointManager, read_checkpoint
 from towerflow.cli import build_parser, main
 from towerflow.cli.train import replica_argv
-from towerflow.training.spawn import spawn_replicas
+from towerflow.cluster.launcher import spawn_replicas
 
 _STEP = r"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{6}}: step {}, loss = \d+\.\d\d \(\d+\.\d examples/sec; \d+\.\d{{3}} sec/batch\)"
 

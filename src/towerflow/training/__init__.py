@@ -32,7 +32,7 @@ _LAZY: dict[str, str] = {
     "get_task": "towerflow.training.tasks",
     "evaluate": "towerflow.training.evaluate",
     "evaluate_checkpoint": "towerflow.training.evaluate",
-    "spawn_replicas": "towerflow.training.spawn",
+    "spawn_replicas": "towerflow.cluster.launcher",
     "Supervisor": "towerflow.training.supervisor",
 }
 
