@@ -445,6 +445,31 @@ class Server:
             )
         return reply
 
+    def unanswering(self, tasks: Sequence[TaskInfo], timeout: float = 2.0) -> list[str]:
+        """Of ``tasks``, those that do not answer a ping now, each named with why (in parallel).
+
+        Example: ``['/job:worker/replica:0/task:1 at localhost:2223 (no connection: it is not
+        running)']``.
+        """
+
+        def probe(task: TaskInfo) -> str | None:
+            where = f"{task.device_name} at {self.cluster.task_address(task.job_name, task.task_index)}"
+            try:
+                self.ping(task.job_name, task.task_index, timeout=timeout)
+            except UnavailableError:
+                return f"{where} (no connection: it is not running)"
+            except DeadlineExceededError:
+                return f"{where} (no reply within {timeout:g} s: it is suspended or hung)"
+            except (TowerflowError, ValueError) as exc:
+                return f"{where} ({exc})"
+            return None
+
+        if not tasks:
+            return []
+        with futures.ThreadPoolExecutor(min(16, len(tasks)),
+                                        thread_name_prefix="towerflow-probe") as pool:
+            return [found for found in pool.map(probe, tasks) if found is not None]
+
     def wait_for_peers(self, jobs: Sequence[str] | None = None, timeout: float = 60.0) -> None:
         """Wait until every task of ``jobs`` (default: all) but this one answers a ping.
 

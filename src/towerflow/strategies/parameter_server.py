@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,6 @@ from towerflow.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
-    TowerflowError,
     UnavailableError,
 )
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
@@ -454,25 +453,10 @@ class ParameterServer(Strategy):
 
         Asks through this task's server (none: nothing is known, ``[]``).
         """
-        server = self._server
-        others = [t for t in self.cluster.replicas if t != self.task]
-        if server is None or not others:
+        if self._server is None:
             return []
-
-        def probe(task: Any) -> str | None:
-            where = f"{task.device_name} at {self.cluster.task_address(task.job_name, task.task_index)}"
-            try:
-                server.ping(task.job_name, task.task_index, timeout=timeout)
-            except UnavailableError:
-                return f"{where} (no connection: it is not running)"
-            except DeadlineExceededError:
-                return f"{where} (no reply within {timeout:g} s: it is suspended or hung)"
-            except (TowerflowError, ValueError) as exc:
-                return f"{where} ({exc})"
-            return None
-
-        with ThreadPoolExecutor(min(16, len(others)), thread_name_prefix="towerflow-probe") as pool:
-            return [found for found in pool.map(probe, others) if found is not None]
+        others = [t for t in self.cluster.replicas if t != self.task]
+        return self._server.unanswering(others, timeout)
 
     def state_metadata(self) -> dict[str, Any]:
         return dict(self._meta)
