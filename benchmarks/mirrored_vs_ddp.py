@@ -16,6 +16,7 @@ no moving averages, no checkpoints or summaries (``--ema`` adds the article's
 moving averages to towerflow's side only, for information).
 
     python benchmarks/mirrored_vs_ddp.py [--batch-size 32] [--steps 20] [--rounds 10] [--warmup 20]
+    python benchmarks/mirrored_vs_ddp.py --only single --device cuda:0 --batch-size 128   # a GPU
 """
 
 from __future__ import annotations
@@ -134,10 +135,14 @@ def single(args: argparse.Namespace) -> None:
     from towerflow.models import Cifar10Net
     from towerflow.strategies.single import SingleDevice
 
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    tf_step, plain_step = _compare(SingleDevice("/cpu:0"), Cifar10Net(),
-                                   _batches(args.batch_size), args, lambda: None)
-    _report("SingleDevice, 1 CPU process", "plain PyTorch loop", tf_step, plain_step,
+    batches = [(x.to(device), y.to(device)) for x, y in _batches(args.batch_size)]
+    barrier = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tf_step, plain_step = _compare(SingleDevice(device), Cifar10Net().to(device), batches,
+                                   args, barrier)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "1 CPU process"
+    _report(f"SingleDevice, {where}", "plain PyTorch loop", tf_step, plain_step,
             args.batch_size, 1.03)
 
 
@@ -158,6 +163,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--ema", action="store_true", help="towerflow keeps moving averages")
     parser.add_argument("--only", choices=("mirrored", "single"), default=None)
+    parser.add_argument("--device", default="cpu", help="device of figure 2 (e.g. cuda:0)")
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.replica:

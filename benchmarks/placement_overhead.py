@@ -19,6 +19,7 @@ Commands::
 
     python benchmarks/placement_overhead.py                  # ~1-2 minutes on 2 cores
     python benchmarks/placement_overhead.py --rounds 40 --batch-size 128
+    python benchmarks/placement_overhead.py --device cuda:0 --rounds 200   # on a GPU
 """
 
 from __future__ import annotations
@@ -61,18 +62,22 @@ class Cifar10Net(nn.Module):
         return self.softmax_linear(x)
 
 
-def make_step(batch_size: int) -> Callable[[], None]:
+def make_step(batch_size: int, device: str = "cpu") -> Callable[[], None]:
+    """One training step on ``device``; on a GPU it waits for the GPU before returning."""
     torch.manual_seed(0)
-    model = Cifar10Net()
+    model = Cifar10Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    images = torch.randn(batch_size, 3, 24, 24)
-    labels = torch.randint(0, 10, (batch_size,))
+    images = torch.randn(batch_size, 3, 24, 24, device=device)
+    labels = torch.randint(0, 10, (batch_size,), device=device)
+    cuda = torch.device(device).type == "cuda"
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
 
     return step
 
@@ -83,6 +88,10 @@ def nothing_installed() -> bool:
                 or module._global_forward_pre_hooks)
 
 
+#: the scope variant's device (``towerflow.device`` form of ``--device``)
+SCOPE = {"spec": "/cpu:0"}
+
+
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     if name in ("plain", "idle"):
@@ -90,7 +99,7 @@ def variant(name: str) -> Iterator[None]:
             raise RuntimeError(f"variant {name!r}: something is installed in PyTorch")
         yield
     elif name == "scope":
-        with towerflow.device("/cpu:0"):
+        with towerflow.device(SCOPE["spec"]):
             yield
     else:
         with towerflow.configure(log_device_placement=True):
@@ -150,6 +159,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--device", default="cpu",
+                        help="where the step runs: cpu, or cuda:N (the scope is /gpu:N)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: PyTorch's choice)")
     args = parser.parse_args()
@@ -159,14 +170,17 @@ def main() -> int:
     logger.addHandler(logging.NullHandler())  # the log variant formats nothing to a stream
     with towerflow.device("/cpu:0"), towerflow.configure(log_device_placement=True):
         pass  # "idle" is measured after towerflow was used and closed again
-    step = make_step(args.batch_size)
+    if torch.device(args.device).type == "cuda":
+        SCOPE["spec"] = f"/gpu:{torch.device(args.device).index or 0}"
+    step = make_step(args.batch_size, args.device)
     counter = _CountCalls()
     with counter:
         step()
     scope_us, log_us = per_call_cost()
     times = measure(step, args.rounds, args.warmup)
     plain = statistics.median(times["plain"])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch "
+    where = torch.cuda.get_device_name(args.device) if SCOPE["spec"] != "/cpu:0" else "CPU"
+    print(f"{where}, torch {torch.__version__}, {torch.get_num_threads()} threads, batch "
           f"{args.batch_size}, {args.rounds} rounds (+{args.warmup} warm-up), medians:")
     for name, samples in times.items():
         median = statistics.median(samples)

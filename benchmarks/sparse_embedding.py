@@ -85,6 +85,35 @@ def ceiling(rows: int, seconds: float) -> float:
     return done * BATCH / (time.perf_counter() - start)
 
 
+def gpu_ceiling(rows: int, seconds: float, device: str) -> float:
+    """Examples/s of the same model on the GPU in one process, written the plain PyTorch way."""
+    torch.set_num_threads(1)
+    model = nn.Sequential()
+    model.emb = nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True)
+    model.out = nn.Linear(DIM, 1)
+    with torch.no_grad():
+        model.emb.weight.uniform_(-0.05, 0.05)
+    model.to(device)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.1)
+    batches = [b.to(device) for b in zipf_batches(rows, 50, 99)]
+    labels = [labels_of(b) for b in batches]
+    done = 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        ids = batches[done % len(batches)]
+        loss = F.binary_cross_entropy_with_logits(model.out(model.emb(ids)).squeeze(1),
+                                                  labels[done % len(batches)])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        done += 1
+        if done % 50 == 0:
+            loss.item()  # what a training loop's log line costs
+    torch.cuda.synchronize()
+    return done * BATCH / (time.perf_counter() - start)
+
+
 def worker(args: argparse.Namespace) -> None:
     from towerflow.cluster import ClusterSpec, TaskInfo
     from towerflow.ps.embedding import ShardedEmbedding
@@ -93,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     cluster = ClusterSpec(json.loads(args.cluster))
-    strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device="cpu",
+    strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device=args.device,
                                server=False)
     model = nn.Sequential()
     model.emb = ShardedEmbedding(args.rows, DIM, mode="sum", defer_push=args.defer_push,
@@ -108,6 +137,7 @@ def worker(args: argparse.Namespace) -> None:
 
     batches = zipf_batches(args.rows, 50, args.index)
     unique = [torch.unique(b).numel() for b in batches]
+    batches = [b.to(args.device) for b in batches]
     for b in batches[:5]:
         strategy.run_step(loss_fn, b)
     wire = model.emb.client.wire
@@ -172,7 +202,8 @@ def run_cluster(args: argparse.Namespace) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "TOWERFLOW_SECRET": os.environ.get("TOWERFLOW_SECRET", "bench-secret")}
     base = [sys.executable, __file__, "--cluster", json.dumps(spec), "--rows", str(args.rows),
-            "--seconds", str(args.seconds), *([] if args.defer_push else ["--no-defer-push"])]
+            "--seconds", str(args.seconds), "--device", args.device,
+            *([] if args.defer_push else ["--no-defer-push"])]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
           for i in range(2)]
     bare = subprocess.Popen([sys.executable, "-c", BARE_PS_CODE, json.dumps(bare_spec), "0"],
@@ -226,6 +257,9 @@ def main() -> None:
                         "next pull)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="interleaved rounds; each side's figures are its best round")
+    parser.add_argument("--device", default="cpu",
+                        help="where the workers compute (cuda: the tables stay on the CPU ps "
+                        "tasks; the ceiling is the same model on the GPU in one process)")
     parser.add_argument("--role", default="main")
     parser.add_argument("--cluster")
     parser.add_argument("--index", type=int, default=0)
@@ -237,7 +271,8 @@ def main() -> None:
     rounds = []
     for index in range(args.repeats):  # interleaved: the machine's load reaches every side
         result = run_cluster(args)
-        ceil = ceiling(args.rows, args.seconds)
+        ceil = (ceiling(args.rows, args.seconds) if args.device == "cpu"
+                else gpu_ceiling(args.rows, args.seconds, args.device))
         tf = measure_tensorflow(args.tf_python, args.rows, args.seconds) if args.tf_python \
             else None
         rounds.append((result, ceil, tf))
@@ -256,7 +291,7 @@ def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None)
     total = sum(w["examples_per_s"] for w in result["workers"])
     shard_bytes = args.rows // 2 * DIM * 4 * 2  # rows + Adagrad accumulator per ps
     print(f"best of {args.repeats} round(s); 2 ps + 2 workers, {args.rows} x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), "
-          f"Adagrad, async, defer_push={args.defer_push}")
+          f"Adagrad, async, defer_push={args.defer_push}, workers on {args.device}")
     print(f"  towerflow: {total:,.0f} examples/s; one-process ceiling {ceil:,.0f} examples/s "
           f"(ratio {total / ceil:.2f})")
     if tf is not None:

@@ -135,6 +135,37 @@ def variables_with_soft_placement() -> None:
     print(f"a_cpu on {a_cpu.device}, a_gpu on {a_gpu.device}")
 
 
+def op_without_gpu_kernel() -> None:
+    section("an operation with no GPU kernel (torch.histogram) on /gpu:0")
+    values, edges = torch.linspace(0, 1, 100), torch.linspace(0, 1, 5)
+    for soft in (False, True):
+        try:
+            with configure(log_device_placement=True, allow_soft_placement=soft):
+                with device("/gpu:0"):
+                    hist, _ = torch.histogram(values, edges)
+            print(f"allow_soft_placement={soft}: {hist.tolist()} on {hist.device}")
+        except towerflow.PlacementError as error:
+            print(f"allow_soft_placement={soft}: PlacementError: {error}")
+
+
+def memory_cap() -> None:
+    fraction = towerflow.devices.get_config().gpu_memory_fraction
+    if not torch.cuda.is_available() or fraction is None or fraction >= 0.9:
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    share = min(fraction + 0.1, 1.0)
+    section(f"gpu_memory_fraction={fraction}: allocate {share:.0%} of GPU 0's memory")
+    try:
+        torch.empty(int(total * share), dtype=torch.uint8, device="cuda:0")
+        print("allocated: the cap did not hold")
+    except torch.OutOfMemoryError as error:
+        print(f"OutOfMemoryError: {str(error).splitlines()[0]}")
+    kept = torch.empty(int(total * (fraction - 0.05)), dtype=torch.uint8, device="cuda:0")
+    print(f"{fraction - 0.05:.0%} of it: allocated {kept.numel() / 2**30:.1f} GiB")
+    del kept
+    torch.cuda.empty_cache()
+
+
 def train(device_name: str, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
     """Fit y = 3x + 0.5 with every tensor of the model on ``device_name``."""
     torch.manual_seed(0)
@@ -192,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     multi_tower()
     add_n_default_and_pinned()
     variables_with_soft_placement()
+    op_without_gpu_kernel()
+    memory_cap()
     train_on_one_device_run_on_another()
     return 0
 
