@@ -8,7 +8,10 @@ time in a shuffled order each round so that machine noise hits them alike:
 * ``idle``: towerflow imported, a scope and the log opened and closed once
   before, nothing active now (checked: no mode on the stack, no module hooks);
 * ``scope``: the step inside ``towerflow.device('/cpu:0')``;
-* ``log``: ``log_device_placement=True`` with the log going to a ``NullHandler``.
+* ``log``: ``log_device_placement=True`` with the log going to a ``NullHandler``;
+* ``torch.device``: the step inside PyTorch's own ``with torch.device(...)``
+  (also a function mode that sees every operation: the floor of any placement
+  scope in eager PyTorch), for reference.
 
 It prints the median step time of each, its ratio to ``plain``, and the median
 of the per-round ratios (each variant against the ``plain`` step of the same
@@ -89,7 +92,7 @@ def nothing_installed() -> bool:
 
 
 #: the scope variant's device (``towerflow.device`` form of ``--device``)
-SCOPE = {"spec": "/cpu:0"}
+SCOPE = {"spec": "/cpu:0", "torch": "cpu"}
 
 
 @contextlib.contextmanager
@@ -101,13 +104,16 @@ def variant(name: str) -> Iterator[None]:
     elif name == "scope":
         with towerflow.device(SCOPE["spec"]):
             yield
+    elif name == "torch.device":  # PyTorch's own device context: a function mode too
+        with torch.device(SCOPE["torch"]):
+            yield
     else:
         with towerflow.configure(log_device_placement=True):
             yield
 
 
 def measure(step: Callable[[], None], rounds: int, warmup: int) -> dict[str, list[float]]:
-    names = ["plain", "idle", "scope", "log"]
+    names = ["plain", "idle", "scope", "log", "torch.device"]
     times: dict[str, list[float]] = {name: [] for name in names}
     order = random.Random(0)
     for round_index in range(warmup + rounds):
@@ -134,9 +140,9 @@ class _CountCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def per_call_cost(repeats: int = 20000) -> tuple[float, float]:
+def per_call_cost(device: str = "cpu", repeats: int = 20000) -> tuple[float, float]:
     """Microseconds added per intercepted call by a scope and by the log (tiny tensors)."""
-    a = torch.ones(4)
+    a = torch.ones(4, device=device)
 
     def calls() -> float:
         start = time.perf_counter()
@@ -172,11 +178,12 @@ def main() -> int:
         pass  # "idle" is measured after towerflow was used and closed again
     if torch.device(args.device).type == "cuda":
         SCOPE["spec"] = f"/gpu:{torch.device(args.device).index or 0}"
+        SCOPE["torch"] = args.device
     step = make_step(args.batch_size, args.device)
     counter = _CountCalls()
     with counter:
         step()
-    scope_us, log_us = per_call_cost()
+    scope_us, log_us = per_call_cost(args.device)
     times = measure(step, args.rounds, args.warmup)
     plain = statistics.median(times["plain"])
     where = torch.cuda.get_device_name(args.device) if SCOPE["spec"] != "/cpu:0" else "CPU"
@@ -185,8 +192,9 @@ def main() -> int:
     for name, samples in times.items():
         median = statistics.median(samples)
         paired = statistics.median(t / p for t, p in zip(samples, times["plain"], strict=True))
-        target = f"(target <= {TARGETS[name]:.2f}x)" if name in TARGETS else "(baseline)"
-        print(f"  {name:6s} {median * 1e3:8.2f} ms/step  {median / plain:6.3f}x plain  "
+        target = (f"(target <= {TARGETS[name]:.2f}x)" if name in TARGETS
+                  else "(reference)" if name != "plain" else "(baseline)")
+        print(f"  {name:12s} {median * 1e3:8.2f} ms/step  {median / plain:6.3f}x plain  "
               f"per-round {paired:6.3f}x  {target}")
     print(f"{counter.calls} calls per step reach the placer; each costs {scope_us:.1f} us in a "
           f"scope and {log_us:.1f} us with the log on: {counter.calls * scope_us / 1e3:.2f} ms "

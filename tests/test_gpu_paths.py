@@ -126,6 +126,7 @@ def test_a_gpu_worker_trains_dense_variables_and_table_rows_held_on_cpu_ps_tasks
         strategy.prepare(model, OptimizerConfig("sgd", lr=0.5))
         assert isinstance(model.emb, ShardedEmbedding)  # rows on the ps tasks
         assert model.hidden.weight.device == CUDA0
+        assert strategy.global_step == 0  # the chief has created the tables
         with torch.no_grad():  # the local copy starts from the table's rows
             local.emb.weight.copy_(model.emb.client.pull(model.emb.config, torch.arange(50)))
         for step in range(3):

@@ -143,6 +143,28 @@ def test_nan_guard_observes_every_step_without_reading_the_device() -> None:
         guard.read(one, torch.tensor(2.0), 14)
 
 
+@pytest.mark.parametrize("bad_steps", [[300], [40, 700], [256], [257, 258]])
+def test_nan_guard_names_the_first_bad_step_across_many_unread_steps(bad_steps) -> None:
+    guard = NanGuard()
+    with _HostReads() as mode:
+        for step in range(1, 1001):  # steps gone by unread, several windows of them
+            guard.observe(step, torch.tensor(float("nan") if step in bad_steps else 0.5,
+                                             dtype=torch.float64))
+    assert mode.reads == []
+    one = SimpleNamespace(rank=0, world_size=1, reduce_mean=lambda value: value)
+    with pytest.raises(NanLossDuringTrainingError, match=rf"at step {bad_steps[0]} "):
+        guard.read(one, torch.tensor(0.5), 1000)
+
+
+def test_nan_guard_checks_a_loss_that_is_not_a_scalar() -> None:
+    guard = NanGuard()
+    guard.observe(1, torch.tensor([0.5, 0.5]))
+    guard.observe(2, torch.tensor([0.5, float("inf")]))
+    one = SimpleNamespace(rank=0, world_size=1, reduce_mean=lambda value: value)
+    with pytest.raises(NanLossDuringTrainingError, match=r"at step 2 "):
+        guard.read(one, torch.tensor(0.5), 2)
+
+
 def test_nan_guard_reads_nothing_while_the_losses_are_finite() -> None:
     guard = NanGuard()
     one = SimpleNamespace(rank=0, world_size=1, reduce_mean=lambda value: value)

@@ -314,7 +314,10 @@ def test_scope_places_tensors_ops_and_parameters_on_cuda(placement_log: list[str
 
 
 @pytest.mark.gpu
-def test_log_header_maps_each_gpu() -> None:
+def test_log_header_maps_each_gpu(monkeypatch) -> None:
+    from towerflow.devices import log
+
+    monkeypatch.setattr(log._log_state, "header", None)  # written once per process
     logger = logging.getLogger("towerflow.placement")
     handler = _ListHandler()
     logger.addHandler(handler)

@@ -158,3 +158,23 @@ def test_batches_land_on_the_gpu_unchanged() -> None:
         assert images.device.type == "cuda" and labels.device.type == "cuda"
         assert torch.equal(images.cpu(), ds.images[expected])
         assert torch.equal(labels.cpu(), ds.labels[expected])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_batches_load_in_the_consumers_thread_and_resume_alike() -> None:
+    ds = _dataset()
+    gpu = torch.device("cuda:0")
+    before = set(threading.enumerate())
+    with DevicePrefetcher(ds, ShardedBatches(24, 4, seed=1), gpu,
+                          transform=Distortion(gpu, seed=5)) as p:
+        assert not p.running and set(threading.enumerate()) == before
+        first = [next(p) for _ in range(2)]
+        position = p.state()
+        expected = [next(p)[0].cpu() for _ in range(3)]
+    batches = ShardedBatches(24, 4, seed=1)
+    batches.load_state(position)
+    with DevicePrefetcher(ds, batches, gpu, transform=Distortion(gpu, seed=5)) as resumed:
+        again = [next(resumed)[0].cpu() for _ in range(3)]
+    assert first[0][0].device == gpu and first[0][0].dtype == torch.float32
+    for a, b in zip(expected, again, strict=True):
+        assert torch.equal(a, b)

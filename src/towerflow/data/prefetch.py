@@ -1,21 +1,29 @@
-"""Background prefetch of batches onto the training device.
+"""Prefetch of batches onto the training device.
 
-A :class:`DevicePrefetcher` runs one background thread that gathers the next
-batches from an in-memory :class:`~towerflow.data.dataset.Dataset`, copies
-them to the device and applies the transform (e.g. :func:`distort_images`),
-keeping at most ``capacity`` batches ready in a bounded queue, so the copy and
-the distortion of the next batch overlap the training step of this one.
+A :class:`DevicePrefetcher` hands out ``(images, labels)`` batches of an
+in-memory :class:`~towerflow.data.dataset.Dataset`, already on the device and
+transformed there (e.g. :func:`distort_images`).
 
-On CUDA the host batch is pinned and copied with ``non_blocking=True`` on a
-side stream; the consumer's stream waits on an event recorded after the
-transform, so batches are never used before they are ready.
+On the CPU one background thread gathers the next batches and applies the
+transform, keeping at most ``capacity`` batches ready in a bounded queue, so
+the distortion of the next batch runs on another core while this one trains.
+
+On a GPU the batch is gathered, pinned, copied with ``non_blocking=True`` and
+transformed in the consumer's thread, on its current stream: the copy and
+the distortion are queued on the GPU ahead of the step like its own kernels,
+so the host never waits for them, and no second Python thread competes for
+the interpreter lock. A training step on a GPU is mostly kernel launches
+from Python; a producer thread launching the copy and the ~20 distortion
+kernels beside it made every launch of the step wait its turn for the lock
+(measured on an H200 with article 001's CIFAR-10 model: 0.73x the
+examples/sec of the same work in one thread; ``benchmarks/train_vs_plain.py``).
 
 A transform with a ``seek(position)`` method (:class:`~towerflow.data.Distortion`)
 is told each batch's position (``{"epoch": e, "offset": o}`` after the batch)
 before it is applied, so its randomness can follow the data position and a
 resumed run transforms every batch as an uninterrupted one would.
 
-The thread stops when :meth:`DevicePrefetcher.close` is called, when the
+The CPU thread stops when :meth:`DevicePrefetcher.close` is called, when the
 prefetcher is used as a context manager and the block ends, or when the
 prefetcher is garbage-collected. An exception raised while producing a batch
 is raised again in the consumer, by the next ``next()``.
@@ -56,7 +64,6 @@ class _Batch:
     images: torch.Tensor
     labels: torch.Tensor
     position: dict[str, int]  # sampler position after this batch
-    ready: Any  # torch.cuda.Event or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +112,7 @@ def _produce(
     q: queue.Queue[Any],
     stop: threading.Event,
 ) -> None:
-    """The background thread's loop; holds no reference to the prefetcher."""
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    """The background thread's loop (CPU devices); holds no reference to the prefetcher."""
     try:
         it = iter(batches)
         while not stop.is_set():
@@ -116,15 +122,8 @@ def _produce(
                 _put(q, _End(), stop)
                 return
             position = batches.state()
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    images, labels = _load(dataset, index, device, transform, position)
-                    ready = torch.cuda.Event()
-                    ready.record(stream)
-            else:
-                images, labels = _load(dataset, index, device, transform, position)
-                ready = None
-            if not _put(q, _Batch(images, labels, position, ready), stop):
+            images, labels = _load(dataset, index, device, transform, position)
+            if not _put(q, _Batch(images, labels, position), stop):
                 return
     except BaseException as exc:  # handed to the consumer, raised there
         _put(q, _Failure(exc), stop)
@@ -149,8 +148,8 @@ class DevicePrefetcher:
         batches: Index batches; owned by the background thread from now on
             (read the position with :meth:`state`, not ``batches.state()``).
         device: Where batches go.
-        capacity: Batches kept ready ahead of the consumer (2 x replicas is
-            the usual choice).
+        capacity: Batches kept ready ahead of the consumer by the CPU thread
+            (2 x replicas is the usual choice); on a GPU the stream queues them.
         transform: Applied on ``device`` to each ``(images, labels)``.
     """
 
@@ -170,6 +169,13 @@ class DevicePrefetcher:
         self._stop = threading.Event()
         self._position = batches.state()
         self._finished = False
+        self._inline: tuple[Dataset, ShardedBatches, Iterator[torch.Tensor],
+                            Transform | None] | None = None
+        if self.device.type == "cuda":  # loaded in the consumer's thread, queued on its stream
+            self._inline = (dataset, batches, iter(batches), transform)
+            self._finalizer = weakref.finalize(self, lambda: None)
+            self._thread: threading.Thread | None = None
+            return
         self._thread = threading.Thread(
             target=_produce,
             args=(dataset, batches, self.device, transform, self._queue, self._stop),
@@ -185,6 +191,8 @@ class DevicePrefetcher:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._finished or self._stop.is_set():
             raise StopIteration
+        if self._inline is not None:
+            return self._next_inline(*self._inline)
         while True:
             try:
                 item = self._queue.get(timeout=_POLL)
@@ -200,13 +208,21 @@ class DevicePrefetcher:
         if isinstance(item, _End):
             self._finished = True
             raise StopIteration
-        if item.ready is not None:
-            consumer = torch.cuda.current_stream(self.device)
-            consumer.wait_event(item.ready)
-            item.images.record_stream(consumer)
-            item.labels.record_stream(consumer)
         self._position = item.position
         return item.images, item.labels
+
+    def _next_inline(self, dataset: Dataset, batches: ShardedBatches,
+                     it: Iterator[torch.Tensor],
+                     transform: Transform | None) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            index = next(it)
+        except StopIteration:
+            self._finished = True
+            raise
+        position = batches.state()
+        images, labels = _load(dataset, index, self.device, transform, position)
+        self._position = position
+        return images, labels
 
     def state(self) -> dict[str, int]:
         """The sampler position after the last batch handed out (for a checkpoint)."""
@@ -214,12 +230,13 @@ class DevicePrefetcher:
 
     def close(self) -> None:
         """Stop the background thread and drop the prefetched batches (idempotent)."""
+        self._stop.set()
         self._finalizer()
 
     @property
     def running(self) -> bool:
-        """Whether the background thread is alive."""
-        return self._thread.is_alive()
+        """Whether the background thread is alive (there is none on a GPU)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def __enter__(self) -> DevicePrefetcher:
         return self

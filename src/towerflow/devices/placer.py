@@ -238,6 +238,7 @@ class _ThreadState(threading.local):
         self.generation = -1
         self.identity = -1
         self.targets: dict[DeviceSpec | None, _Target] = {}  # device functions' answers
+        self.fast: int | None = None  # the target's index when _Placer's fast path applies
 
 
 _state = _ThreadState()
@@ -251,6 +252,10 @@ def _refresh(state: _ThreadState) -> _Target:
         state.target = _DYNAMIC
     else:
         state.target = _resolve(scope.spec if scope is not None else None, config)
+    target = state.target
+    plain = (target is not _DYNAMIC and target.device is not None and not target.remote
+             and not target.missing and not config.log_device_placement)
+    state.fast = target.index if plain else None
     state.generation = _settings.generation()
     state.identity = _identity.generation()
     return state.target
@@ -442,7 +447,11 @@ def resolve_device(spec: str | DeviceSpec | torch.device | None = None) -> torch
 
 
 def _wrong_device(args: Any, kwargs: Mapping[str, Any], index: int) -> bool:
-    for value in (*args, *kwargs.values()):
+    return _wrong_in(args, index) or (bool(kwargs) and _wrong_in(kwargs.values(), index))
+
+
+def _wrong_in(values: Any, index: int) -> bool:
+    for value in values:
         if isinstance(value, torch.Tensor):
             if value.get_device() != index:
                 return True
@@ -491,8 +500,32 @@ class _Placer(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        # The fast path (runs for every operation of a training step under a scope): a
+        # neutral or in-place operation, or a computation whose inputs are all on the
+        # scope's device, in a scope of one local device with the log off.
         kind = _KINDS.get(func)
+        if kind == _NEUTRAL:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        state = _state
+        index = state.fast
+        if index is not None and state.generation == _settings._generation \
+                and state.identity == _identity._generation:
+            if kind == _INPLACE:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            if kind == _COMPUTE and not (kwargs and ("out" in kwargs
+                                                     or _wrong_in(kwargs.values(), index))) \
+                    and not _wrong_in(args, index):
+                try:
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                except (NotImplementedError, RuntimeError) as exc:
+                    target = state.target
+                    if not _no_kernel(exc, target):
+                        raise
+                    return _kernel_fallback(func, args, kwargs or {}, target, False, exc, "")
+        return self._place(func, kind, args, kwargs or {})
+
+    def _place(self, func: Any, kind: int | None, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Every other case: scopes of device functions or other tasks, the log, copies."""
         if kind is None:
             kind = _kind(func)
         if kind == _NEUTRAL or torch.compiler.is_compiling():

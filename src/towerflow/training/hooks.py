@@ -148,6 +148,7 @@ def format_step_line(step: int, loss: float, examples_per_sec: float, sec_per_ba
 
 # a step number travels as two float32 halves, each exact after an all-reduce
 _HALF = 4096
+_WINDOW = 256  # losses checked together by NanGuard
 
 
 class NanGuard:
@@ -182,20 +183,53 @@ class NanGuard:
     def __init__(self, manager: CheckpointManager | None = None) -> None:
         self.manager = manager
         self._first: torch.Tensor | None = None
+        self._losses: torch.Tensor | None = None  # this window's losses, on their device
+        self._steps: list[int] = []  # the steps of those losses
 
     def observe(self, step: int, loss: torch.Tensor) -> None:
-        """Record ``step`` if its loss is the first non-finite one (device work only)."""
+        """Record ``step`` if its loss is the first non-finite one (device work only).
+
+        One copy per step: the loss goes into a window of ``_WINDOW`` losses on
+        its device, checked all at once when the window is full or read.
+        """
         loss = loss.detach()
+        window = self._losses
+        if loss.numel() != 1:  # not a scalar loss: checked on its own
+            self._fold()
+            self._steps.append(step)
+            self._fold(torch.isfinite(loss).all().reshape(1))
+            return
+        if window is None or window.device != loss.device or window.dtype != loss.dtype:
+            self._fold()
+            window = self._losses = torch.empty(_WINDOW, dtype=loss.dtype, device=loss.device)
+        window[len(self._steps)] = loss.reshape(())
+        self._steps.append(step)
+        if len(self._steps) == _WINDOW:
+            self._fold()
+
+    def _fold(self, finite: torch.Tensor | None = None) -> None:
+        """Fold the window (or ``finite``, flags of its steps) into the first bad step."""
+        if not self._steps:
+            return
+        if finite is None:
+            finite = torch.isfinite(self._losses[:len(self._steps)])  # type: ignore[index]
+        device = finite.device
         if self._first is None:
-            self._first = torch.full((), -1, dtype=torch.int64, device=loss.device)
-        keep = torch.isfinite(loss).all() | (self._first >= 0)
-        self._first = torch.where(keep, self._first, step)
+            self._first = torch.full((), -1, dtype=torch.int64, device=device)
+        steps = torch.tensor(self._steps, dtype=torch.int64)
+        if device.type == "cuda":  # an asynchronous copy: no host sync
+            steps = steps.pin_memory().to(device, non_blocking=True)
+        first_bad = steps[(~finite).to(torch.uint8).argmax()]
+        keep = finite.all() | (self._first.to(device) >= 0)
+        self._first = torch.where(keep, self._first.to(device), first_bad)
+        self._steps = []
 
     def read(self, strategy: Any, loss: torch.Tensor, step: int) -> float:
         """The loss of ``step`` averaged over replicas; raise if any replica saw a bad loss.
 
         Every replica calls it on the same steps (it is one collective).
         """
+        self._fold()
         world, rank = strategy.world_size, strategy.rank
         loss = loss.detach().reshape(()).to(torch.float32)
         packed = torch.zeros(1 + 2 * world, dtype=torch.float32, device=loss.device)

@@ -3,16 +3,17 @@
 Two kinds of input are accepted:
 
 * a :class:`towerflow.data.Dataset` — sharded per replica with
-  :class:`~towerflow.data.ShardedBatches`, prefetched onto the device by a
-  background thread (:class:`~towerflow.data.DevicePrefetcher`, capacity
-  ``2 x replicas`` as in article 001) and transformed there (the distorted
-  inputs); its position (epoch, offset) goes into every checkpoint;
+  :class:`~towerflow.data.ShardedBatches`, prefetched onto the device
+  (:class:`~towerflow.data.DevicePrefetcher`: a background thread on the CPU,
+  capacity ``2 x replicas`` as in article 001; on a GPU the batches are
+  queued on the step's stream) and transformed there (the distorted inputs);
+  its position (epoch, offset) goes into every checkpoint;
 * any iterable of batches (a ``DataLoader``, a generator...) — moved to the
   device as it comes; restarted when exhausted (a new epoch); resumable when
   it has ``state()`` / ``load_state()`` methods.
 
-The prefetch thread runs ahead of the step; the position saved is the one
-after the last batch the step *used* (the prefetcher hands it out with the batch).
+The prefetch runs ahead of the step; the position saved is the one after the
+last batch the step *used* (the prefetcher hands it out with the batch).
 """
 
 from __future__ import annotations
