@@ -35,8 +35,8 @@ if [[ $what == *" gpu-tests "* ]]; then
 fi
 if [[ $what == *" suite "* ]]; then
     stage "whole suite on the CPUs (GPU visible)"
-    timeout 330 python3 -m pytest -q -n 12 -p no:cacheprovider --timeout 240 tests 2>&1 \
-        | tee "$out/suite.log" | tail -30
+    timeout 420 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider --timeout 240 tests 2>&1 \
+        | tee "$out/suite.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -60
 fi
 if [[ $what == *" figures "* ]]; then
     stage "article 002 and 000 section 1 on the GPU"
