@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from towerflow import _identity
 from towerflow.devices import functions as _functions
 from towerflow.devices import grads as _grads
-from towerflow.devices import log as _log
+from towerflow.devices import loglines as _lines
 from towerflow.devices import params as _params
 from towerflow.devices import settings as _settings
 from towerflow.devices.local import full_name, gpu_count
@@ -266,7 +266,7 @@ def _current(state: _ThreadState) -> _Target:
 def _dynamic_target(state: _ThreadState, func: Any) -> _Target:
     """Ask the scope's device functions where ``func`` goes (answers cached per device)."""
     chain = state.scopes[-1].chain
-    spec = _functions.evaluate(chain, _log.OpNamer.peek(func), _log.python_name(func))
+    spec = _functions.evaluate(chain, _lines.OpNamer.peek(func), _lines.python_name(func))
     target = state.targets.get(spec)
     if target is None:
         target = _resolve(spec, _settings.get_config())
@@ -280,7 +280,7 @@ def _on_parameter(module: torch.nn.Module, name: str, param: torch.Tensor) -> No
     if entry is None:
         return
     if _settings.get_config().log_device_placement:
-        _log.claim(param, entry)
+        _lines.claim(param, entry)
     scopes = _state.scopes
     scope = scopes[-1] if scopes else None
     if scope is None or not scope.chain:
@@ -365,7 +365,7 @@ class _DeviceScope:
 
     def __exit__(self, *exc_info: object) -> None:
         state = _state
-        _log.flush()  # a model built in the scope: its parameters' lines, named now
+        _lines.flush()  # a model built in the scope: its parameters' lines, named now
         try:
             depth = self._depth.pop()
             del state.scopes[depth - 1:]
@@ -512,12 +512,12 @@ class _Placer(TorchFunctionMode):
         if target.remote:
             if kind != _FACTORY or not target.ps:
                 raise PlacementError(_remote_message(
-                    f"operation '{_log.OpNamer.peek(func)}'", target))
+                    f"operation '{_lines.OpNamer.peek(func)}'", target))
             return _run_logged(func, args, kwargs, target, logging_on)
         if target.device is None:
             return _run_logged(func, args, kwargs, None, logging_on)
         if target.missing:
-            raise PlacementError(_missing_message(f"operation '{_log.OpNamer.peek(func)}'",
+            raise PlacementError(_missing_message(f"operation '{_lines.OpNamer.peek(func)}'",
                                                   target.spec))  # type: ignore[arg-type]
         if kind == _FACTORY:
             if kwargs.get("device") is None:
@@ -528,7 +528,7 @@ class _Placer(TorchFunctionMode):
 
 def _run_compute(func: Any, args: Any, kwargs: dict[str, Any], target: _Target,
                  logging_on: bool) -> Any:
-    name = _log.OpNamer.name(func) if logging_on else ""
+    name = _lines.OpNamer.name(func) if logging_on else ""
     if _wrong_device(args, kwargs, target.index):
         copies: list[torch.device] = []
         args = _move(args, target.device, target.index, copies)  # type: ignore[arg-type]
@@ -536,7 +536,7 @@ def _run_compute(func: Any, args: Any, kwargs: dict[str, Any], target: _Target,
                   for k, v in kwargs.items()}
         for number, source in enumerate(copies if logging_on else ()):
             suffix = "input_copy" if number == 0 else f"input_copy_{number}"
-            _log.log_op(f"{name}/{suffix}", "aten::_to_copy",
+            _lines.log_op(f"{name}/{suffix}", "aten::_to_copy",
                         full_name(target.device),  # type: ignore[arg-type]
                         f" (from {full_name(source)})")
     try:
@@ -554,7 +554,7 @@ def _kernel_fallback(func: Any, args: Any, kwargs: dict[str, Any], target: _Targ
         spec = target.spec.to_string() if target.spec is not None else device_type
         reason = str(exc).splitlines()[0]
         raise PlacementError(
-            f"Cannot assign a device for operation '{name or _log.OpNamer.peek(func)}': Could not "
+            f"Cannot assign a device for operation '{name or _lines.OpNamer.peek(func)}': Could not "
             f"satisfy explicit device specification '{spec}' because no supported kernel for "
             f"{device_type} devices is available ({reason}). Set allow_soft_placement=True to "
             f"run it on the CPU instead."
@@ -570,16 +570,16 @@ def _run_inplace(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """An in-place operation, logged; one on a parameter or buffer is named after it."""
     changed = args[0] if args else next(iter(kwargs.values()), None)
     entry = _params.owner_of(changed)
-    recorder = _log.AtenRecorder()
+    recorder = _lines.AtenRecorder()
     with recorder:
         result = func(*args, **kwargs)
     device_name = full_name(_result_device(result, None))
     if entry is not None:
-        _log.log_tensor_op(entry, func, recorder.aten_name(result, _log.python_name(func)),
+        _lines.log_tensor_op(entry, func, recorder.aten_name(result, _lines.python_name(func)),
                            device_name)
     else:
-        name = _log.OpNamer.name(func)
-        _log.log_op(name, recorder.aten_name(result, name), device_name)
+        name = _lines.OpNamer.name(func)
+        _lines.log_op(name, recorder.aten_name(result, name), device_name)
     return result
 
 
@@ -587,19 +587,19 @@ def _run_logged(func: Any, args: Any, kwargs: dict[str, Any], target: _Target | 
                 logging_on: bool, name: str = "") -> Any:
     if not logging_on:
         return func(*args, **kwargs)
-    name = name or _log.OpNamer.name(func)
-    recorder = _log.AtenRecorder()
+    name = name or _lines.OpNamer.name(func)
+    recorder = _lines.AtenRecorder()
     with recorder:
         result = func(*args, **kwargs)
     note = target.note if target is not None else ""
     aten = recorder.aten_name(result, name)
     if target is not None and target.remote:
-        _log.hold_op(name, aten, target.remote, note, result)
+        _lines.hold_op(name, aten, target.remote, note, result)
     elif _KINDS.get(func) == _FACTORY:
         fallback = target.device if target is not None else None
-        _log.hold_op(name, aten, full_name(_result_device(result, fallback)), note, result)
+        _lines.hold_op(name, aten, full_name(_result_device(result, fallback)), note, result)
     else:
         fallback = target.device if target is not None else None
-        _log.log_op(name, aten, full_name(_result_device(result, fallback)), note)
+        _lines.log_op(name, aten, full_name(_result_device(result, fallback)), note)
         _grads.hook_result(name, result)
     return result
