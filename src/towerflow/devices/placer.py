@@ -68,7 +68,7 @@ from towerflow.devices.targets import (
     full_spec,
     move,
     no_kernel,
-    resolve_target,
+    resolve_spec,
     result_device,
     target_for,
     wrong_device,
@@ -170,7 +170,7 @@ def _refresh(state: _ThreadState) -> Target:
     if scope is not None and scope.dynamic:
         state.target = DYNAMIC
     else:
-        state.target = resolve_target(scope.spec if scope is not None else None, config)
+        state.target = resolve_spec(scope.spec if scope is not None else None, config)
     state.generation = _settings.generation()
     state.identity = _identity.generation()
     return state.target
@@ -189,7 +189,7 @@ def _dynamic_target(state: _ThreadState, func: Any) -> Target:
     spec = _functions.evaluate(chain, _lines.OpNamer.peek(func), _lines.python_name(func))
     target = state.targets.get(spec)
     if target is None:
-        target = resolve_target(spec, _settings.get_config())
+        target = resolve_spec(spec, _settings.get_config())
         state.targets[spec] = target
     return target
 
@@ -351,7 +351,7 @@ def resolve_device(spec: str | DeviceSpec | torch.device | None = None) -> torch
     if parsed.device_type is None:
         target = _current(_state)
         if target is DYNAMIC:
-            target = resolve_target(current_scope(), _settings.get_config())
+            target = resolve_spec(current_scope(), _settings.get_config())
         if target.device is not None and not target.remote:
             return target.device
         return torch.device("cuda", 0) if gpu_count() else CPU

@@ -1,6 +1,6 @@
 """Where the placer sends an operation: the target of a scope's spec, and inputs moved there.
 
-A spec resolves once per scope change to a target (:func:`resolve_target`): an
+A spec resolves once per scope change to a target (:func:`resolve_spec`): an
 existing local device; the CPU with a note when soft placement stands in for a
 device that does not exist; the CPU marked *missing* when it does not exist
 and soft placement is off (the operation is then refused); or another task
@@ -25,7 +25,7 @@ from towerflow.errors import PlacementError
 
 __all__ = [
     "CPU", "DYNAMIC", "NO_TARGET", "Target", "check_default_device", "default_target",
-    "full_spec", "move", "no_kernel", "resolve_target", "result_device", "target_for",
+    "full_spec", "move", "no_kernel", "resolve_spec", "result_device", "target_for",
     "wrong_device",
 ]
 
@@ -106,7 +106,7 @@ def default_target(config: _settings.DeviceConfig) -> Target:
     return target_for(DeviceSpec.from_string(default), config.allow_soft_placement)
 
 
-def resolve_target(spec: DeviceSpec | None, config: _settings.DeviceConfig) -> Target:
+def resolve_spec(spec: DeviceSpec | None, config: _settings.DeviceConfig) -> Target:
     """The target of operations whose scopes give them ``spec``."""
     if spec is None:
         return default_target(config)
