@@ -12,13 +12,8 @@ import yaml
 
 from towerflow.checkpoint import latest_checkpoint, read_checkpoint
 from towerflow.cli import build_parser, main
-from towerflow.cli.train import (
-    _STRATEGY_OPTIONS,
-    FROM_THE_CLUSTER,
-    build_optimizer,
-    build_strategy,
-    byte_count,
-)
+from towerflow.cli._train_options import _STRATEGY_OPTIONS, FROM_THE_CLUSTER
+from towerflow.cli.train import build_optimizer, build_strategy, byte_count
 from towerflow.errors import InvalidArgumentError
 from towerflow.training.schedules import decay_steps_for_epochs
 

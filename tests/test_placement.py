@@ -201,7 +201,7 @@ def test_log_turned_off_removes_the_mode_and_hooks() -> None:
 
 
 def test_scope_with_the_log_off_does_no_naming_or_logging_work() -> None:
-    from towerflow.devices import log as placement_log_module
+    from towerflow.devices import loglines as placement_log_module
     from towerflow.devices import placer
 
     logger = logging.getLogger("towerflow.placement")

@@ -49,8 +49,18 @@ from typing import Any
 
 import torch
 
-from towerflow.checkpoint import format as _fmt
 from towerflow.checkpoint.atomic import write_bytes_durable
+from towerflow.checkpoint.data_file import (
+    RESTORE,
+    SUFFIX,
+    check_file,
+    check_group_name,
+    entry_problem,
+    is_group_name,
+    read_data_file,
+    serialize_group,
+    to_tensors,
+)
 from towerflow.checkpoint.files import open_dir, open_regular
 from towerflow.errors import CheckpointError, InvalidArgumentError
 
@@ -59,7 +69,6 @@ __all__ = ["FORMAT_CHUNKED", "ChunkedGroup", "ChunkedReader", "part_name"]
 #: The format of a checkpoint with chunked groups (format 2 plus ``"chunked"``).
 FORMAT_CHUNKED = "towerflow.checkpoint/3"
 _BLOCK = 1 << 20
-_RESTORE = "restore an earlier checkpoint"
 _PART_RE = re.compile(r"-(\d{5,})\.safetensors")
 
 
@@ -70,7 +79,7 @@ def part_name(group: str, index: int) -> str:
         >>> part_name("ps_tables", 7)
         'ps_tables-00007.safetensors'
     """
-    return f"{group}-{index:05d}{_fmt.SUFFIX}"
+    return f"{group}-{index:05d}{SUFFIX}"
 
 
 class ChunkedGroup:
@@ -122,14 +131,14 @@ def write_parts(directory: Path, group: str, chunked: ChunkedGroup,
                 "group yields (info, tensors) pairs."
             )
         fname = part_name(group, index)
-        _fmt.check_group_name(fname.removesuffix(_fmt.SUFFIX))
+        check_group_name(fname.removesuffix(SUFFIX))
         if fname in taken:
             raise InvalidArgumentError(
                 f"Checkpoint groups clash: part {index} of chunked group {group!r} would be "
-                f"{fname!r}, the file of group {fname.removesuffix(_fmt.SUFFIX)!r}; rename a group."
+                f"{fname!r}, the file of group {fname.removesuffix(SUFFIX)!r}; rename a group."
             )
         info = _info_json(group, index, item[0])
-        data, entry = _fmt.serialize_group(group, item[1])
+        data, entry = serialize_group(group, item[1])
         write_bytes_durable(directory / fname, data)
         del data, item
         entry["info"] = info
@@ -147,14 +156,14 @@ def chunked_problem(manifest: Mapping[str, Any]) -> str | None:
         return "its chunked groups are not an object"
     files = manifest["files"]
     for group, entries in chunked.items():
-        if not isinstance(entries, dict) or not _fmt.is_group_name(group):
+        if not isinstance(entries, dict) or not is_group_name(group):
             return f"its chunked group {group!r} is malformed"
         for index, (fname, entry) in enumerate(entries.items()):
             if fname != part_name(group, index):
                 return f"its chunked group {group!r} lists {fname!r} as part {index}"
             if fname in files:
                 return f"it lists {fname!r} both as a group and as a part of {group!r}"
-            problem = _fmt.entry_problem(fname, entry)
+            problem = entry_problem(fname, entry)
             if problem is None and not isinstance(entry.get("info", {}), dict):
                 problem = f"its entry for {fname!r} has an info that is not an object"
             if problem:
@@ -175,7 +184,7 @@ def scan_part(dir_fd: int, path: Path, fname: str, entry: Mapping[str, Any],
         if opened is None:
             raise CheckpointError(
                 f"Checkpoint file {str(path / fname)!r} listed in the manifest is missing; "
-                f"{_RESTORE}."
+                f"{RESTORE}."
             )
         f, _ = opened
         head = f.read(8)
@@ -193,9 +202,9 @@ def scan_part(dir_fd: int, path: Path, fname: str, entry: Mapping[str, Any],
         if digest.hexdigest() != entry["sha256"]:
             raise CheckpointError(
                 f"Checkpoint file {str(path / fname)!r} fails its checksum (sha256 "
-                f"{digest.hexdigest()}, manifest {entry['sha256']}): it is corrupt; {_RESTORE}."
+                f"{digest.hexdigest()}, manifest {entry['sha256']}): it is corrupt; {RESTORE}."
             )
-    _fmt.check_file(path / fname, prefix, entry, verify=False)
+    check_file(path / fname, prefix, entry, verify=False)
 
 
 def scan_chunked(dir_fd: int, path: Path, manifest: Mapping[str, Any], verify: bool) -> None:
@@ -243,7 +252,7 @@ class ChunkedReader:
         """
         for fname, entry in self._entries.items():
             with open_dir(self.path, follow_symlinks=self._follow) as dir_fd:
-                data = _fmt.read_data_file(dir_fd, self.path, fname, entry, verify=True)
-            tensors = _fmt.to_tensors(self.path / fname, data, self._device)
+                data = read_data_file(dir_fd, self.path, fname, entry, verify=True)
+            tensors = to_tensors(self.path / fname, data, self._device)
             del data
             yield dict(entry.get("info", {})), tensors

@@ -47,11 +47,11 @@ from towerflow.checkpoint.files import open_dir, read_regular
 from towerflow.checkpoint.format import (
     MANIFEST_NAME,
     Checkpoint,
-    check_step,
     read_checkpoint_dir,
     verify_checkpoint,
     write_checkpoint_dir,
 )
+from towerflow.checkpoint.manifest import check_step
 from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError, NotFoundError
 
 __all__ = [

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from towerflow.cluster.options import HeartbeatOptions
 from towerflow.cluster.server import Server
 from towerflow.cluster.spec import TaskInfo
 from towerflow.errors import (
@@ -51,57 +52,6 @@ logger = logging.getLogger("towerflow.cluster.heartbeat")
 #: why a beat failed, by the error of the ping
 _NO_CONNECTION = "failed to connect: the process is gone or not started"
 _NO_REPLY = "no reply before the deadline: the process is suspended or hung"
-
-
-@dataclass(frozen=True, slots=True)
-class HeartbeatOptions:
-    """How often peers are pinged and when they are declared dead.
-
-    Attributes:
-        interval: seconds between two beats to one peer.
-        max_missed: beats missed in a row after which a peer is dead.
-        timeout: deadline of one beat (default: ``interval``).
-        startup_grace: seconds a peer that has never answered has to answer its
-            first beat before it is declared dead (tasks start at different times).
-    """
-
-    interval: float = 1.0
-    max_missed: int = 3
-    timeout: float | None = None
-    startup_grace: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not self.interval > 0:
-            raise InvalidArgumentError(
-                f"heartbeat interval must be a positive number of seconds, got {self.interval!r}."
-            )
-        if isinstance(self.max_missed, bool) or not isinstance(self.max_missed, int) \
-                or self.max_missed < 1:
-            raise InvalidArgumentError(
-                f"max_missed must be an integer >= 1, got {self.max_missed!r}."
-            )
-        if self.timeout is not None and not self.timeout > 0:
-            raise InvalidArgumentError(
-                f"heartbeat timeout must be a positive number of seconds, got {self.timeout!r}."
-            )
-        if not self.startup_grace >= 0:
-            raise InvalidArgumentError(
-                f"startup_grace must be >= 0 seconds, got {self.startup_grace!r}."
-            )
-
-    @property
-    def beat_timeout(self) -> float:
-        """The deadline of one beat."""
-        return self.timeout if self.timeout is not None else self.interval
-
-    @property
-    def detection_bound(self) -> float:
-        """Seconds within which a peer that stops answering is declared dead.
-
-        The beat in flight when it stops, then ``max_missed`` missed beats, each
-        at most ``max(interval, timeout)`` apart (plus scheduling delays).
-        """
-        return (self.max_missed + 1) * max(self.interval, self.beat_timeout)
 
 
 @dataclass(frozen=True, slots=True)

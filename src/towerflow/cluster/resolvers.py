@@ -4,7 +4,9 @@
 resolver plug-in of :data:`RESOLVERS` with the environment:
 
 1. ``TF_CONFIG`` — what Kubeflow's TFJob (and ``towerflow launch``) sets:
-   ``{"cluster": {"ps": [...], "worker": [...]}, "task": {"type": "worker", "index": 1}}``.
+   ``{"cluster": {"ps": [...], "worker": [...]}, "task": {"type": "worker", "index": 1}}``
+   (read by :func:`~towerflow.cluster.spec.tf_config_resolver`, which
+   ``ClusterSpec.from_tf_config`` also uses).
 2. torchrun — ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
    (and ``LOCAL_WORLD_SIZE``): every rank becomes a task; across nodes the
    ranks' addresses come from torchrun's rendezvous store; see :func:`torchrun_resolver`.
@@ -25,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -38,7 +39,7 @@ from towerflow.cluster.rendezvous import (
     same_host,
     uses_agent_store,
 )
-from towerflow.cluster.spec import ClusterSpec, TaskInfo, parse_address
+from towerflow.cluster.spec import ClusterSpec, TaskInfo, parse_address, tf_config_resolver
 from towerflow.errors import InvalidArgumentError
 
 __all__ = [
@@ -74,53 +75,6 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> i
         raise InvalidArgumentError(
             f"environment variable {name}={value!r} is not an integer; set it to one."
         ) from None
-
-
-# --------------------------------------------------------------------------- TF_CONFIG
-def tf_config_resolver(env: Mapping[str, str] | None = None) -> Resolution | None:
-    """The cluster and task of ``TF_CONFIG``; ``None`` when it is unset or empty.
-
-    An ``evaluator`` task may be absent from the cluster (Kubeflow runs it
-    outside): it resolves to ``TaskInfo("evaluator", index)``.
-
-    Raises:
-        InvalidArgumentError: invalid JSON, no cluster, an unknown task type,
-            or an index out of range.
-    """
-    env = os.environ if env is None else env
-    text = env.get("TF_CONFIG", "").strip()
-    if not text:
-        return None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"TF_CONFIG is not valid JSON ({exc}); fix its value.") from None
-    if config in ({}, None):
-        return None
-    if not isinstance(config, dict) or not config.get("cluster"):
-        raise InvalidArgumentError(
-            'TF_CONFIG has no "cluster"; set it to {"cluster": {"worker": ["host:port"]}, '
-            '"task": {"type": "worker", "index": 0}}.'
-        )
-    spec = ClusterSpec(config["cluster"])
-    task = config.get("task") or {}
-    if not isinstance(task, dict) or "type" not in task:
-        raise InvalidArgumentError(
-            f'TF_CONFIG task {task!r} has no "type"; set "task": {{"type": "<job>", "index": <i>}} '
-            f"with a job among {spec.jobs}."
-        )
-    job, index = task["type"], task.get("index", 0)
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise InvalidArgumentError(f"TF_CONFIG task index {index!r} is not an integer; fix it.")
-    if job == "evaluator" and "evaluator" not in spec:
-        return spec, TaskInfo(job, index)
-    if job not in spec:
-        raise InvalidArgumentError(
-            f"TF_CONFIG task type {job!r} is not a job of its cluster {spec.jobs}; use one of "
-            "those (or 'evaluator')."
-        )
-    spec.validate_task(job, index)
-    return spec, TaskInfo(job, index)
 
 
 # --------------------------------------------------------------------------- torchrun

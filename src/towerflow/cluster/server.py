@@ -24,10 +24,9 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -35,12 +34,11 @@ from towerflow import _identity
 from towerflow.cluster.auth import RESTARTED
 from towerflow.cluster.health import TaskHealth
 from towerflow.cluster.limits import RateLimitedLog, StreamLimiter, log_by_default
+from towerflow.cluster.options import ServerOptions
 from towerflow.cluster.services import HostedService, ServiceFactory, factories_for, load_factory
 from towerflow.cluster.spec import ClusterSpec, TaskInfo, is_loopback_host, parse_address
-from towerflow.cluster.targets import register_server
 from towerflow.cluster.transport import (
     AuthInterceptor,
-    ChannelOptions,
     Credentials,
     make_channel,
     raw_handlers,
@@ -56,91 +54,12 @@ from towerflow.errors import (
     UnavailableError,
 )
 
-if TYPE_CHECKING:
-    from towerflow.cluster.heartbeat import HeartbeatOptions
-
 __all__ = ["Server", "ServerOptions", "PING_METHOD", "stop_on_signals"]
 
 logger = logging.getLogger("towerflow.cluster")
 
 CONTROL_SERVICE = "towerflow.cluster.Control"
 PING_METHOD = f"/{CONTROL_SERVICE}/Ping"
-
-
-@dataclass(frozen=True, slots=True)
-class ServerOptions:
-    """Tuning of a :class:`Server`.
-
-    Attributes:
-        max_workers: most handler threads (created on demand). Blocking
-            handlers each hold one while they run: a sync-mode ps waiting for
-            gradients, and each worker's open push-and-pull stream to a ps
-            (one per worker and ps task), so it bounds the workers a ps can
-            serve at once.
-        channel: message size and keepalive options of the server and of the
-            channels it opens to peers.
-        auth_freshness: how many seconds an auth token's time may differ from
-            this machine's clock.
-        heartbeat: how the hosted services watch their peers (a ps task
-            watches the chief and the workers, and names a dead or suspended
-            one); None: no heartbeats. ``towerflow server`` turns them on.
-        bind_host: the interface to listen on instead of the host the
-            cluster spec names, e.g. ``"0.0.0.0"`` or ``"::"`` for all (a
-            container whose spec names a service address); None: the spec's
-            host. The port is always the spec's.
-        max_streams: most streaming calls open at once (each holds a handler
-            thread); None: three quarters of ``max_workers``, so unary calls
-            always find a thread. A stream past the cap is refused at once
-            (``ResourceExhaustedError`` naming the cap).
-        max_streams_per_peer: most streaming calls open at once on one
-            connection (an honest worker keeps a few per ps task).
-        warning_interval: a repeated warning (a refused call, ...) is written
-            once per this many seconds, then with the count of the others.
-        serve_forever: a ps task serves until it is stopped (a signal,
-            :meth:`Server.stop`), as before it learned when its job ends.
-            False (default): it ends by itself, and :meth:`Server.join`
-            returns, once every training replica has said it finished (the
-            chief after its final checkpoint).
-        idle_timeout: seconds a ps task keeps its parameters while none of the
-            replicas that have not finished is alive (they were killed, or
-            are suspended), waiting for them to come back; then it ends and
-            :meth:`Server.join` raises. None: wait forever. Unused with
-            ``serve_forever``.
-    """
-
-    max_workers: int = 256
-    channel: ChannelOptions = field(default_factory=ChannelOptions)
-    auth_freshness: float = 300.0
-    heartbeat: HeartbeatOptions | None = None
-    bind_host: str | None = None
-    max_streams: int | None = None
-    max_streams_per_peer: int = 32
-    warning_interval: float = 10.0
-    serve_forever: bool = False
-    idle_timeout: float | None = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.idle_timeout is not None and not self.idle_timeout > 0:
-            raise InvalidArgumentError(
-                f"ServerOptions(idle_timeout={self.idle_timeout!r}): give a positive number of "
-                "seconds, or None to keep the parameters forever while the workers are gone."
-            )
-
-    def stream_cap(self) -> int:
-        """``max_streams``, checked against ``max_workers``.
-
-        Raises:
-            InvalidArgumentError: a cap that is not positive, or not below ``max_workers``.
-        """
-        cap = self.max_streams if self.max_streams is not None else self.max_workers * 3 // 4
-        if not 0 < cap < self.max_workers or self.max_streams_per_peer <= 0:
-            raise InvalidArgumentError(
-                f"ServerOptions(max_streams={self.max_streams}, max_streams_per_peer="
-                f"{self.max_streams_per_peer}, max_workers={self.max_workers}): the stream caps "
-                "must be positive and max_streams below max_workers, so that unary calls always "
-                "find a thread; raise max_workers with max_streams."
-            )
-        return cap
 
 
 class Server:
@@ -528,6 +447,35 @@ class Server:
             {"job": self.task.job_name, "task": self.task.task_index, "pid": os.getpid()}
         ).encode()
         return raw_handlers(CONTROL_SERVICE, {"Ping": ("unary_unary", lambda _request: identity)})
+
+
+# -- the live servers of this process, found by address (what ``server.target`` names)
+_LOCK = threading.Lock()
+_SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+def register_server(server: Server) -> None:
+    """Record a server of this process so that its ``target`` finds it."""
+    with _LOCK:
+        _SERVERS.add(server)
+
+
+def address_key(address: str) -> tuple[str, int]:
+    """``(host, port)`` of ``address``, with every name of this machine's loopback one."""
+    host, port = parse_address(address)
+    host = host.lower()
+    return ("127.0.0.1" if host in ("localhost", "::1") else host), port
+
+
+def server_at(target: str) -> Server | None:
+    """The live (not stopped) server of this process whose address is ``target``."""
+    key = address_key(target)
+    with _LOCK:
+        servers = list(_SERVERS)
+    for server in servers:
+        if not server.stopped and address_key(server.address) == key:
+            return server
+    return None
 
 
 def _ready(service: HostedService) -> bool:

@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from towerflow.errors import InvalidArgumentError, NotFoundError
 
 if TYPE_CHECKING:
     import grpc
-
-    from towerflow.cluster.server import Server
 
 __all__ = [
     "HostedService",
@@ -69,7 +67,9 @@ class HostedService(Protocol):
         ...
 
 
-ServiceFactory = Callable[["Server"], HostedService]
+#: builds a hosted service; called with the :class:`~towerflow.cluster.Server` that hosts it
+#: (typed ``Any``: the server module imports this one, not the other way round)
+ServiceFactory = Callable[[Any], HostedService]
 
 #: job name -> the services its servers host, as "module:factory" (imported on first use)
 JOB_SERVICES: dict[str, tuple[str, ...]] = {

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ __all__ = [
     "parse_address",
     "is_loopback_host",
     "strip_scheme",
+    "tf_config_resolver",
 ]
 
 #: the names of the job whose one task is the chief (TensorFlow's ``multi_worker_util``
@@ -218,8 +220,6 @@ class ClusterSpec:
             InvalidArgumentError: it is malformed, names an unknown job or an
                 index out of range.
         """
-        from towerflow.cluster.resolvers import tf_config_resolver
-
         result = tf_config_resolver(env)
         if result is None:
             raise NotFoundError(
@@ -349,6 +349,54 @@ class ClusterSpec:
 
     def __contains__(self, job: object) -> bool:
         return job in self._jobs
+
+
+def tf_config_resolver(
+    env: Mapping[str, str] | None = None,
+) -> tuple[ClusterSpec, TaskInfo] | None:
+    """The cluster and task of ``TF_CONFIG``; ``None`` when it is unset or empty.
+
+    An ``evaluator`` task may be absent from the cluster (Kubeflow runs it
+    outside): it resolves to ``TaskInfo("evaluator", index)``.
+
+    Raises:
+        InvalidArgumentError: invalid JSON, no cluster, an unknown task type,
+            or an index out of range.
+    """
+    env = os.environ if env is None else env
+    text = env.get("TF_CONFIG", "").strip()
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"TF_CONFIG is not valid JSON ({exc}); fix its value.") from None
+    if config in ({}, None):
+        return None
+    if not isinstance(config, dict) or not config.get("cluster"):
+        raise InvalidArgumentError(
+            'TF_CONFIG has no "cluster"; set it to {"cluster": {"worker": ["host:port"]}, '
+            '"task": {"type": "worker", "index": 0}}.'
+        )
+    spec = ClusterSpec(config["cluster"])
+    task = config.get("task") or {}
+    if not isinstance(task, dict) or "type" not in task:
+        raise InvalidArgumentError(
+            f'TF_CONFIG task {task!r} has no "type"; set "task": {{"type": "<job>", "index": <i>}} '
+            f"with a job among {spec.jobs}."
+        )
+    job, index = task["type"], task.get("index", 0)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise InvalidArgumentError(f"TF_CONFIG task index {index!r} is not an integer; fix it.")
+    if job == "evaluator" and "evaluator" not in spec:
+        return spec, TaskInfo(job, index)
+    if job not in spec:
+        raise InvalidArgumentError(
+            f"TF_CONFIG task type {job!r} is not a job of its cluster {spec.jobs}; use one of "
+            "those (or 'evaluator')."
+        )
+    spec.validate_task(job, index)
+    return spec, TaskInfo(job, index)
 
 
 #: jobs whose tasks never compute gradients

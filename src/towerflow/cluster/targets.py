@@ -3,7 +3,8 @@
 TensorFlow's ``sv.managed_session(server.target)`` connects to the task whose
 server runs in this process. :func:`resolve_target` does the same: it finds
 the live :class:`~towerflow.cluster.Server` of this process listening at that
-address (every server registers itself here when it is built), else a task of
+address (every server registers itself when it is built:
+:func:`~towerflow.cluster.server.server_at`), else a task of
 the cluster the environment describes (``TF_CONFIG``, torchrun, Slurm) at that
 address. A target that names no task of a known cluster is refused, never
 taken to mean "train locally"; the empty target ``""`` (TensorFlow's
@@ -16,45 +17,14 @@ Example:
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from towerflow.cluster.resolvers import resolve_cluster
-from towerflow.cluster.spec import ClusterSpec, TaskInfo, parse_address
+from towerflow.cluster.server import Server, address_key, register_server, server_at
+from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from towerflow.cluster.server import Server
-
 __all__ = ["register_server", "server_at", "resolve_target"]
-
-_LOCK = threading.Lock()
-_SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
-
-
-def register_server(server: Server) -> None:
-    """Record a server of this process so that its ``target`` finds it."""
-    with _LOCK:
-        _SERVERS.add(server)
-
-
-def _key(address: str) -> tuple[str, int]:
-    host, port = parse_address(address)
-    host = host.lower()
-    return ("127.0.0.1" if host in ("localhost", "::1") else host), port
-
-
-def server_at(target: str) -> Server | None:
-    """The live (not stopped) server of this process whose address is ``target``."""
-    key = _key(target)
-    with _LOCK:
-        servers = list(_SERVERS)
-    for server in servers:
-        if not server.stopped and _key(server.address) == key:
-            return server
-    return None
 
 
 def resolve_target(
@@ -68,14 +38,14 @@ def resolve_target(
     """
     if not target:
         return None, None, None
-    key = _key(target)
+    key = address_key(target)
     server = server_at(target)
     if server is not None:
         return server.cluster, server.task, server
     cluster, _ = resolve_cluster(env=env)
     if cluster is not None:
         for task, address in cluster.tasks():
-            if _key(address) == key:
+            if address_key(address) == key:
                 return cluster, task, None
     raise InvalidArgumentError(
         f"target {target!r} names no task this process knows: no towerflow.Server of this "

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from towerflow.devices import log as _log
+from towerflow.devices import loglines as _lines
 from towerflow.devices.local import full_name
 
 __all__ = ["hook_result", "run_backward"]
@@ -94,7 +94,7 @@ def _make_hooks(name: str, node_name: str) -> tuple[Callable[..., None], Callabl
             return
         aten = "torch.compile" if node_name.startswith("Compiled") else \
             _main_operator(calls, node_name)
-        _log.log_op(f"gradients/{name}_grad", aten, full_name(tensor.device))
+        _lines.log_op(f"gradients/{name}_grad", aten, full_name(tensor.device))
 
     return before, after
 
@@ -114,7 +114,7 @@ def run_backward(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) ->
     """Run a backward call with the recorder that names each node's operator."""
     if _local.recorder is not None:
         return func(*args, **kwargs)
-    _log.flush()
+    _lines.flush()
     recorder = _BackwardRecorder()
     _local.recorder = recorder
     try:
@@ -123,5 +123,5 @@ def run_backward(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) ->
     finally:
         _local.recorder = None
         _local.marks.clear()
-        if len(_log._frames.stack) == 1:
-            _log.restart_names()  # a training step ends with its backward pass
+        if len(_lines._frames.stack) == 1:
+            _lines.restart_names()  # a training step ends with its backward pass

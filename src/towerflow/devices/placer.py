@@ -35,12 +35,14 @@ on, or a default device is configured; otherwise nothing is installed and
 PyTorch runs untouched. Scopes are per thread, like PyTorch's mode stack. Per
 operation the placer pays a dictionary lookup (the operation's kind is
 classified once and cached) and a device check of each tensor argument.
+Which device a scope's spec names, and moving inputs there, is
+:mod:`towerflow.devices.targets`'s.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,13 +51,29 @@ from torch.overrides import TorchFunctionMode
 from towerflow import _identity
 from towerflow.devices import functions as _functions
 from towerflow.devices import grads as _grads
-from towerflow.devices import log as _log
+from towerflow.devices import loglines as _lines
 from towerflow.devices import params as _params
 from towerflow.devices import settings as _settings
 from towerflow.devices.local import full_name, gpu_count
 from towerflow.devices.messages import missing_message as _missing_message
 from towerflow.devices.messages import remote_message as _remote_message
 from towerflow.devices.spec import DeviceSpec
+from towerflow.devices.targets import (
+    CPU,
+    DYNAMIC,
+    NO_TARGET,
+    Target,
+    check_default_device,
+    default_target,
+    full_spec,
+    move,
+    no_kernel,
+    resolve_spec,
+    result_device,
+    target_for,
+    wrong_device,
+    wrong_in,
+)
 from towerflow.errors import PlacementError
 
 __all__ = [
@@ -118,103 +136,6 @@ def _kind(func: Callable[..., Any]) -> int:
     return kind
 
 
-class _Target:
-    """Where operations of the current scope go (resolved once per scope change)."""
-
-    __slots__ = ("device", "index", "spec", "missing", "note", "soft", "remote", "ps")
-
-    def __init__(self, device: torch.device | None, spec: DeviceSpec | None = None, *,
-                 missing: bool = False, note: str = "", soft: bool = False,
-                 remote: str = "", ps: bool = False) -> None:
-        self.device = device
-        self.index = -1 if device is None or device.type == "cpu" else int(device.index or 0)
-        self.spec = spec          # what was asked for (for messages)
-        self.missing = missing    # asked-for device does not exist and no soft placement
-        self.note = note          # appended to log lines (soft placement)
-        self.soft = soft          # an op with no kernel there falls back to the CPU
-        self.remote = remote      # the full name of another task's device ("" when local)
-        self.ps = ps              # that task holds parameters: creating them is allowed
-
-
-_NO_TARGET = _Target(None)
-_DYNAMIC = _Target(None)  # a device function decides per operation
-_CPU = torch.device("cpu")
-
-
-def _other_task(spec: DeviceSpec) -> str:
-    """The task prefix of ``spec`` when it names a task other than this process's, else ``""``."""
-    if spec.job is None and spec.task is None and spec.replica is None:
-        return ""
-    job, replica, task = _identity.current()
-    if spec.job in (None, job) and spec.replica in (None, replica) and spec.task in (None, task):
-        return ""
-    return (f"/job:{spec.job or job}/replica:{spec.replica or 0}/task:"
-            f"{0 if spec.task is None else spec.task}")
-
-
-def full_spec(spec: DeviceSpec) -> DeviceSpec:
-    """``spec`` completed with this process's job / task and the CPU, as a placer would."""
-    job, replica, task = _identity.current()
-    same_job = spec.job in (None, job)
-    return DeviceSpec(
-        spec.job or job, replica if spec.replica is None else spec.replica,
-        (task if same_job else 0) if spec.task is None else spec.task,
-        spec.device_type or "CPU", spec.device_index or 0,
-    )
-
-
-def _target_for(spec: DeviceSpec, soft: bool, *, auto: bool = False) -> _Target:
-    """Resolve the local part of ``spec`` (type and index) to an existing device."""
-    if spec.device_type == "CPU":
-        exists = spec.device_index in (None, 0)
-        device = _CPU
-    else:
-        index = spec.device_index or 0
-        exists = index < gpu_count()
-        device = torch.device("cuda", index)
-    soft = soft or auto
-    if exists:
-        return _Target(device, spec, soft=soft)
-    if soft:
-        note = f" (soft placement: no device matches '{spec.to_string()}')"
-        return _Target(_CPU, spec, note=note, soft=True)
-    return _Target(_CPU, spec, missing=True)
-
-
-def _default_target(config: _settings.DeviceConfig) -> _Target:
-    default = config.default_device
-    if default is None:
-        return _NO_TARGET
-    if default == "auto":
-        if gpu_count() == 0:
-            return _NO_TARGET
-        return _Target(torch.device("cuda", 0), DeviceSpec("localhost", 0, 0, "GPU", 0),
-                       soft=True)
-    return _target_for(DeviceSpec.from_string(default), config.allow_soft_placement)
-
-
-def _resolve(spec: DeviceSpec | None, config: _settings.DeviceConfig) -> _Target:
-    """The target of operations whose scopes give them ``spec``."""
-    if spec is None:
-        return _default_target(config)
-    other = _other_task(spec)
-    if other:
-        local = _default_target(config).device
-        remote = full_spec(spec).to_string()
-        return _Target(local, spec, remote=remote, ps=spec.job == "ps")
-    if spec.device_type is None:
-        return _default_target(config)
-    return _target_for(spec, config.allow_soft_placement)
-
-
-def check_default_device(config: _settings.DeviceConfig) -> None:
-    """Raise ``PlacementError`` now if ``config.default_device`` names no existing device."""
-    target = _default_target(config)
-    if target.missing and target.spec is not None:
-        what = f"default_device={config.default_device!r}"
-        raise PlacementError(_missing_message(what, target.spec))
-
-
 class _Scope:
     """One open scope: the scopes it is made of since the last ``device(None)``."""
 
@@ -234,26 +155,26 @@ class _ThreadState(threading.local):
         self.mode: _Placer | None = None
         self.users = 0
         self.global_held = False
-        self.target: _Target = _NO_TARGET
+        self.target: Target = NO_TARGET
         self.generation = -1
         self.identity = -1
-        self.targets: dict[DeviceSpec | None, _Target] = {}  # device functions' answers
+        self.targets: dict[DeviceSpec | None, Target] = {}  # device functions' answers
         self.fast: int | None = None  # the target's index when _Placer's fast path applies
 
 
 _state = _ThreadState()
 
 
-def _refresh(state: _ThreadState) -> _Target:
+def _refresh(state: _ThreadState) -> Target:
     config = _settings.get_config()
     scope = state.scopes[-1] if state.scopes else None
     state.targets = {}
     if scope is not None and scope.dynamic:
-        state.target = _DYNAMIC
+        state.target = DYNAMIC
     else:
-        state.target = _resolve(scope.spec if scope is not None else None, config)
+        state.target = resolve_spec(scope.spec if scope is not None else None, config)
     target = state.target
-    plain = (target is not _DYNAMIC and target.device is not None and not target.remote
+    plain = (target is not DYNAMIC and target.device is not None and not target.remote
              and not target.missing and not config.log_device_placement)
     state.fast = target.index if plain else None
     state.generation = _settings.generation()
@@ -261,20 +182,20 @@ def _refresh(state: _ThreadState) -> _Target:
     return state.target
 
 
-def _current(state: _ThreadState) -> _Target:
+def _current(state: _ThreadState) -> Target:
     # module attributes read directly: this runs for every operation
     if state.generation == _settings._generation and state.identity == _identity._generation:
         return state.target
     return _refresh(state)
 
 
-def _dynamic_target(state: _ThreadState, func: Any) -> _Target:
+def _dynamic_target(state: _ThreadState, func: Any) -> Target:
     """Ask the scope's device functions where ``func`` goes (answers cached per device)."""
     chain = state.scopes[-1].chain
-    spec = _functions.evaluate(chain, _log.OpNamer.peek(func), _log.python_name(func))
+    spec = _functions.evaluate(chain, _lines.OpNamer.peek(func), _lines.python_name(func))
     target = state.targets.get(spec)
     if target is None:
-        target = _resolve(spec, _settings.get_config())
+        target = resolve_spec(spec, _settings.get_config())
         state.targets[spec] = target
     return target
 
@@ -285,7 +206,7 @@ def _on_parameter(module: torch.nn.Module, name: str, param: torch.Tensor) -> No
     if entry is None:
         return
     if _settings.get_config().log_device_placement:
-        _log.claim(param, entry)
+        _lines.claim(param, entry)
     scopes = _state.scopes
     scope = scopes[-1] if scopes else None
     if scope is None or not scope.chain:
@@ -322,7 +243,7 @@ def refresh_global() -> None:
     """Install or remove the placer for the settings (log on, default device)."""
     state = _state
     config = _settings.get_config()
-    needed = config.log_device_placement or _default_target(config).device is not None
+    needed = config.log_device_placement or default_target(config).device is not None
     if needed and not state.global_held:
         _acquire(state)
         state.global_held = True
@@ -370,7 +291,7 @@ class _DeviceScope:
 
     def __exit__(self, *exc_info: object) -> None:
         state = _state
-        _log.flush()  # a model built in the scope: its parameters' lines, named now
+        _lines.flush()  # a model built in the scope: its parameters' lines, named now
         try:
             depth = self._depth.pop()
             del state.scopes[depth - 1:]
@@ -435,64 +356,15 @@ def resolve_device(spec: str | DeviceSpec | torch.device | None = None) -> torch
     parsed = DeviceSpec.from_string(spec)
     if parsed.device_type is None:
         target = _current(_state)
-        if target is _DYNAMIC:
-            target = _resolve(current_scope(), _settings.get_config())
+        if target is DYNAMIC:
+            target = resolve_spec(current_scope(), _settings.get_config())
         if target.device is not None and not target.remote:
             return target.device
-        return torch.device("cuda", 0) if gpu_count() else _CPU
-    target = _target_for(parsed, _settings.get_config().allow_soft_placement)
+        return torch.device("cuda", 0) if gpu_count() else CPU
+    target = target_for(parsed, _settings.get_config().allow_soft_placement)
     if target.missing:
         raise PlacementError(_missing_message(f"device {str(spec)!r}", parsed))
     return target.device  # type: ignore[return-value]
-
-
-def _wrong_device(args: Any, kwargs: Mapping[str, Any], index: int) -> bool:
-    return _wrong_in(args, index) or (bool(kwargs) and _wrong_in(kwargs.values(), index))
-
-
-def _wrong_in(values: Any, index: int) -> bool:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.get_device() != index:
-                return True
-        elif type(value) in (list, tuple):
-            for item in value:
-                if isinstance(item, torch.Tensor) and item.get_device() != index:
-                    return True
-    return False
-
-
-def _movable(tensor: torch.Tensor, index: int) -> bool:
-    return tensor.get_device() != index and (tensor.is_cpu or tensor.is_cuda)
-
-
-def _move(value: Any, device: torch.device, index: int, copies: list[torch.device]) -> Any:
-    if isinstance(value, torch.Tensor):
-        if _movable(value, index):
-            copies.append(value.device)
-            return value.to(device)
-        return value
-    if type(value) in (list, tuple):
-        return type(value)(_move(item, device, index, copies) for item in value)
-    return value
-
-
-def _result_device(result: Any, fallback: torch.device | None) -> torch.device:
-    if isinstance(result, torch.Tensor):
-        return result.device
-    if isinstance(result, (list, tuple)):
-        for item in result:
-            if isinstance(item, torch.Tensor):
-                return item.device
-    return fallback or _CPU
-
-
-def _no_kernel(exc: BaseException, target: _Target) -> bool:
-    """A missing kernel: no backend kernel at all, or (on a GPU) none for the dtype."""
-    text = str(exc)
-    if isinstance(exc, NotImplementedError):
-        return "Could not run" in text
-    return target.index >= 0 and "not implemented for" in text
 
 
 class _Placer(TorchFunctionMode):
@@ -513,13 +385,13 @@ class _Placer(TorchFunctionMode):
             if kind == _INPLACE:
                 return func(*args, **kwargs) if kwargs else func(*args)
             if kind == _COMPUTE and not (kwargs and ("out" in kwargs
-                                                     or _wrong_in(kwargs.values(), index))) \
-                    and not _wrong_in(args, index):
+                                                     or wrong_in(kwargs.values(), index))) \
+                    and not wrong_in(args, index):
                 try:
                     return func(*args, **kwargs) if kwargs else func(*args)
                 except (NotImplementedError, RuntimeError) as exc:
                     target = state.target
-                    if not _no_kernel(exc, target):
+                    if not no_kernel(exc, target):
                         raise
                     return _kernel_fallback(func, args, kwargs or {}, target, False, exc, "")
         return self._place(func, kind, args, kwargs or {})
@@ -536,7 +408,7 @@ class _Placer(TorchFunctionMode):
         if kind == _BACKWARD:
             return _grads.run_backward(func, args, kwargs) if logging_on \
                 else func(*args, **kwargs)
-        if target is _DYNAMIC:
+        if target is DYNAMIC:
             target = _dynamic_target(state, func)
         if target.device is None and not logging_on and not target.remote:
             return func(*args, **kwargs)
@@ -545,12 +417,12 @@ class _Placer(TorchFunctionMode):
         if target.remote:
             if kind != _FACTORY or not target.ps:
                 raise PlacementError(_remote_message(
-                    f"operation '{_log.OpNamer.peek(func)}'", target))
+                    f"operation '{_lines.OpNamer.peek(func)}'", target))
             return _run_logged(func, args, kwargs, target, logging_on)
         if target.device is None:
             return _run_logged(func, args, kwargs, None, logging_on)
         if target.missing:
-            raise PlacementError(_missing_message(f"operation '{_log.OpNamer.peek(func)}'",
+            raise PlacementError(_missing_message(f"operation '{_lines.OpNamer.peek(func)}'",
                                                   target.spec))  # type: ignore[arg-type]
         if kind == _FACTORY:
             if kwargs.get("device") is None:
@@ -559,43 +431,43 @@ class _Placer(TorchFunctionMode):
         return _run_compute(func, args, kwargs, target, logging_on)
 
 
-def _run_compute(func: Any, args: Any, kwargs: dict[str, Any], target: _Target,
+def _run_compute(func: Any, args: Any, kwargs: dict[str, Any], target: Target,
                  logging_on: bool) -> Any:
-    name = _log.OpNamer.name(func) if logging_on else ""
-    if _wrong_device(args, kwargs, target.index):
+    name = _lines.OpNamer.name(func) if logging_on else ""
+    if wrong_device(args, kwargs, target.index):
         copies: list[torch.device] = []
-        args = _move(args, target.device, target.index, copies)  # type: ignore[arg-type]
-        kwargs = {k: _move(v, target.device, target.index, copies)  # type: ignore[arg-type]
+        args = move(args, target.device, target.index, copies)  # type: ignore[arg-type]
+        kwargs = {k: move(v, target.device, target.index, copies)  # type: ignore[arg-type]
                   for k, v in kwargs.items()}
         for number, source in enumerate(copies if logging_on else ()):
             suffix = "input_copy" if number == 0 else f"input_copy_{number}"
-            _log.log_op(f"{name}/{suffix}", "aten::_to_copy",
+            _lines.log_op(f"{name}/{suffix}", "aten::_to_copy",
                         full_name(target.device),  # type: ignore[arg-type]
                         f" (from {full_name(source)})")
     try:
         return _run_logged(func, args, kwargs, target, logging_on, name)
     except (NotImplementedError, RuntimeError) as exc:
-        if not _no_kernel(exc, target):
+        if not no_kernel(exc, target):
             raise
         return _kernel_fallback(func, args, kwargs, target, logging_on, exc, name)
 
 
-def _kernel_fallback(func: Any, args: Any, kwargs: dict[str, Any], target: _Target,
+def _kernel_fallback(func: Any, args: Any, kwargs: dict[str, Any], target: Target,
                      logging_on: bool, exc: BaseException, name: str) -> Any:
     device_type = "GPU" if target.index >= 0 else "CPU"
     if not target.soft or target.index < 0:
         spec = target.spec.to_string() if target.spec is not None else device_type
         reason = str(exc).splitlines()[0]
         raise PlacementError(
-            f"Cannot assign a device for operation '{name or _log.OpNamer.peek(func)}': Could not "
+            f"Cannot assign a device for operation '{name or _lines.OpNamer.peek(func)}': Could not "
             f"satisfy explicit device specification '{spec}' because no supported kernel for "
             f"{device_type} devices is available ({reason}). Set allow_soft_placement=True to "
             f"run it on the CPU instead."
         ) from exc
     copies: list[torch.device] = []
-    args = _move(args, _CPU, -1, copies)
-    kwargs = {k: _move(v, _CPU, -1, copies) for k, v in kwargs.items()}
-    soft = _Target(_CPU, target.spec, note=f" (soft placement: no {device_type} kernel)")
+    args = move(args, CPU, -1, copies)
+    kwargs = {k: move(v, CPU, -1, copies) for k, v in kwargs.items()}
+    soft = Target(CPU, target.spec, note=f" (soft placement: no {device_type} kernel)")
     return _run_logged(func, args, kwargs, soft, logging_on, name)
 
 
@@ -603,36 +475,36 @@ def _run_inplace(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """An in-place operation, logged; one on a parameter or buffer is named after it."""
     changed = args[0] if args else next(iter(kwargs.values()), None)
     entry = _params.owner_of(changed)
-    recorder = _log.AtenRecorder()
+    recorder = _lines.AtenRecorder()
     with recorder:
         result = func(*args, **kwargs)
-    device_name = full_name(_result_device(result, None))
+    device_name = full_name(result_device(result, None))
     if entry is not None:
-        _log.log_tensor_op(entry, func, recorder.aten_name(result, _log.python_name(func)),
+        _lines.log_tensor_op(entry, func, recorder.aten_name(result, _lines.python_name(func)),
                            device_name)
     else:
-        name = _log.OpNamer.name(func)
-        _log.log_op(name, recorder.aten_name(result, name), device_name)
+        name = _lines.OpNamer.name(func)
+        _lines.log_op(name, recorder.aten_name(result, name), device_name)
     return result
 
 
-def _run_logged(func: Any, args: Any, kwargs: dict[str, Any], target: _Target | None,
+def _run_logged(func: Any, args: Any, kwargs: dict[str, Any], target: Target | None,
                 logging_on: bool, name: str = "") -> Any:
     if not logging_on:
         return func(*args, **kwargs)
-    name = name or _log.OpNamer.name(func)
-    recorder = _log.AtenRecorder()
+    name = name or _lines.OpNamer.name(func)
+    recorder = _lines.AtenRecorder()
     with recorder:
         result = func(*args, **kwargs)
     note = target.note if target is not None else ""
     aten = recorder.aten_name(result, name)
     if target is not None and target.remote:
-        _log.hold_op(name, aten, target.remote, note, result)
+        _lines.hold_op(name, aten, target.remote, note, result)
     elif _KINDS.get(func) == _FACTORY:
         fallback = target.device if target is not None else None
-        _log.hold_op(name, aten, full_name(_result_device(result, fallback)), note, result)
+        _lines.hold_op(name, aten, full_name(result_device(result, fallback)), note, result)
     else:
         fallback = target.device if target is not None else None
-        _log.log_op(name, aten, full_name(_result_device(result, fallback)), note)
+        _lines.log_op(name, aten, full_name(result_device(result, fallback)), note)
         _grads.hook_result(name, result)
     return result

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import torch
 
@@ -37,12 +37,13 @@ from towerflow.errors import NanLossDuringTrainingError
 
 if TYPE_CHECKING:
     from towerflow.checkpoint import CheckpointManager
-    from towerflow.training.loop import Trainer
+    from towerflow.strategies.base import Strategy
     from towerflow.training.summaries import SummaryWriter
 
 __all__ = [
     "NanLossDuringTrainingError",
     "StepContext",
+    "TrainerView",
     "Hook",
     "StepLogHook",
     "SummaryHook",
@@ -311,10 +312,35 @@ class StepPeriod:
             self._last = step // self.every
 
 
+class TrainerView(Protocol):
+    """What a hook sees of the :class:`~towerflow.training.loop.Trainer` that runs it."""
+
+    model: torch.nn.Module
+    strategy: Strategy
+
+    @property
+    def max_steps(self) -> int:
+        """Where training stops."""
+        ...
+
+    @property
+    def global_step(self) -> int:
+        """The global step now."""
+        ...
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        """Groups and metadata of a checkpoint now."""
+        ...
+
+    def non_finite_state(self) -> str | None:
+        """Name of a parameter or moving average holding NaN/inf, or None."""
+        ...
+
+
 class Hook:
     """Base class: override what you need. ``begin`` runs after restoring."""
 
-    def begin(self, trainer: Trainer) -> None:
+    def begin(self, trainer: TrainerView) -> None:
         """Called once before the first step, with the prepared trainer."""
 
     def wants_loss(self, step: int) -> bool:
@@ -339,7 +365,7 @@ class StepLogHook(Hook):
         self._chief = True
         self._batches = 1
 
-    def begin(self, trainer: Trainer) -> None:
+    def begin(self, trainer: TrainerView) -> None:
         self._rate = _Rate(trainer.global_step)
         self._period = StepPeriod(self.every, trainer.global_step)
         self._chief = trainer.strategy.is_chief
@@ -371,12 +397,12 @@ class SummaryHook(Hook):
         self.every = every
         self._factory = writer_factory
         self._writer: SummaryWriter | None = None
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._rate = _Rate(0)
         self._period = StepPeriod(every)
         self._cluster: Any = None
 
-    def begin(self, trainer: Trainer) -> None:
+    def begin(self, trainer: TrainerView) -> None:
         self._trainer = trainer
         self._rate = _Rate(trainer.global_step)
         self._period = StepPeriod(self.every, trainer.global_step)
@@ -423,10 +449,10 @@ class CheckpointHook(Hook):
         self.manager = manager
         self.every = every
         self.saved_step: int | None = None  # of the last checkpoint it wrote
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._period = StepPeriod(every)
 
-    def begin(self, trainer: Trainer) -> None:
+    def begin(self, trainer: TrainerView) -> None:
         self._trainer = trainer
         self._period = StepPeriod(self.every, trainer.global_step)
 
@@ -459,7 +485,7 @@ class ProgressHook(Hook):
         self._progress: Any = None
         self._task: Any = None
 
-    def begin(self, trainer: Trainer) -> None:
+    def begin(self, trainer: TrainerView) -> None:
         enabled = sys.stderr.isatty() if self.enabled is None else self.enabled
         if not (enabled and trainer.strategy.is_chief):
             return

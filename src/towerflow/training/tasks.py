@@ -35,6 +35,7 @@ from torch import nn
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.training.pipeline import Transform
+from towerflow.training.precision import evaluate
 
 __all__ = ["DataOptions", "Task", "Cifar10Task", "DigitsTask", "ClickTask", "TASKS", "get_task"]
 
@@ -110,8 +111,6 @@ class Task(abc.ABC):
     def score(self, model: nn.Module, data: Any, *, device: torch.device,
               batch_size: int) -> float:
         """The :attr:`metric` of ``model`` on the test split ``data``."""
-        from towerflow.training.evaluate import evaluate
-
         return evaluate(model, data, device=device, batch_size=batch_size,
                         images_fn=self.eval_images)
 
