@@ -162,7 +162,7 @@ PS_CODE = ("import sys, json, towerflow; from towerflow.cluster import ClusterSp
            "towerflow.Server(ClusterSpec(json.loads(sys.argv[1])), 'ps', int(sys.argv[2]))"
            ".join()")
 #: a ps task that holds no table: the interpreter, torch, gRPC and the services loaded
-BARE_PS_CODE = "import torch, towerflow.ps.table_shard; " + PS_CODE
+BARE_PS_CODE = "import torch, towerflow.ps.server.tables.shard; " + PS_CODE
 
 
 def run_cluster(args: argparse.Namespace) -> dict:

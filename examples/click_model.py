@@ -111,7 +111,7 @@ def sharded_tables(initial_accumulator: float) -> TableFactory:
     counterpart of the dense optimizer, with its accumulator start.
     """
     from towerflow.ps.embedding import ShardedEmbedding
-    from towerflow.ps.sparse_optim import SparseFtrl
+    from towerflow.ps.server.tables.optimizers import SparseFtrl
 
     def table(num_rows: int, dim: int, role: str) -> nn.Module:
         if role == "wide":

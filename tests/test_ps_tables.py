@@ -22,15 +22,15 @@ from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotF
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.embedding import ShardedEmbedding, swap_embeddings
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
-from towerflow.ps.rows import UniformRows
+from towerflow.ps.server.tables.rows import UniformRows
+from towerflow.ps.server.tables.service import TableHost
 from towerflow.ps.table_client import DEFAULT_INITIALIZER, TableClient, TableConfig
-from towerflow.ps.table_service import TableHost
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.processes import stop_processes
 
 SECRET = Credentials(secret=b"tables-secret")
-TABLES_ONLY = ["towerflow.ps.table_service:TableHost"]
+TABLES_ONLY = ["towerflow.ps.server.tables.service:TableHost"]
 INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3}
 PROGRAM = Path(__file__).parent / "programs" / "sparse_click.py"
 

@@ -69,7 +69,7 @@ __all__ = ["add_parser", "add_train_arguments", "bind_host", "build_config", "bu
 log = logging.getLogger("towerflow.training")
 
 _MODELS = ("cifar10", "digits", "click")  # towerflow.training.tasks.TASKS
-_MODES = ("async", "sync", "ssp")  # towerflow.ps.aggregation.MODES
+_MODES = ("async", "sync", "ssp")  # towerflow.ps.server.dense.aggregation.MODES
 _PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
 _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
 

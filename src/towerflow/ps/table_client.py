@@ -70,8 +70,8 @@ def _describe(value: Any, what: str) -> dict[str, Any]:
     if callable(to_dict):
         return dict(to_dict())
     raise InvalidArgumentError(
-        f"{what} must be a dict or have to_dict() (e.g. towerflow.ps.sparse_optim.SparseAdagrad"
-        f"() or towerflow.ps.rows.UniformRows()), got {type(value).__name__}."
+        f"{what} must be a dict or have to_dict() (e.g. towerflow.ps.server.tables.optimizers.SparseAdagrad"
+        f"() or towerflow.ps.server.tables.rows.UniformRows()), got {type(value).__name__}."
     )
 
 

@@ -7,12 +7,12 @@ its state buffers, the step counter (on ps task 0 it is the global step), the
 de-duplication table of pushes, and the counters a ps reports.
 
 Everything here is plain numpy and threads, so the shard logic is tested
-in-process; :mod:`towerflow.ps.service` puts it behind gRPC.
+in-process; :mod:`towerflow.ps.server.dense.service` puts it behind gRPC.
 
 Example:
     >>> import numpy as np
     >>> from towerflow.ps.placement import plan_placement
-    >>> from towerflow.ps.optimizers import make_optimizer
+    >>> from towerflow.ps.server.dense.optimizers import make_optimizer
     >>> layout = plan_placement({"w": (2,)}, 1).shards[0]
     >>> state = ShardState(layout, np.zeros(2, np.float32), make_optimizer("sgd", 2))
     >>> state.apply(np.ones(2, np.float32), lr=0.5)
@@ -40,7 +40,6 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, keep_free_heap
-from towerflow.ps.optimizers import ServerOptimizer
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.protocol import (
     APPLIED,
@@ -52,7 +51,8 @@ from towerflow.ps.protocol import (
     PushOutcome,
     bounded,
 )
-from towerflow.ps.pushes import LIVENESS_SECONDS, Pending, PushTable
+from towerflow.ps.server.dense.optimizers import ServerOptimizer
+from towerflow.ps.server.pushes import LIVENESS_SECONDS, Pending, PushTable
 
 __all__ = [
     "LedgerRecord",
@@ -326,7 +326,7 @@ class ShardState:
             The earlier outcome (``duplicate``) when this push was answered
             already (a retry: the gradient is not applied twice), after waiting
             for it when it is still in progress; else the new push's
-            :class:`~towerflow.ps.pushes.Pending` record.
+            :class:`~towerflow.ps.server.pushes.Pending` record.
 
         Raises:
             InvalidArgumentError: a superseded incarnation, or a header that
