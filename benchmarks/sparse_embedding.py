@@ -87,7 +87,7 @@ def ceiling(rows: int, seconds: float) -> float:
 
 def worker(args: argparse.Namespace) -> None:
     from towerflow.cluster import ClusterSpec, TaskInfo
-    from towerflow.ps.embedding import ShardedEmbedding
+    from towerflow.ps.worker.tables.embedding import ShardedEmbedding
     from towerflow.strategies import OptimizerConfig
     from towerflow.strategies.parameter_server import ParameterServer
 

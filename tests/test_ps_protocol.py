@@ -99,8 +99,10 @@ def test_the_worker_side_loads_no_server_module() -> None:
     module of a ps task's half (``towerflow.ps.server``), not even its package."""
     program = (
         "import sys\n"
-        "import towerflow.strategies.parameter_server, towerflow.ps.client\n"
-        "import towerflow.ps.worker, towerflow.ps.embedding\n"
+        "import towerflow.strategies.parameter_server, towerflow.ps.worker.dense.client\n"
+        "import towerflow.ps.worker.dense.variables, towerflow.ps.worker.tables.embedding\n"
+        "import towerflow.ps.worker.tables.checkpoint, towerflow.ps.worker.observe\n"
+        "towerflow.ps.PSClient, towerflow.ps.ShardedEmbedding, towerflow.ps.TableClient\n"
         "print(sorted(m for m in sys.modules if m.startswith('towerflow.ps.server')))\n"
     )
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,

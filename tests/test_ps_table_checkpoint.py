@@ -22,9 +22,9 @@ from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import CheckpointError, InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.embedding import ShardedEmbedding
 from towerflow.ps.server.tables.optimizers import SparseLazyAdam
-from towerflow.ps.table_checkpoint import TABLES_GROUP
+from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
+from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.processes import stop_processes

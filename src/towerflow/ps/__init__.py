@@ -1,24 +1,22 @@
-"""The parameter server: placement, ps shards, aggregation, service and client.
+"""The parameter server wing: two halves and the wire contract they share.
 
-- :func:`replica_device_setter` — which ps task holds each variable
-  (:mod:`~towerflow.ps.placement`).
-- :class:`ShardState` / :class:`AggregationConfig` — a ps shard's flat buffers,
-  server-side optimizer and async / sync / ssp aggregation.
-- :class:`PSService` — the shard behind gRPC; :class:`ShardHost` — that service
-  hosted by a ps task's ``Server`` (so ``Server(cluster, "ps", 0).join()`` is a
-  whole ps task, as in article 003); :func:`run_ps_task` — the same, until
-  SIGTERM / SIGINT.
-- :class:`PSClient` — a worker's pull / push / push-and-pull to every shard.
+A file's path says which process it runs in:
 
-The wire contract both sides speak is :mod:`~towerflow.ps.protocol`; the
-worker's side is :mod:`~towerflow.ps.client` and :mod:`~towerflow.ps.worker`
-(and, for sparse tables, :mod:`~towerflow.ps.embedding`), which import no
-server module; the server's side is :mod:`~towerflow.ps.server.dense.service` over
-:mod:`~towerflow.ps.server.dense.shard`, :mod:`~towerflow.ps.server.dense.aggregation`,
-:mod:`~towerflow.ps.server.pushes` and :mod:`~towerflow.ps.server.dense.optimizers`.
+- at this package's root, what both sides speak: the wire contract
+  (:mod:`~towerflow.ps.protocol`, ``ps.proto`` / ``tables.proto`` and their
+  generated modules), partitioning (:mod:`~towerflow.ps.partition`), variable
+  placement (:mod:`~towerflow.ps.placement`: :func:`replica_device_setter`) and
+  the flat-buffer helpers (:mod:`~towerflow.ps.buffers`);
+- :mod:`towerflow.ps.server` — what runs inside a ps task: :class:`ShardHost`
+  and :func:`run_ps_task` (:mod:`~towerflow.ps.server.host`), the dense shard
+  (:class:`ShardState`, :class:`PSService`) and the sparse tables'
+  (:class:`TableService`, :class:`TableHost`);
+- :mod:`towerflow.ps.worker` — what runs inside a worker: :class:`PSClient`,
+  :class:`TableClient` / :class:`TableConfig`, :class:`ShardedEmbedding`.
 
-Importing this package loads neither torch nor grpc, nor either side's
-modules: each is imported on first use of its names.
+The halves never import each other. This module only hands names on:
+importing it loads neither torch nor grpc, nor either half; each name is
+imported on first use.
 
 Example (a ps task, as the article's ``server.join()``)::
 
@@ -70,12 +68,12 @@ _LAZY = {
     "PSService": "towerflow.ps.server.dense.service",
     "ShardHost": "towerflow.ps.server.host",
     "run_ps_task": "towerflow.ps.server.host",
-    "PSClient": "towerflow.ps.client",
-    "ShardClient": "towerflow.ps.client",
-    "PushResult": "towerflow.ps.client",
-    "ShardedEmbedding": "towerflow.ps.embedding",
-    "TableClient": "towerflow.ps.table_client",
-    "TableConfig": "towerflow.ps.table_client",
+    "PSClient": "towerflow.ps.worker.dense.client",
+    "ShardClient": "towerflow.ps.worker.dense.client",
+    "PushResult": "towerflow.ps.worker.dense.client",
+    "ShardedEmbedding": "towerflow.ps.worker.tables.embedding",
+    "TableClient": "towerflow.ps.worker.tables.client",
+    "TableConfig": "towerflow.ps.worker.tables.client",
     "TableService": "towerflow.ps.server.tables.service",
     "TableHost": "towerflow.ps.server.tables.service",
 }

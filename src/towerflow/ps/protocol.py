@@ -2,7 +2,7 @@
 
 Both sides of the dense parameter path import this module and nothing of
 each other: the ps task (:mod:`~towerflow.ps.server.dense.service` and the shard state it
-hosts) and the worker (:mod:`~towerflow.ps.client`). It holds no state and
+hosts) and the worker (:mod:`~towerflow.ps.worker.dense.client`). It holds no state and
 imports neither torch nor grpc.
 
 Service ``towerflow.ps.PS`` (raw-bytes handlers of

@@ -19,7 +19,7 @@ tasks' heartbeats reach it and a dead or suspended worker is named.
 An **elastic worker** (``join=True``; ``towerflow train --join``) is a
 process with the cluster (``cluster=`` or ``TF_CONFIG`` with no ``task``) and
 its credentials but no task of its own in it. It joins a running ``async``
-job (:func:`~towerflow.ps.worker.join_job`: ps task 0 gives its worker id),
+job (:func:`~towerflow.ps.worker.dense.variables.join_job`: ps task 0 gives its worker id),
 trains from the current parameters, never initialises, restores or saves
 (it is never the chief), runs no server, and leaves with ``Done`` when it
 shuts down, on an error and on SIGTERM too. It reads its data as a replica
@@ -58,7 +58,7 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps.protocol import DEFAULT_MAX_ELASTIC
-from towerflow.ps.worker import (
+from towerflow.ps.worker.dense.variables import (
     DenseRestore,
     FlatBuffers,
     consistent_snapshot,
@@ -233,7 +233,7 @@ class ParameterServer(Strategy):
 
     @property
     def client(self) -> Any:
-        """The :class:`~towerflow.ps.client.PSClient` (after :meth:`prepare`)."""
+        """The :class:`~towerflow.ps.worker.dense.client.PSClient` (after :meth:`prepare`)."""
         if self._client is None:
             raise FailedPreconditionError(
                 "ParameterServer has no model yet; call prepare(model, optimizer) first."
@@ -243,7 +243,7 @@ class ParameterServer(Strategy):
     # -- setup -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
         """Place the parameters on the ps tasks; the chief initialises, others wait."""
-        from towerflow.ps.client import PSClient
+        from towerflow.ps.worker.dense.client import PSClient
 
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
@@ -282,7 +282,7 @@ class ParameterServer(Strategy):
 
     def _join(self) -> None:
         """Join the job as an elastic worker; leave with ``Done`` on SIGTERM too."""
-        from towerflow.ps.worker import join_job
+        from towerflow.ps.worker.dense.variables import join_job
 
         worker_id, step = join_job(self._client, f"{socket.gethostname()}:{os.getpid()}")
         log.info("joined the job as elastic worker %d at global step %d", worker_id, step)
@@ -353,7 +353,7 @@ class ParameterServer(Strategy):
         buffers = self._buffers
         restore = self._restore or DenseRestore(buffers.host_params(), [], 0, 0, [])
         if self._tables:  # before the dense Init the other workers wait for
-            from towerflow.ps.table_checkpoint import import_tables
+            from towerflow.ps.worker.tables.checkpoint import import_tables
 
             pending, self._table_restore = self._table_restore, None
             configs = [module.config for _, module in self._tables.modules]
@@ -462,7 +462,7 @@ class ParameterServer(Strategy):
         self._meta = {"global_step": snaps[0].step, "optimizer_step": snaps[0].optimizer_step,
                       "optimizer": self._opt.name, "mode": self.aggregation.mode}
         if self._tables:
-            from towerflow.ps import table_checkpoint as tables
+            from towerflow.ps.worker.tables import checkpoint as tables
 
             configs = [module.config for _, module in self._tables.modules]
             groups[tables.TABLES_GROUP] = tables.export_tables(
@@ -508,7 +508,7 @@ class ParameterServer(Strategy):
             return
         metadata = dict(metadata or {})
         if self._tables:
-            from towerflow.ps.table_checkpoint import TABLES_GROUP, TABLES_KEY
+            from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, TABLES_KEY
 
             self._table_restore = (groups.get(TABLES_GROUP), metadata.get(TABLES_KEY))
         self._restore = dense_restore(self._buffers.placement, groups, metadata, self._opt.name)
@@ -556,7 +556,7 @@ class ParameterServer(Strategy):
 
 def _attach_tables(strategy: ParameterServer, model: nn.Module, optimizer: OptimizerConfig) -> Any:
     """Swap large embeddings (``sparse_threshold_bytes``) and bind the model's sparse tables."""
-    from towerflow.ps.embedding import SparseTables, swap_embeddings
+    from towerflow.ps.worker.tables.embedding import SparseTables, swap_embeddings
 
     if strategy._sparse_threshold is not None:
         swapped = swap_embeddings(model, strategy._sparse_threshold)

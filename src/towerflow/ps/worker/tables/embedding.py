@@ -19,7 +19,7 @@ never materialised on a worker. For a batch, :class:`ShardedEmbedding`:
 
 Bytes on the wire per step are ``unique rows x row bytes`` (+ 8 bytes per id)
 each way, whatever the table's size. The requests to a ps task travel on one
-long-lived stream (:mod:`towerflow.ps.row_stream`).
+long-lived stream (:mod:`towerflow.ps.worker.tables.stream`).
 
 The strategy's mode applies to the tables as to the dense parameters
 (:mod:`towerflow.ps.server.tables.aggregation`): ``async`` applies each push on
@@ -48,7 +48,7 @@ model says ``nn.Embedding(10_000_000, 32)``, which allocates the whole weight
   module's random weight, and uses the row-wise counterpart of the model's
   optimizer (sgd, adagrad, adam -> lazy Adam).
 
-This module and :mod:`towerflow.ps.table_client` speak to the ps through the
+This module and :mod:`towerflow.ps.worker.tables.client` speak to the ps through the
 generated ``tables_pb2`` messages and the cluster transport only; they import
 no server module.
 """
@@ -65,7 +65,12 @@ from torch import nn
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
-from towerflow.ps.table_client import DEFAULT_INITIALIZER, TableClient, TableConfig, _describe
+from towerflow.ps.worker.tables.client import (
+    DEFAULT_INITIALIZER,
+    TableClient,
+    TableConfig,
+    _describe,
+)
 
 __all__ = ["ShardedEmbedding", "SparseTables", "swap_embeddings", "sparse_optimizer_for",
            "unique_ids"]

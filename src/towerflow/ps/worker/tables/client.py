@@ -4,7 +4,7 @@
 row-wise optimizer, initializer); :class:`TableClient` makes the calls of
 ``tables.proto`` to every ps task: ``InitTable`` (chief); pulls, pushes and
 push-and-pulls (one request per owning shard, the shards in parallel, on one
-long-lived ``PushPullRowsStream`` per ps task, :mod:`towerflow.ps.row_stream`;
+long-lived ``PushPullRowsStream`` per ps task, :mod:`towerflow.ps.worker.tables.stream`;
 a pushed ``(worker_id, incarnation, seq)`` makes a retried push apply once);
 ``ExportRows`` / ``ImportRows`` (checkpoints, streamed in chunks) and
 ``TableStatus``. Ids and rows travel as raw little-endian buffers.
@@ -45,7 +45,7 @@ from towerflow.errors import (
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import Partitioner, check_ids
 from towerflow.ps.protocol import push_records
-from towerflow.ps.row_stream import RowStream
+from towerflow.ps.worker.tables.stream import RowStream
 
 __all__ = ["TableConfig", "TableClient", "DEFAULT_INITIALIZER"]
 
@@ -188,7 +188,7 @@ class TableClient:
 
     Requests to different shards are in flight together; the requests to
     one shard travel in order on its row stream
-    (:class:`~towerflow.ps.row_stream.RowStream`), so its pushes arrive in
+    (:class:`~towerflow.ps.worker.tables.stream.RowStream`), so its pushes arrive in
     ``seq`` order. A request whose stream fails ``UNAVAILABLE`` /
     ``DEADLINE_EXCEEDED`` / ``DATA_LOSS`` is sent again as a unary
     ``PushPullRows`` call (the same bytes: a push's ``seq`` makes it apply at
