@@ -15,7 +15,8 @@ from towerflow.ps.protocol import APPLIED, REFUSED, STALE, PushHeader
 from towerflow.ps.server.dense import shard as shard_module
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import LedgerRecord, ShardState
+from towerflow.ps.server.dense.records import LedgerRecord
+from towerflow.ps.server.dense.shard import ShardState
 
 SHAPES = {"weight": (2, 3), "bias": (3,)}
 

@@ -396,7 +396,7 @@ class PSService:
         """The pushes the shard applied since it was initialised (an audit trail).
 
         A push is applied whole or not at all, so every entry covers the whole
-        buffer (:class:`~towerflow.ps.server.dense.shard.LedgerRecord`).
+        buffer (:class:`~towerflow.ps.server.dense.records.LedgerRecord`).
         """
         req = parse_message(pb.LedgerRequest, request, "LedgerRequest")
         state, _ = self.shard
