@@ -23,7 +23,8 @@ from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.server.tables.rows import UniformRows
 from towerflow.ps.server.tables.service import TableHost
-from towerflow.ps.worker.tables.client import DEFAULT_INITIALIZER, TableClient, TableConfig
+from towerflow.ps.worker.tables.client import TableClient
+from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding, swap_embeddings
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer

@@ -69,11 +69,11 @@ _LAZY = {
     "ShardHost": "towerflow.ps.server.host",
     "run_ps_task": "towerflow.ps.server.host",
     "PSClient": "towerflow.ps.worker.dense.client",
-    "ShardClient": "towerflow.ps.worker.dense.client",
+    "ShardClient": "towerflow.ps.worker.dense.shard_client",
     "PushResult": "towerflow.ps.worker.dense.client",
     "ShardedEmbedding": "towerflow.ps.worker.tables.embedding",
     "TableClient": "towerflow.ps.worker.tables.client",
-    "TableConfig": "towerflow.ps.worker.tables.client",
+    "TableConfig": "towerflow.ps.worker.tables.config",
     "TableService": "towerflow.ps.server.tables.service",
     "TableHost": "towerflow.ps.server.tables.service",
 }

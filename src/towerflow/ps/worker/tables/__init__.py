@@ -1,7 +1,8 @@
 """A worker's side of the sparse embedding tables.
 
-- :mod:`~towerflow.ps.worker.tables.client` — :class:`TableConfig` and
-  :class:`TableClient`: the calls of the ``Tables`` service to every ps task;
+- :mod:`~towerflow.ps.worker.tables.config` — :class:`TableConfig`: what a table is;
+- :mod:`~towerflow.ps.worker.tables.client` — :class:`TableClient`: the calls
+  of the ``Tables`` service to every ps task;
 - :mod:`~towerflow.ps.worker.tables.stream` — the long-lived row stream to one ps task;
 - :mod:`~towerflow.ps.worker.tables.embedding` — :class:`ShardedEmbedding` and
   the tables of a model;

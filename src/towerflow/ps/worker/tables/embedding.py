@@ -65,12 +65,8 @@ from torch import nn
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
-from towerflow.ps.worker.tables.client import (
-    DEFAULT_INITIALIZER,
-    TableClient,
-    TableConfig,
-    _describe,
-)
+from towerflow.ps.worker.tables.client import TableClient
+from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
 
 __all__ = ["ShardedEmbedding", "SparseTables", "swap_embeddings", "sparse_optimizer_for",
            "unique_ids"]
