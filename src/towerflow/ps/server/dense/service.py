@@ -1,4 +1,4 @@
-"""The ps shard service on the cluster transport (hosted by ``towerflow.ps.ShardHost``).
+"""The ps shard service on the cluster transport (hosted by ``towerflow.ps.server.host.ShardHost``).
 
 Service ``towerflow.ps.PS``: its methods, the call sequence by role, the
 status codes and the framing are the wire contract of
