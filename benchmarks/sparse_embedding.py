@@ -116,7 +116,7 @@ def gpu_ceiling(rows: int, seconds: float, device: str) -> float:
 
 def worker(args: argparse.Namespace) -> None:
     from towerflow.cluster import ClusterSpec, TaskInfo
-    from towerflow.ps.embedding import ShardedEmbedding
+    from towerflow.ps.worker.tables.embedding import ShardedEmbedding
     from towerflow.strategies import OptimizerConfig
     from towerflow.strategies.parameter_server import ParameterServer
 
@@ -192,7 +192,7 @@ PS_CODE = ("import sys, json, towerflow; from towerflow.cluster import ClusterSp
            "towerflow.Server(ClusterSpec(json.loads(sys.argv[1])), 'ps', int(sys.argv[2]))"
            ".join()")
 #: a ps task that holds no table: the interpreter, torch, gRPC and the services loaded
-BARE_PS_CODE = "import torch, towerflow.ps.table_shard; " + PS_CODE
+BARE_PS_CODE = "import torch, towerflow.ps.server.tables.shard; " + PS_CODE
 
 
 def run_cluster(args: argparse.Namespace) -> dict:

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from towerflow.ps.partition import ModPartitioner
-from towerflow.ps.rows import DenseRowStore, UniformRows
-from towerflow.ps.sparse_optim import SparseAdagrad
+from towerflow.ps.server.tables.optimizers import SparseAdagrad
+from towerflow.ps.server.tables.rows import DenseRowStore, UniformRows
 
 LR = 0.05
 

@@ -14,7 +14,7 @@ from towerflow.cli import build_parser, main
 from towerflow.cluster import ClusterSpec, Server, ServerOptions
 from towerflow.cluster.transport import Credentials
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
-from towerflow.ps.observe import ClusterObserver, summary_scalars
+from towerflow.ps.worker.observe import ClusterObserver, summary_scalars
 from towerflow.testing.faults import LocalCluster, leftover_processes, loopback_cluster, wait_until
 from towerflow.training.supervisor import Supervisor
 

@@ -94,8 +94,8 @@ def test_every_keyword_of_the_strategies_has_a_flag_or_comes_from_the_cluster() 
 
 
 def test_the_flags_choices_are_the_librarys() -> None:
-    from towerflow.ps.aggregation import MODES
     from towerflow.ps.placement import STRATEGY_NAMES
+    from towerflow.ps.server.dense.aggregation import MODES
     from towerflow.strategies.base import _OPTIMIZERS
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))

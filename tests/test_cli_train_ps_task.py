@@ -34,10 +34,10 @@ def _tf_config(cluster: dict, job: str) -> str:
 ])
 def test_the_ps_task_gets_serve_forever_and_idle_timeout(monkeypatch, tmp_path, flags,
                                                          expected) -> None:
-    import towerflow.ps
+    from towerflow.ps.server import host
 
     seen: list[tuple] = []
-    monkeypatch.setattr(towerflow.ps, "run_ps_task", lambda cluster, task, credentials, **kw:
+    monkeypatch.setattr(host, "run_ps_task", lambda cluster, task, credentials, **kw:
                         seen.append((kw["serve_forever"], kw["idle_timeout"])) or 0)
     cluster = {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
     monkeypatch.setenv("TF_CONFIG", _tf_config(cluster, "ps"))

@@ -26,9 +26,9 @@ from towerflow.errors import (
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
 from towerflow.ps import PSClient, PSService
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.elastic import ElasticMembers
-from towerflow.ps.observe import ClusterObserver
 from towerflow.ps.protocol import ELASTIC_BASE, REFUSED, AggregationConfig
+from towerflow.ps.server.elastic import ElasticMembers
+from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 

@@ -23,7 +23,7 @@ import towerflow
 from towerflow import PlacementError, configure, device
 from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
 from towerflow.cluster.transport import Credentials
-from towerflow.ps.embedding import ShardedEmbedding
+from towerflow.ps import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 

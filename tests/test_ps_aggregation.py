@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
-from towerflow.ps.aggregation import AggregationConfig, make_aggregator
-from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import plan_placement
 from towerflow.ps.protocol import APPLIED, REFUSED, STALE, VOIDED, PushHeader
-from towerflow.ps.shard import ShardState
+from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.shard import ShardState
 
 NUMEL = 6
 

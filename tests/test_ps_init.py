@@ -11,7 +11,7 @@ import pytest
 from towerflow.errors import DataLossError, InvalidArgumentError
 from towerflow.ps import PSService
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.initspec import MAX_ELEMENTS
+from towerflow.ps.server.dense.initspec import MAX_ELEMENTS
 
 NUMEL = 6
 

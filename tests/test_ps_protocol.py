@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from towerflow.errors import DataLossError, InvalidArgumentError
-from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import plan_placement
 from towerflow.ps.protocol import (
     CHUNK_BYTES,
@@ -30,11 +29,8 @@ from towerflow.ps.protocol import (
     signature_bytes,
     unpack,
 )
-from towerflow.ps.shard import ShardState
-
-SERVER_MODULES = ("service", "shard", "aggregation", "optimizers", "pushes", "initspec",
-                  "lifecycle", "workerstats", "table_service", "table_shard", "rows",
-                  "sparse_optim")
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.shard import ShardState
 
 names = st.text(min_size=1, max_size=8)
 shapes = st.lists(st.integers(0, 1 << 40), max_size=4).map(tuple)
@@ -99,14 +95,15 @@ def test_push_table_rows_and_aggregation_become_messages_and_back() -> None:
 
 
 def test_the_worker_side_loads_no_server_module() -> None:
-    """A worker process (the strategy, the dense client, the sparse tables) never imports the
-    shard, aggregation, optimizers or service modules of a ps task."""
+    """A worker process (the strategy, the dense client, the sparse tables) never imports a
+    module of a ps task's half (``towerflow.ps.server``), not even its package."""
     program = (
         "import sys\n"
-        "import towerflow.strategies.parameter_server, towerflow.ps.client\n"
-        "import towerflow.ps.worker, towerflow.ps.embedding\n"
-        f"server = {{'towerflow.ps.' + m for m in {SERVER_MODULES!r}}}\n"
-        "print(sorted(server & set(sys.modules)))\n"
+        "import towerflow.strategies.parameter_server, towerflow.ps.worker.dense.client\n"
+        "import towerflow.ps.worker.dense.variables, towerflow.ps.worker.tables.embedding\n"
+        "import towerflow.ps.worker.tables.checkpoint, towerflow.ps.worker.observe\n"
+        "towerflow.ps.PSClient, towerflow.ps.ShardedEmbedding, towerflow.ps.TableClient\n"
+        "print(sorted(m for m in sys.modules if m.startswith('towerflow.ps.server')))\n"
     )
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                          timeout=120, check=True)

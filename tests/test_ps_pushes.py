@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
-from towerflow.ps.aggregation import AggregationConfig, make_aggregator
-from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import plan_placement
 from towerflow.ps.protocol import APPLIED, MESSAGE_LIMIT, REFUSED, PushHeader
-from towerflow.ps.pushes import PushTable
-from towerflow.ps.shard import ShardState
+from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.pushes import PushTable
 
 NUMEL = 4
 

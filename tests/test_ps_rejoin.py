@@ -8,11 +8,11 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from towerflow.ps.aggregation import AggregationConfig, make_aggregator
-from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import plan_placement
 from towerflow.ps.protocol import APPLIED, PushHeader
-from towerflow.ps.shard import ShardState
+from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.shard import ShardState
 from towerflow.testing import wait_until
 
 NUMEL = 4

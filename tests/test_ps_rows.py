@@ -9,7 +9,14 @@ import torch
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
-from towerflow.ps.rows import (
+from towerflow.ps.server.tables.optimizers import (
+    SparseAdagrad,
+    SparseFtrl,
+    SparseLazyAdam,
+    SparseOptimizer,
+    SparseSGD,
+)
+from towerflow.ps.server.tables.rows import (
     ConstantRows,
     DenseRowStore,
     RowExport,
@@ -18,13 +25,6 @@ from towerflow.ps.rows import (
     initializer_from_dict,
     row_store_from_dict,
     split_export,
-)
-from towerflow.ps.sparse_optim import (
-    SparseAdagrad,
-    SparseFtrl,
-    SparseLazyAdam,
-    SparseOptimizer,
-    SparseSGD,
 )
 
 NUM_ROWS, DIM = 40, 3
@@ -341,7 +341,7 @@ def test_bad_store_arguments_are_refused(make, pattern):
 
 
 def test_checked_lookups_and_updates_match_the_checking_ones():
-    from towerflow.ps.sparse_optim import SparseAdagrad
+    from towerflow.ps.server.tables.optimizers import SparseAdagrad
 
     part = ModPartitioner(2, num_rows=40)
     stores = [DenseRowStore(part, 1, 3, SparseAdagrad(), initializer=UniformRows(seed=5))

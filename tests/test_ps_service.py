@@ -21,8 +21,8 @@ from towerflow.errors import (
 )
 from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.protocol import CHUNK_BYTES
+from towerflow.ps.server.dense.optimizers import make_optimizer
 
 SECRET = Credentials(secret=b"test-secret")
 SHAPES = {"emb": (40, 5), "w": (5, 3), "b": (3,)}
@@ -362,7 +362,7 @@ def test_small_shards_push_and_pull_in_one_message_each_way(ps_cluster) -> None:
 
 
 def test_replica_task_maps_replicas_to_the_chief_and_the_workers() -> None:
-    from towerflow.ps.service import replica_task
+    from towerflow.ps.server.dense.service import replica_task
 
     with_chief = ClusterSpec({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"],
                               "worker": ["127.0.0.1:3", "127.0.0.1:4"]})

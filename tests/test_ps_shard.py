@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps import shard as shard_module
-from towerflow.ps.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.buffers import all_finite, tune_malloc
-from towerflow.ps.optimizers import make_optimizer
 from towerflow.ps.placement import plan_placement
 from towerflow.ps.protocol import APPLIED, REFUSED, STALE, PushHeader
-from towerflow.ps.shard import LedgerRecord, ShardState
+from towerflow.ps.server.dense import shard as shard_module
+from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.records import LedgerRecord
+from towerflow.ps.server.dense.shard import ShardState
 
 SHAPES = {"weight": (2, 3), "bias": (3,)}
 

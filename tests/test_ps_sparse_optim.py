@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.sparse_optim import (
+from towerflow.ps.server.tables.optimizers import (
     SPARSE_OPTIMIZERS,
     SparseAdagrad,
     SparseFtrl,

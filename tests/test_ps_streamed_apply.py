@@ -16,10 +16,10 @@ from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials
 from towerflow.ps import PSClient, PSService, plan_placement
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.aggregation import AggregationConfig, make_aggregator
-from towerflow.ps.optimizers import make_optimizer
-from towerflow.ps.pushes import APPLIED, REFUSED, PushHeader
-from towerflow.ps.shard import ShardState
+from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.pushes import APPLIED, REFUSED, PushHeader
 
 NUMEL = 1000
 CHUNK = 64 * 4  # reply ranges of 64 elements

@@ -22,9 +22,9 @@ from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import CheckpointError, InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.embedding import ShardedEmbedding
-from towerflow.ps.sparse_optim import SparseLazyAdam
-from towerflow.ps.table_checkpoint import TABLES_GROUP
+from towerflow.ps.server.tables.optimizers import SparseLazyAdam
+from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
+from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.processes import stop_processes
@@ -245,7 +245,7 @@ def test_a_checkpoint_written_without_tables_starts_them_afresh_with_a_warning(
             assert cluster.strategy.global_step == 1
         assert "holds no sparse tables" in caplog.text
         rows = cluster.tables()["emb"]["rows"]
-        from towerflow.ps.rows import UniformRows
+        from towerflow.ps.server.tables.rows import UniformRows
 
         expected = UniformRows(-0.5, 0.5, 5)(torch.arange(ROWS), 3, torch.float32)
         assert torch.equal(rows, expected)

@@ -17,12 +17,13 @@ from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.aggregation import AggregationConfig
 from towerflow.ps.partition import ModPartitioner
-from towerflow.ps.table_client import TableClient, TableConfig
+from towerflow.ps.server.dense.aggregation import AggregationConfig
+from towerflow.ps.worker.tables.client import TableClient
+from towerflow.ps.worker.tables.config import TableConfig
 
 SECRET = Credentials(secret=b"modes-secret")
-TABLES_ONLY = ["towerflow.ps.table_service:TableHost"]
+TABLES_ONLY = ["towerflow.ps.server.tables.service:TableHost"]
 CONSTANT = {"kind": "constant", "value": 1.0}
 
 

@@ -20,17 +20,18 @@ from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.embedding import ShardedEmbedding, swap_embeddings
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
-from towerflow.ps.rows import UniformRows
-from towerflow.ps.table_client import DEFAULT_INITIALIZER, TableClient, TableConfig
-from towerflow.ps.table_service import TableHost
+from towerflow.ps.server.tables.rows import UniformRows
+from towerflow.ps.server.tables.service import TableHost
+from towerflow.ps.worker.tables.client import TableClient
+from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig
+from towerflow.ps.worker.tables.embedding import ShardedEmbedding, swap_embeddings
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.processes import stop_processes
 
 SECRET = Credentials(secret=b"tables-secret")
-TABLES_ONLY = ["towerflow.ps.table_service:TableHost"]
+TABLES_ONLY = ["towerflow.ps.server.tables.service:TableHost"]
 INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3}
 PROGRAM = Path(__file__).parent / "programs" / "sparse_click.py"
 
@@ -508,7 +509,7 @@ def test_a_workers_memory_does_not_grow_with_the_table(free_ports, subprocess_en
 # --------------------------------------------------------------------------- the row stream
 def test_rows_of_many_steps_travel_on_one_stream_per_ps_task_without_unary_calls(
         cluster, monkeypatch):
-    import towerflow.ps.table_client as table_client
+    import towerflow.ps.worker.tables.client as table_client
 
     _, client = cluster
     cfg = config()
@@ -538,7 +539,7 @@ def test_rows_of_many_steps_travel_on_one_stream_per_ps_task_without_unary_calls
 
 
 def test_a_push_whose_stream_reply_is_lost_is_sent_again_and_applied_once(cluster, monkeypatch):
-    import towerflow.ps.table_client as table_client
+    import towerflow.ps.worker.tables.client as table_client
     from towerflow.errors import UnavailableError
 
     _, client = cluster

@@ -10,9 +10,10 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 import towerflow
-from towerflow.ps import observe, protocol
+from towerflow.ps import protocol
 from towerflow.ps import ps_pb2 as pb
 from towerflow.ps import tables_pb2 as tpb
+from towerflow.ps.worker import observe
 
 SRC = Path(towerflow.__file__).resolve().parent.parent
 

@@ -155,7 +155,7 @@ def test_a_ps_task_of_a_tfjob_with_a_master_counts_and_names_the_master_as_repli
 
     from towerflow.cluster import ServerOptions
     from towerflow.ps import ShardHost
-    from towerflow.ps.service import replica_task
+    from towerflow.ps.server.dense.service import replica_task
 
     spec, _ = resolve_cluster(env=tf_config("ps", 0, {"master": ["m:1"], "ps": ["p:1"], "worker": ["w:1"]}))
     assert [replica_task(spec, r) for r in range(3)] == [TaskInfo("master", 0), TaskInfo("worker", 0), None]

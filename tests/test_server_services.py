@@ -16,7 +16,7 @@ from towerflow.cluster.transport import Credentials, make_channel, raw_handlers,
 from towerflow.errors import InvalidArgumentError, NotFoundError, TowerflowError
 from towerflow.ps import AggregationConfig, PSClient, PSService, ShardHost, plan_placement
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.table_service import TableHost
+from towerflow.ps.server.tables.service import TableHost
 
 SECRET = Credentials(secret=b"services-secret")
 

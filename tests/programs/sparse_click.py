@@ -21,7 +21,7 @@ from torch import nn
 
 import towerflow
 from towerflow.cluster import ClusterSpec, TaskInfo
-from towerflow.ps.embedding import ShardedEmbedding
+from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 

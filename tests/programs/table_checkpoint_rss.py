@@ -27,8 +27,8 @@ from torch import nn
 import towerflow
 from towerflow.checkpoint import CheckpointManager
 from towerflow.cluster import ClusterSpec, TaskInfo
-from towerflow.ps.embedding import ShardedEmbedding
-from towerflow.ps.table_checkpoint import TABLES_GROUP, TABLES_KEY, import_tables
+from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, TABLES_KEY, import_tables
+from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.training.session import checkpoint_metadata

@@ -23,7 +23,7 @@ __all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "flag_of_des
            "option_defaults", "strategy_options"]
 
 _MODELS = ("cifar10", "digits", "click")  # towerflow.training.tasks.TASKS
-_MODES = ("async", "sync", "ssp")  # towerflow.ps.aggregation.MODES
+_MODES = ("async", "sync", "ssp")  # towerflow.ps.server.dense.aggregation.MODES
 _PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
 _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
 

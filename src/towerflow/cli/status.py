@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from towerflow.cluster import resolve_cluster
     from towerflow.cluster.transport import Credentials, read_secret_file
     from towerflow.errors import InvalidArgumentError
-    from towerflow.ps.observe import ClusterObserver
+    from towerflow.ps.worker.observe import ClusterObserver
 
     if not args.interval > 0:
         raise InvalidArgumentError(

@@ -26,7 +26,7 @@ keeps working on a ps task.
 Example:
     >>> sorted(JOB_SERVICES)
     ['ps']
-    >>> load_factory("towerflow.ps:ShardHost").__name__
+    >>> load_factory("towerflow.ps.server.host:ShardHost").__name__
     'ShardHost'
 """
 
@@ -73,7 +73,7 @@ ServiceFactory = Callable[[Any], HostedService]
 
 #: job name -> the services its servers host, as "module:factory" (imported on first use)
 JOB_SERVICES: dict[str, tuple[str, ...]] = {
-    "ps": ("towerflow.ps:ShardHost", "towerflow.ps.table_service:TableHost"),
+    "ps": ("towerflow.ps.server.host:ShardHost", "towerflow.ps.server.tables.service:TableHost"),
 }
 
 

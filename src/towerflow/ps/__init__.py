@@ -1,24 +1,22 @@
-"""The parameter server: placement, ps shards, aggregation, service and client.
+"""The parameter server wing: two halves and the wire contract they share.
 
-- :func:`replica_device_setter` — which ps task holds each variable
-  (:mod:`~towerflow.ps.placement`).
-- :class:`ShardState` / :class:`AggregationConfig` — a ps shard's flat buffers,
-  server-side optimizer and async / sync / ssp aggregation.
-- :class:`PSService` — the shard behind gRPC; :class:`ShardHost` — that service
-  hosted by a ps task's ``Server`` (so ``Server(cluster, "ps", 0).join()`` is a
-  whole ps task, as in article 003); :func:`run_ps_task` — the same, until
-  SIGTERM / SIGINT.
-- :class:`PSClient` — a worker's pull / push / push-and-pull to every shard.
+A file's path says which process it runs in:
 
-The wire contract both sides speak is :mod:`~towerflow.ps.protocol`; the
-worker's side is :mod:`~towerflow.ps.client` and :mod:`~towerflow.ps.worker`
-(and, for sparse tables, :mod:`~towerflow.ps.embedding`), which import no
-server module; the server's side is :mod:`~towerflow.ps.service` over
-:mod:`~towerflow.ps.shard`, :mod:`~towerflow.ps.aggregation`,
-:mod:`~towerflow.ps.pushes` and :mod:`~towerflow.ps.optimizers`.
+- at this package's root, what both sides speak: the wire contract
+  (:mod:`~towerflow.ps.protocol`, ``ps.proto`` / ``tables.proto`` and their
+  generated modules), partitioning (:mod:`~towerflow.ps.partition`), variable
+  placement (:mod:`~towerflow.ps.placement`: :func:`replica_device_setter`) and
+  the flat-buffer helpers (:mod:`~towerflow.ps.buffers`);
+- :mod:`towerflow.ps.server` — what runs inside a ps task: :class:`ShardHost`
+  and :func:`run_ps_task` (:mod:`~towerflow.ps.server.host`), the dense shard
+  (:class:`ShardState`, :class:`PSService`) and the sparse tables'
+  (:class:`TableService`, :class:`TableHost`);
+- :mod:`towerflow.ps.worker` — what runs inside a worker: :class:`PSClient`,
+  :class:`TableClient` / :class:`TableConfig`, :class:`ShardedEmbedding`.
 
-Importing this package loads neither torch nor grpc, nor either side's
-modules: each is imported on first use of its names.
+The halves never import each other. This module only hands names on:
+importing it loads neither torch nor grpc, nor either half; each name is
+imported on first use.
 
 Example (a ps task, as the article's ``server.join()``)::
 
@@ -27,9 +25,6 @@ Example (a ps task, as the article's ``server.join()``)::
 """
 
 from __future__ import annotations
-
-import logging
-from typing import Any
 
 from towerflow._lazy import lazy_getattr
 from towerflow.ps.placement import (
@@ -68,137 +63,19 @@ _LAZY = {
     "AggregationConfig": "towerflow.ps.protocol",
     "PushHeader": "towerflow.ps.protocol",
     "PushOutcome": "towerflow.ps.protocol",
-    "PushTable": "towerflow.ps.pushes",
-    "ShardState": "towerflow.ps.shard",
-    "PSService": "towerflow.ps.service",
-    "PSClient": "towerflow.ps.client",
-    "ShardClient": "towerflow.ps.client",
-    "PushResult": "towerflow.ps.client",
-    "ShardedEmbedding": "towerflow.ps.embedding",
-    "TableClient": "towerflow.ps.table_client",
-    "TableConfig": "towerflow.ps.table_client",
-    "TableService": "towerflow.ps.table_service",
-    "TableHost": "towerflow.ps.table_service",
+    "PushTable": "towerflow.ps.server.pushes",
+    "ShardState": "towerflow.ps.server.dense.shard",
+    "PSService": "towerflow.ps.server.dense.service",
+    "ShardHost": "towerflow.ps.server.host",
+    "run_ps_task": "towerflow.ps.server.host",
+    "PSClient": "towerflow.ps.worker.dense.client",
+    "ShardClient": "towerflow.ps.worker.dense.shard_client",
+    "PushResult": "towerflow.ps.worker.dense.client",
+    "ShardedEmbedding": "towerflow.ps.worker.tables.embedding",
+    "TableClient": "towerflow.ps.worker.tables.client",
+    "TableConfig": "towerflow.ps.worker.tables.config",
+    "TableService": "towerflow.ps.server.tables.service",
+    "TableHost": "towerflow.ps.server.tables.service",
 }
-
-
-logger = logging.getLogger("towerflow.ps")
-
-
-class ShardHost:
-    """The ps shard service as a ``Server``'s hosted service (see ``towerflow.cluster.services``).
-
-    Built by ``Server(cluster, "ps", i)`` for its task: a :class:`PSService`
-    for shard ``i`` and, when ``server.options.heartbeat`` is set, a
-    ``HeartbeatMonitor`` watching the chief and the workers, so a sync step
-    that misses a gradient names the task and its heartbeat state, and a dead
-    or suspended task is logged by name.
-
-    Args:
-        server: the ps task's server (not started yet).
-
-    A :class:`~towerflow.ps.lifecycle.JobLifecycle` ends the task once every
-    replica has finished (unless ``server.options.serve_forever``) and keeps
-    its health probe ``NOT_SERVING`` until the shard is initialised.
-
-    Attributes:
-        service: the :class:`PSService`.
-        monitor: the heartbeat monitor, or None.
-        lifecycle: the job's :class:`~towerflow.ps.lifecycle.JobLifecycle`.
-    """
-
-    __slots__ = ("server", "service", "monitor", "lifecycle")
-
-    def __init__(self, server: Any) -> None:
-        from towerflow.ps.lifecycle import JobLifecycle, peer_describer
-        from towerflow.ps.service import PSService, _worker_describer
-
-        self.server = server
-        self.monitor = None
-        jobs = list(dict.fromkeys(task.job_name for task in server.cluster.replicas))
-        if server.options.heartbeat is not None and jobs:
-            from towerflow.cluster.heartbeat import HeartbeatMonitor
-
-            self.monitor = HeartbeatMonitor(server, jobs=jobs, options=server.options.heartbeat,
-                                            start=False)
-        replicas = server.cluster.num_replicas
-        self.service = PSService(server.task.task_index,
-                                 describe_worker=_worker_describer(server.cluster, self.monitor),
-                                 on_worker_done=self._worker_done, replicas=replicas or None,
-                                 describe_peer=peer_describer(server.cluster, self.monitor))
-        self.lifecycle = JobLifecycle(server, self.service, self.monitor)
-
-    def _worker_done(self, replica: int) -> None:
-        """A worker said it finished: stop its heartbeats so it is not reported dead."""
-        from towerflow.ps.service import replica_task
-
-        task = replica_task(self.server.cluster, replica)
-        if self.monitor is not None and task is not None:
-            self.monitor.mark_finished(task.job_name, task.task_index)
-        self.lifecycle.done(replica, self.service.finished.get(replica, ""))
-
-    def ready(self) -> bool:
-        """Whether the shard is initialised (the task's health probe says SERVING)."""
-        return self.service.initialized
-
-    def handlers(self) -> Any:
-        """The ``towerflow.ps.PS`` gRPC service."""
-        return self.service.handlers()
-
-    def start(self) -> None:
-        """Start watching the chief and workers (the server listens already)."""
-        if self.monitor is not None:
-            self.monitor.start()
-        self.lifecycle.start()
-        logger.info("ps task %d serving at %s%s", self.server.task.task_index, self.server.target,
-                    "" if self.monitor is None
-                    else f" (heartbeat every {self.monitor.options.interval:g} s)")
-
-    def stop(self) -> None:
-        """Stop the heartbeats and the lifecycle watcher (before the server stops)."""
-        self.lifecycle.stop()
-        if self.monitor is not None:
-            self.monitor.stop()
-
-    def __repr__(self) -> str:
-        return f"ShardHost(shard {self.service.shard_index})"
-
-
-def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
-                heartbeat: Any = None, bind_host: str | None = None,
-                serve_forever: bool = False, idle_timeout: float | None = 3600.0) -> int:
-    """Serve the ps shard of ``task`` until its job has finished (or SIGTERM / SIGINT); return 0.
-
-    The same as ``Server(cluster, "ps", i, options=ServerOptions(heartbeat=...)).join()``
-    (in the main thread, SIGTERM / SIGINT end the join).
-
-    Args:
-        cluster: the ``ClusterSpec`` (or its dict form).
-        task: the ``TaskInfo`` of this ps task.
-        credentials: the cluster's ``Credentials`` (default: from the environment).
-        heartbeat: ``HeartbeatOptions`` to watch the chief and workers (they must run
-            a ``Server``): a dead or suspended one is logged by name, and named with
-            its state when a sync step misses its gradient. None: no heartbeats.
-        bind_host: the interface to listen on instead of the host the cluster
-            names (``ServerOptions.bind_host``); None: that host.
-        serve_forever: serve until stopped, not only until every replica finished.
-        idle_timeout: seconds to keep the parameters while every replica that
-            has not finished is away; None: forever.
-
-    Raises:
-        UnavailableError: the replicas stayed away past ``idle_timeout``.
-    """
-    from towerflow.cluster import Server, ServerOptions
-
-    server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
-                    options=ServerOptions(heartbeat=heartbeat, bind_host=bind_host,
-                                          serve_forever=serve_forever,
-                                          idle_timeout=idle_timeout))
-    try:
-        server.join()
-    finally:
-        server.stop(grace=1.0)
-    return 0
-
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

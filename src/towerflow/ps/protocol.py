@@ -1,8 +1,8 @@
 """The ps shard service's wire contract: names, call sequence, status codes, framing.
 
 Both sides of the dense parameter path import this module and nothing of
-each other: the ps task (:mod:`~towerflow.ps.service` and the shard state it
-hosts) and the worker (:mod:`~towerflow.ps.client`). It holds no state and
+each other: the ps task (:mod:`~towerflow.ps.server.dense.service` and the shard state it
+hosts) and the worker (:mod:`~towerflow.ps.worker.dense.client`). It holds no state and
 imports neither torch nor grpc.
 
 Service ``towerflow.ps.PS`` (raw-bytes handlers of

@@ -19,7 +19,7 @@ tasks' heartbeats reach it and a dead or suspended worker is named.
 An **elastic worker** (``join=True``; ``towerflow train --join``) is a
 process with the cluster (``cluster=`` or ``TF_CONFIG`` with no ``task``) and
 its credentials but no task of its own in it. It joins a running ``async``
-job (:func:`~towerflow.ps.worker.join_job`: ps task 0 gives its worker id),
+job (:mod:`~towerflow.strategies.ps_elastic`: ps task 0 gives its worker id),
 trains from the current parameters, never initialises, restores or saves
 (it is never the chief), runs no server, and leaves with ``Done`` when it
 shuts down, on an error and on SIGTERM too. It reads its data as a replica
@@ -27,6 +27,9 @@ of its own (rank 0 of 1). The job ends with its replicas, not with its
 elastic workers: once the ps tasks have ended, an elastic worker's next push
 fails with an ``UnavailableError`` saying so. Dense models only: a sparse
 table's shards count the cluster's replicas alone.
+
+A model's sparse tables (``ShardedEmbedding``) are bound, created on the ps
+tasks and checkpointed by :mod:`~towerflow.strategies.ps_tables`.
 
 Example (in a worker process of a cluster with a ps job)::
 
@@ -37,15 +40,10 @@ Example (in a worker process of a cluster with a ps job)::
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
-import socket
-import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +56,7 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps.protocol import DEFAULT_MAX_ELASTIC
-from towerflow.ps.worker import (
+from towerflow.ps.worker.dense.variables import (
     DenseRestore,
     FlatBuffers,
     consistent_snapshot,
@@ -66,6 +64,13 @@ from towerflow.ps.worker import (
     dense_restore,
 )
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
+from towerflow.strategies.ps_tables import (
+    attach_tables,
+    start_tables,
+    table_groups,
+    tables_to_restore,
+)
 
 __all__ = ["ParameterServer"]
 
@@ -142,7 +147,7 @@ class ParameterServer(Strategy):
         from towerflow.ps.protocol import AggregationConfig
 
         if join:
-            cluster = _joining_cluster(cluster, task, mode, is_chief)
+            cluster = joining_cluster(cluster, task, mode, is_chief)
         elif cluster is None or task is None:
             cluster, task = resolve_cluster(cluster, getattr(task, "job_name", None),
                                             getattr(task, "task_index", None))
@@ -233,7 +238,7 @@ class ParameterServer(Strategy):
 
     @property
     def client(self) -> Any:
-        """The :class:`~towerflow.ps.client.PSClient` (after :meth:`prepare`)."""
+        """The :class:`~towerflow.ps.worker.dense.client.PSClient` (after :meth:`prepare`)."""
         if self._client is None:
             raise FailedPreconditionError(
                 "ParameterServer has no model yet; call prepare(model, optimizer) first."
@@ -243,11 +248,14 @@ class ParameterServer(Strategy):
     # -- setup -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
         """Place the parameters on the ps tasks; the chief initialises, others wait."""
-        from towerflow.ps.client import PSClient
+        from towerflow.ps.worker.dense.client import PSClient
 
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
-        self._tables = _attach_tables(self, model, optimizer)  # sparse tables: rows on the ps
+        self._tables = attach_tables(  # sparse tables: rows on the ps
+            model, optimizer, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
+            credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
+            aggregation=self.aggregation)
         if self._elastic and self._tables:
             raise InvalidArgumentError(
                 "An elastic worker (join=True) trains dense models only: this model has sparse "
@@ -276,22 +284,9 @@ class ParameterServer(Strategy):
         else:
             self._step = self._client.wait_until_initialized(self._init_timeout)
             if self._elastic:
-                self._join()
+                self._sigterm = join_running_job(self._client)
             self._pull()
         return model
-
-    def _join(self) -> None:
-        """Join the job as an elastic worker; leave with ``Done`` on SIGTERM too."""
-        from towerflow.ps.worker import join_job
-
-        worker_id, step = join_job(self._client, f"{socket.gethostname()}:{os.getpid()}")
-        log.info("joined the job as elastic worker %d at global step %d", worker_id, step)
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-            def leave(signum: int, frame: Any) -> None:
-                raise SystemExit(128 + signum)  # shutdown() then says Done
-
-            self._sigterm = signal.signal(signal.SIGTERM, leave)
 
     def _push_timeout(self) -> float:
         """Deadline of one attempt of a push: the step timeout and a call's deadline.
@@ -353,14 +348,8 @@ class ParameterServer(Strategy):
         buffers = self._buffers
         restore = self._restore or DenseRestore(buffers.host_params(), [], 0, 0, [])
         if self._tables:  # before the dense Init the other workers wait for
-            from towerflow.ps.table_checkpoint import import_tables
-
             pending, self._table_restore = self._table_restore, None
-            configs = [module.config for _, module in self._tables.modules]
-            if pending:
-                import_tables(self._tables.client, configs, *pending)
-            else:
-                self._tables.initialize()
+            start_tables(self._tables, pending)
         self.client.initialize(restore.params, optimizer=self._opt, aggregation=self.aggregation,
                                step=restore.step, slots=restore.slots,
                                optimizer_step=restore.optimizer_step, pushes=restore.pushes)
@@ -462,12 +451,9 @@ class ParameterServer(Strategy):
         self._meta = {"global_step": snaps[0].step, "optimizer_step": snaps[0].optimizer_step,
                       "optimizer": self._opt.name, "mode": self.aggregation.mode}
         if self._tables:
-            from towerflow.ps import table_checkpoint as tables
-
-            configs = [module.config for _, module in self._tables.modules]
-            groups[tables.TABLES_GROUP] = tables.export_tables(
-                self._tables.client, configs, part_bytes=self._table_part_bytes or tables.PART_BYTES)
-            self._meta[tables.TABLES_KEY] = tables.describe_tables(configs)
+            table_group, description = table_groups(self._tables, self._table_part_bytes)
+            groups.update(table_group)
+            self._meta.update(description)
         return groups
 
     def missing_peers(self, timeout: float = 2.0) -> list[str]:
@@ -508,9 +494,7 @@ class ParameterServer(Strategy):
             return
         metadata = dict(metadata or {})
         if self._tables:
-            from towerflow.ps.table_checkpoint import TABLES_GROUP, TABLES_KEY
-
-            self._table_restore = (groups.get(TABLES_GROUP), metadata.get(TABLES_KEY))
+            self._table_restore = tables_to_restore(groups, metadata)
         self._restore = dense_restore(self._buffers.placement, groups, metadata, self._opt.name)
         self._buffers.load_from(self._restore.params)
         self._needs_init = True
@@ -553,48 +537,3 @@ class ParameterServer(Strategy):
                 self._server = None
                 server.stop(grace=1.0)
 
-
-def _attach_tables(strategy: ParameterServer, model: nn.Module, optimizer: OptimizerConfig) -> Any:
-    """Swap large embeddings (``sparse_threshold_bytes``) and bind the model's sparse tables."""
-    from towerflow.ps.embedding import SparseTables, swap_embeddings
-
-    if strategy._sparse_threshold is not None:
-        swapped = swap_embeddings(model, strategy._sparse_threshold)
-        if swapped:
-            log.info("sparse tables on the ps tasks: %s", ", ".join(swapped))
-    addresses = [strategy.cluster.task_address("ps", i)
-                 for i in range(strategy.cluster.num_tasks("ps"))]
-    return SparseTables(model, addresses, optimizer, credentials=strategy._credentials,
-                        worker_id=strategy._rank, timeout=strategy._timeout,
-                        aggregation=strategy.aggregation)
-
-
-def _joining_cluster(cluster: Any, task: Any, mode: str, is_chief: bool | None) -> Any:
-    """The cluster an elastic worker joins: ``cluster`` (a spec, its dict or a JSON file),
-    else ``TF_CONFIG``'s, which must name no task (an elastic worker has none)."""
-    from towerflow.cluster import ClusterSpec
-
-    if mode != "async" or task is not None or is_chief:
-        given = (f"mode={mode!r}" if mode != "async" else
-                 f"task={task}" if task is not None else "is_chief=True")
-        raise InvalidArgumentError(
-            f"join=True with {given}: an elastic worker joins a running asynchronous job "
-            "(mode='async') as a process with no task of its own, and is never the chief; "
-            "add the worker to the cluster as a task for the rest.")
-    if cluster is not None:
-        return (ClusterSpec.from_json_file(cluster) if isinstance(cluster, str | Path)
-                else ClusterSpec(cluster))
-    text = os.environ.get("TF_CONFIG", "").strip()
-    try:
-        config = json.loads(text) if text else {}
-    except json.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"TF_CONFIG is not valid JSON ({exc}); fix its value.") from None
-    if not isinstance(config, dict) or not config.get("cluster"):
-        raise InvalidArgumentError(
-            "join=True needs the cluster to join: pass cluster=, or set TF_CONFIG to "
-            '{"cluster": {"ps": [...], "worker": [...]}} (with no "task").')
-    if config.get("task"):
-        raise InvalidArgumentError(
-            f"join=True is for a process with no task of its own, but TF_CONFIG names task "
-            f"{config['task']}; remove its \"task\", or run that task without join.")
-    return ClusterSpec(config["cluster"])

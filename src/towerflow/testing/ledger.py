@@ -167,7 +167,7 @@ def audit_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], *,
         slots: pushes per replica (the model's element stride).
         ps_ledger: the ps's ledger ``(worker_id, incarnation, seq, step)``, each
             optionally followed by ``(partial, applied_start, applied_stop)``
-            (a :class:`~towerflow.ps.shard.LedgerRecord`), to replay on zeros and
+            (a :class:`~towerflow.ps.server.dense.records.LedgerRecord`), to replay on zeros and
             compare with ``params``.
     """
     counts = -np.asarray(params, np.float64).reshape(-1)

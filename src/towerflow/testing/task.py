@@ -84,7 +84,7 @@ def _say(message: str) -> None:
 
 def _serve_ps(cluster: Any, task: Any, args: argparse.Namespace) -> int:
     from towerflow.cluster.heartbeat import HeartbeatOptions
-    from towerflow.ps import run_ps_task
+    from towerflow.ps.server.host import run_ps_task
 
     options = None
     if args.heartbeat > 0:

@@ -138,7 +138,7 @@ def table_weights(ckpt: Any, model: nn.Module) -> dict[str, torch.Tensor]:
             parts do not cover its rows.
     """
     from towerflow.errors import CheckpointError
-    from towerflow.ps.table_checkpoint import TABLES_GROUP
+    from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 
     reader = ckpt.chunked.get(TABLES_GROUP)
     if reader is None:

@@ -390,7 +390,7 @@ class SummaryHook(Hook):
 
     With ps tasks (a ``ParameterServer`` strategy) the scalars include the
     job's ``cluster/...`` figures per ps shard and per replica
-    (:class:`~towerflow.ps.observe.ChiefClusterScalars`), as the Supervisor's do.
+    (:class:`~towerflow.ps.worker.observe.ChiefClusterScalars`), as the Supervisor's do.
     """
 
     def __init__(self, writer_factory: Any, every: int = 100) -> None:
@@ -407,7 +407,7 @@ class SummaryHook(Hook):
         self._rate = _Rate(trainer.global_step)
         self._period = StepPeriod(self.every, trainer.global_step)
         if trainer.strategy.is_chief:
-            from towerflow.ps.observe import ChiefClusterScalars
+            from towerflow.ps.worker.observe import ChiefClusterScalars
 
             self._writer = self._factory()
             self._cluster = ChiefClusterScalars()

@@ -31,12 +31,12 @@ def serve_task(cluster: Any, task: Any, bind_host: str | None = None, *,
     heartbeats; on ``bind_host`` instead of the cluster's host when given) until its job
     ends (``serve_forever``: until stopped; ``idle_timeout``: how long it keeps the
     parameters while every unfinished replica is away, see
-    :func:`towerflow.ps.run_ps_task`); any other (an evaluator) has nothing to do. Returns
-    the exit status."""
+    :func:`towerflow.ps.server.host.run_ps_task`); any other (an evaluator) has nothing to
+    do. Returns the exit status."""
     if task.job_name == "ps":
         from towerflow.cluster.heartbeat import HeartbeatOptions
         from towerflow.cluster.transport import Credentials
-        from towerflow.ps import run_ps_task
+        from towerflow.ps.server.host import run_ps_task
 
         return run_ps_task(cluster, task, Credentials.from_env(), heartbeat=HeartbeatOptions(),
                            bind_host=bind_host, serve_forever=serve_forever,

@@ -479,7 +479,7 @@ class Supervisor:
         if self._session is None:
             return {}
         if self._cluster is None:
-            from towerflow.ps.observe import ChiefClusterScalars
+            from towerflow.ps.worker.observe import ChiefClusterScalars
 
             self._cluster = ChiefClusterScalars()
         return self._cluster.read(self._session.strategy)

@@ -13,16 +13,16 @@ never materialised on a worker. For a batch, :class:`ShardedEmbedding`:
 4. after backward, the leaf's gradient *is* the summed gradient of each
    unique row: (unique ids, row gradients) go to the owning shards with one
    ``PushRows`` call per shard, in parallel, applied there once by the
-   table's row-wise optimizer (:mod:`towerflow.ps.sparse_optim`). With
+   table's row-wise optimizer (:mod:`towerflow.ps.server.tables.optimizers`). With
    ``defer_push=True`` they travel instead with the next step's pull of the
    same shard (one ``PushPullRows`` round trip per shard and step).
 
 Bytes on the wire per step are ``unique rows x row bytes`` (+ 8 bytes per id)
 each way, whatever the table's size. The requests to a ps task travel on one
-long-lived stream (:mod:`towerflow.ps.row_stream`).
+long-lived stream (:mod:`towerflow.ps.worker.tables.stream`).
 
 The strategy's mode applies to the tables as to the dense parameters
-(:mod:`towerflow.ps.table_aggregation`): ``async`` applies each push on
+(:mod:`towerflow.ps.server.tables.aggregation`): ``async`` applies each push on
 arrival; ``sync`` averages each row over the replicas that pushed it on the
 step and applies that once (a push returns when its step is applied);
 ``ssp`` applies on arrival but holds a worker more than ``staleness`` pushes
@@ -48,7 +48,7 @@ model says ``nn.Embedding(10_000_000, 32)``, which allocates the whole weight
   module's random weight, and uses the row-wise counterpart of the model's
   optimizer (sgd, adagrad, adam -> lazy Adam).
 
-This module and :mod:`towerflow.ps.table_client` speak to the ps through the
+This module and :mod:`towerflow.ps.worker.tables.client` speak to the ps through the
 generated ``tables_pb2`` messages and the cluster transport only; they import
 no server module.
 """
@@ -65,7 +65,8 @@ from torch import nn
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
-from towerflow.ps.table_client import DEFAULT_INITIALIZER, TableClient, TableConfig, _describe
+from towerflow.ps.worker.tables.client import TableClient
+from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
 
 __all__ = ["ShardedEmbedding", "SparseTables", "swap_embeddings", "sparse_optimizer_for",
            "unique_ids"]
@@ -107,10 +108,10 @@ class ShardedEmbedding(nn.Module):
         num_rows: rows of the table (ids are in ``[0, num_rows)``).
         dim: values per row.
         mode: None (one row per id), or ``sum`` / ``mean`` / ``max`` (bags).
-        optimizer: the row-wise optimizer (a ``towerflow.ps.sparse_optim``
+        optimizer: the row-wise optimizer (a ``towerflow.ps.server.tables.optimizers``
             optimizer or its ``to_dict()``); None: the counterpart of the
             strategy's optimizer.
-        initializer: the rows' start (``towerflow.ps.rows.UniformRows`` /
+        initializer: the rows' start (``towerflow.ps.server.tables.rows.UniformRows`` /
             ``ConstantRows`` or their dicts); default uniform in [-0.05, 0.05).
         partitioner: ``mod`` (default; ``id % num_ps``, even under skewed ids)
             or ``range`` (contiguous rows, as ``tf.fixed_size_partitioner``).

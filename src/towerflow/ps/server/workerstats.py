@@ -4,7 +4,7 @@ For each training replica that pushed: how many pushes it made and how many
 were applied, the global step its last push was computed on, how far behind
 the shard's global step that push was, and when it came. One record per
 replica (at most ``limit``: a shard knows its replicas) and per elastic
-worker the shard admits or remembers (:mod:`~towerflow.ps.elastic`), updated
+worker the shard admits or remembers (:mod:`~towerflow.ps.server.elastic`), updated
 on the push path without a lock: a few attribute writes per push.
 """
 
@@ -35,7 +35,7 @@ class WorkerTable:
         limit: most replicas recorded (the cluster's replica count when
             known); pushes from other ids are not recorded (the shard refuses
             them anyway), but for the elastic workers ``elastic`` knows.
-        elastic: the shard's :class:`~towerflow.ps.elastic.ElasticMembers`, or None.
+        elastic: the shard's :class:`~towerflow.ps.server.elastic.ElasticMembers`, or None.
     """
 
     __slots__ = ("_records", "_limit", "_elastic")

@@ -1,6 +1,6 @@
 """How a table shard turns row pushes into updates: async, sync and ssp.
 
-The job's aggregation mode (:class:`~towerflow.ps.aggregation.AggregationConfig`,
+The job's aggregation mode (:class:`~towerflow.ps.protocol.AggregationConfig`,
 sent by the chief with ``InitTable``) applies to sparse pushes as to dense
 ones, per row:
 
@@ -45,7 +45,7 @@ import torch
 
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
 from towerflow.ps.partition import coalesce
-from towerflow.ps.pushes import (
+from towerflow.ps.server.pushes import (
     APPLIED,
     LIVENESS_SECONDS,
     STALE,

@@ -20,7 +20,7 @@ start time in nanoseconds) and the push's number within the incarnation. A
   (:meth:`PushTable.rows` / :meth:`PushTable.merge`), so a ps restarted from
   a checkpoint still refuses the retries of the pushes it had applied.
 
-The table does no locking: its :class:`~towerflow.ps.shard.ShardState` calls
+The table does no locking: its :class:`~towerflow.ps.server.dense.shard.ShardState` calls
 it with its condition held.
 
 Example:

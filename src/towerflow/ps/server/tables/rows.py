@@ -2,7 +2,7 @@
 
 A :class:`RowStore` holds the rows a ps shard owns under the table's
 partitioner (:mod:`towerflow.ps.partition`) and their optimizer slots
-(:mod:`towerflow.ps.sparse_optim`). Callers (the ps service, checkpoints)
+(:mod:`towerflow.ps.server.tables.optimizers`). Callers (the ps service, checkpoints)
 speak to it in global ids only:
 
 - :meth:`RowStore.lookup` — the rows of some ids (a pull);
@@ -39,7 +39,7 @@ the wire changes. It would be built as:
 - storage: the same contiguous ``(capacity, dim)`` row tensor and slot
   tensors as here, grown by doubling, plus a free list of slot indices that
   eviction returns and insertion takes first; the optimizers
-  (:meth:`~towerflow.ps.sparse_optim.SparseOptimizer.apply` takes storage
+  (:meth:`~towerflow.ps.server.tables.optimizers.SparseOptimizer.apply` takes storage
   indices) run unchanged;
 - per-row counters: access count and last step touched (``int64`` tensors
   indexed like the rows), updated by ``lookup`` / ``apply`` (``apply``'s
@@ -48,7 +48,7 @@ the wire changes. It would be built as:
   (:class:`UniformRows` is a function of the id, so the answer is the same
   before and after admission) and its gradients are dropped; it is admitted
   (a slot taken, rows initialised, slots at
-  :meth:`~towerflow.ps.sparse_optim.SparseOptimizer.slot_initial_value`) after
+  :meth:`~towerflow.ps.server.tables.optimizers.SparseOptimizer.slot_initial_value`) after
   ``min_count`` touches (counted in a counting Bloom filter, so unadmitted ids
   cost no row) or with probability ``p`` per touch;
 - eviction: every N steps (or at a checkpoint), rows with ``step - last_step
@@ -60,7 +60,7 @@ the wire changes. It would be built as:
 Example:
     >>> import torch
     >>> from towerflow.ps.partition import ModPartitioner
-    >>> from towerflow.ps.sparse_optim import SparseSGD
+    >>> from towerflow.ps.server.tables.optimizers import SparseSGD
     >>> store = DenseRowStore(ModPartitioner(2, num_rows=6), 1, 2, SparseSGD())
     >>> store.num_rows, store.lookup(torch.tensor([5, 1])).tolist()
     (3, [[0.0, 0.0], [0.0, 0.0]])
@@ -81,7 +81,7 @@ import torch
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.partition import Partitioner, coalesce, partitioner_from_dict
-from towerflow.ps.sparse_optim import SparseOptimizer, sparse_optimizer_from_dict
+from towerflow.ps.server.tables.optimizers import SparseOptimizer, sparse_optimizer_from_dict
 
 __all__ = [
     "RowStore",
@@ -272,7 +272,7 @@ class RowStore(abc.ABC):
             raise InvalidArgumentError(f"dim must be an integer >= 1, got {dim!r}.")
         if not isinstance(optimizer, SparseOptimizer):
             raise InvalidArgumentError(
-                f"optimizer must be a SparseOptimizer (towerflow.ps.sparse_optim), got "
+                f"optimizer must be a SparseOptimizer (towerflow.ps.server.tables.optimizers), got "
                 f"{type(optimizer).__name__}."
             )
         if dtype not in _FLOAT_DTYPES:

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.optimizers import OPTIMIZER_NAMES, SLOT_NAMES, canonical_name
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.protocol import (
     APPLIED,
@@ -49,6 +48,7 @@ from towerflow.ps.protocol import (
     AggregationConfig,
     bounded,
 )
+from towerflow.ps.server.dense.optimizers import OPTIMIZER_NAMES, SLOT_NAMES, canonical_name
 
 __all__ = ["InitPlan", "check_init", "MAX_ELEMENTS", "MAX_SEGMENTS", "MAX_DIMS", "MAX_NAME"]
 

@@ -16,7 +16,7 @@
 ==========  =================================================================
 
 Only the cluster's replicas count (and, in async mode, the elastic workers
-admitted now: :mod:`~towerflow.ps.elastic`): a push or a ``Done`` from
+admitted now: :mod:`~towerflow.ps.server.elastic`): a push or a ``Done`` from
 another worker id is refused before it changes anything,
 and a replica's gradient counts once per sync step (a second push of the same
 step waits for it instead of being summed again). A replica that dies while
@@ -40,7 +40,7 @@ into the step's accumulator (sync). A NaN / inf, a truncated payload or a
 sender that goes away leaves the parameters and the sum unchanged, and the
 push's retry (same ``(worker, incarnation, seq)``) is handled afresh. The
 payload bytes a shard holds at once are bounded by its staging limit
-(:func:`~towerflow.ps.shard.default_staging_limit`).
+(:func:`~towerflow.ps.server.dense.shard.default_staging_limit`).
 
 Example:
     >>> AggregationConfig(mode="sync", total_num_replicas=3, replicas_to_aggregate=2).backups
@@ -70,8 +70,8 @@ from towerflow.ps.protocol import (
     PushOutcome,
     bounded,
 )
-from towerflow.ps.pushes import Pending
-from towerflow.ps.shard import ShardState
+from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.pushes import Pending
 
 __all__ = ["AggregationConfig", "Aggregator", "make_aggregator", "MODES", "DEFAULT_TIMEOUT"]
 
@@ -245,7 +245,7 @@ class _AsyncAggregator(Aggregator):
         Each range of the reply is updated just before it is sent, so the
         update overlaps the reply instead of preceding it. Once the gradient
         has arrived whole and finite it is applied whole, even when the reply
-        is cut off (:class:`~towerflow.ps.shard.StreamedApply`).
+        is cut off (:class:`~towerflow.ps.server.dense.shard.StreamedApply`).
         """
         if not self._streams_reply:  # ssp: a push may wait after its update, before the reply
             return super().push_pull(header, chunks, active, chunk_bytes)

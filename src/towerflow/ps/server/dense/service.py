@@ -1,16 +1,16 @@
-"""The ps shard service on the cluster transport (hosted by ``towerflow.ps.ShardHost``).
+"""The ps shard service on the cluster transport (hosted by ``towerflow.ps.server.host.ShardHost``).
 
 Service ``towerflow.ps.PS``: its methods, the call sequence by role, the
 status codes and the framing are the wire contract of
 :mod:`towerflow.ps.protocol`. This module is the server's side of it: it
 parses each request into the contract's headers and hands them to the shard
-(:class:`~towerflow.ps.shard.ShardState` and its
-:mod:`~towerflow.ps.aggregation`). A ps task imports neither torch nor a GPU
+(:class:`~towerflow.ps.server.dense.shard.ShardState` and its
+:mod:`~towerflow.ps.server.dense.aggregation`). A ps task imports neither torch nor a GPU
 runtime.
 
 Data path: a pushed chunk is used where gRPC left it (a read-only view of the
 received ``bytes``, applied into the flat parameter buffer or summed into the
-sync accumulator: see :mod:`~towerflow.ps.aggregation`); a pulled chunk is one
+sync accumulator: see :mod:`~towerflow.ps.server.dense.aggregation`); a pulled chunk is one
 copy of its range of the flat buffer, taken under the shard's apply lock.
 """
 
@@ -31,11 +31,7 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.aggregation import Aggregator, make_aggregator
 from towerflow.ps.buffers import receive_into, release_free_memory, tune_malloc
-from towerflow.ps.elastic import ElasticMembers
-from towerflow.ps.initspec import InitPlan, check_init
-from towerflow.ps.optimizers import SLOT_NAMES, canonical_name, make_optimizer
 from towerflow.ps.protocol import (
     APPLIED,
     CHUNK_BYTES,
@@ -48,8 +44,12 @@ from towerflow.ps.protocol import (
     push_records,
     unpack,
 )
-from towerflow.ps.shard import ShardState, StreamedApply, default_staging_limit
-from towerflow.ps.workerstats import WorkerTable
+from towerflow.ps.server.dense.aggregation import Aggregator, make_aggregator
+from towerflow.ps.server.dense.initspec import InitPlan, check_init
+from towerflow.ps.server.dense.optimizers import SLOT_NAMES, canonical_name, make_optimizer
+from towerflow.ps.server.dense.shard import ShardState, StreamedApply, default_staging_limit
+from towerflow.ps.server.elastic import ElasticMembers
+from towerflow.ps.server.workerstats import WorkerTable
 
 __all__ = ["PSService", "replica_task"]
 
@@ -134,7 +134,7 @@ class PSService:
             workers), when known: an Init may not name more, and a ``Done`` must
             name one of them.
         staging_bytes: payload bytes a shard may hold while pushes arrive
-            (default :func:`~towerflow.ps.shard.default_staging_limit`).
+            (default :func:`~towerflow.ps.server.dense.shard.default_staging_limit`).
         describe_peer: ``describe_peer(replica) -> (task, heartbeat,
             last_heartbeat_age)`` for the per-replica figures of ``Status``.
 
@@ -142,7 +142,7 @@ class PSService:
         finished: replica -> how it finished ("" or its final checkpoint), from ``Done``.
         last_call: ``time.monotonic()`` of the last Init, Push or Pull.
         elastic: the elastic workers that joined (``Join``) and left
-            (:mod:`~towerflow.ps.elastic`); kept across a re-``Init``.
+            (:mod:`~towerflow.ps.server.elastic`); kept across a re-``Init``.
 
     Creating one tunes this process's malloc for streamed chunks
     (:func:`~towerflow.ps.buffers.tune_malloc` with one arena): a ps task then
@@ -216,7 +216,7 @@ class PSService:
     def init(self, requests: Iterator[bytes]) -> bytes:
         """Create (or replace) the shard from an ``InitRequest`` and its payload.
 
-        The header is checked whole (:func:`~towerflow.ps.initspec.check_init`)
+        The header is checked whole (:func:`~towerflow.ps.server.dense.initspec.check_init`)
         before anything is allocated, and the payload received whole before
         the live shard (if any) is replaced: a refused Init changes nothing.
         The push table of the replaced shard and the one the Init carries
@@ -300,7 +300,7 @@ class PSService:
         """Push, then stream the fresh parameters back in the same call.
 
         An async shard applies the gradient range by range as the reply goes
-        out (:meth:`~towerflow.ps.aggregation.Aggregator.push_pull`); a reply
+        out (:meth:`~towerflow.ps.server.dense.aggregation.Aggregator.push_pull`); a reply
         cut off still leaves the gradient applied whole.
         """
         state, want_params, reply, params = self._push(iter(requests), _active(context),
@@ -355,7 +355,7 @@ class PSService:
 
     def join(self, request: bytes) -> bytes:
         """Admit an elastic worker to an async job (ps task 0 gives its id); see
-        :meth:`~towerflow.ps.elastic.ElasticMembers.join` for the refusals."""
+        :meth:`~towerflow.ps.server.elastic.ElasticMembers.join` for the refusals."""
         req = parse_message(pb.JoinRequest, request, "JoinRequest")
         current = self._shard
         config = None if current is None else current[1].config
@@ -396,7 +396,7 @@ class PSService:
         """The pushes the shard applied since it was initialised (an audit trail).
 
         A push is applied whole or not at all, so every entry covers the whole
-        buffer (:class:`~towerflow.ps.shard.LedgerRecord`).
+        buffer (:class:`~towerflow.ps.server.dense.records.LedgerRecord`).
         """
         req = parse_message(pb.LedgerRequest, request, "LedgerRequest")
         state, _ = self.shard

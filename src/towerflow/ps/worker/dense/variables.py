@@ -20,7 +20,7 @@ partitioned variable spans several shards). On a worker:
 
 The optimizer the ps applies is described to it by the worker's
 ``OptimizerConfig`` (:func:`~towerflow.ps.protocol.optimizer_to_proto`); the
-calls go through :class:`~towerflow.ps.client.PSClient`. Nothing here imports
+calls go through :class:`~towerflow.ps.worker.dense.client.PSClient`. Nothing here imports
 a server module.
 
 Example:

@@ -1,7 +1,7 @@
 """One shard of one sparse table on a ps task: its rows, its lock, its push table.
 
-A :class:`TableShard` wraps a :class:`~towerflow.ps.rows.RowStore` for the
-``towerflow.ps.Tables`` service (:mod:`towerflow.ps.table_service`). It owns
+A :class:`TableShard` wraps a :class:`~towerflow.ps.server.tables.rows.RowStore` for the
+``towerflow.ps.Tables`` service (:mod:`towerflow.ps.server.tables.service`). It owns
 its lock and its counters; nothing else reaches into them:
 
 - a pull decodes and checks the ids outside the lock, then gathers the rows
@@ -9,10 +9,10 @@ its lock and its counters; nothing else reaches into them:
 - a push decodes and checks everything outside the lock (ids owned by this
   shard, in the table, values finite, of the table's dtype, ``lr`` and
   ``step`` valid), then, under the lock, classifies it in the shard's own
-  :class:`~towerflow.ps.pushes.PushTable` (a retry of an applied push is
+  :class:`~towerflow.ps.server.pushes.PushTable` (a retry of an applied push is
   answered, not applied again; a superseded incarnation is refused) and hands
   a new one to the job's aggregation mode
-  (:mod:`towerflow.ps.table_aggregation`: async applies it at once, sync
+  (:mod:`towerflow.ps.server.tables.aggregation`: async applies it at once, sync
   counts it in its step, ssp applies it and waits for the slowest worker),
   which records its answer;
 - an export copies rows, slots and the push table under the lock (one moment)
@@ -39,9 +39,9 @@ import torch
 
 from towerflow.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from towerflow.ps.protocol import push_rows
-from towerflow.ps.pushes import PushHeader, PushOutcome, PushTable
-from towerflow.ps.rows import RowExport, RowStore, row_store_from_dict
-from towerflow.ps.table_aggregation import make_row_aggregator
+from towerflow.ps.server.pushes import PushHeader, PushOutcome, PushTable
+from towerflow.ps.server.tables.aggregation import make_row_aggregator
+from towerflow.ps.server.tables.rows import RowExport, RowStore, row_store_from_dict
 
 __all__ = ["TableShard", "describe_spec", "decode", "encode"]
 

@@ -1,10 +1,11 @@
 """A worker's client of the sparse table service ``towerflow.ps.Tables``.
 
-:class:`TableConfig` says what a table is (name, partitioner, dim, dtype,
-row-wise optimizer, initializer); :class:`TableClient` makes the calls of
+:class:`~towerflow.ps.worker.tables.config.TableConfig` says what a table is
+(name, partitioner, dim, dtype, row-wise optimizer, initializer);
+:class:`TableClient` makes the calls of
 ``tables.proto`` to every ps task: ``InitTable`` (chief); pulls, pushes and
 push-and-pulls (one request per owning shard, the shards in parallel, on one
-long-lived ``PushPullRowsStream`` per ps task, :mod:`towerflow.ps.row_stream`;
+long-lived ``PushPullRowsStream`` per ps task, :mod:`towerflow.ps.worker.tables.stream`;
 a pushed ``(worker_id, incarnation, seq)`` makes a retried push apply once);
 ``ExportRows`` / ``ImportRows`` (checkpoints, streamed in chunks) and
 ``TableStatus``. Ids and rows travel as raw little-endian buffers.
@@ -24,7 +25,6 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,36 +43,20 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.partition import Partitioner, check_ids
+from towerflow.ps.partition import check_ids
 from towerflow.ps.protocol import push_records
-from towerflow.ps.row_stream import RowStream
+from towerflow.ps.worker.tables.config import _DTYPE_NAMES, TableConfig
+from towerflow.ps.worker.tables.stream import RowStream
 
-__all__ = ["TableConfig", "TableClient", "DEFAULT_INITIALIZER"]
+__all__ = ["TableClient"]
 
 logger = logging.getLogger("towerflow.ps")
 
 _SERVICE = tpb.DESCRIPTOR.services_by_name["Tables"].full_name
-_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
-#: the default row initializer: uniform in [-0.05, 0.05), a function of the id
-DEFAULT_INITIALIZER: dict[str, Any] = {"kind": "uniform", "minval": -0.05, "maxval": 0.05,
-                                       "seed": 0}
 
 
 def _method(name: str) -> str:
     return f"/{_SERVICE}/{name}"
-
-
-def _describe(value: Any, what: str) -> dict[str, Any]:
-    """A description dict from a dict or an object with ``to_dict()``."""
-    if isinstance(value, Mapping):
-        return dict(value)
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):
-        return dict(to_dict())
-    raise InvalidArgumentError(
-        f"{what} must be a dict or have to_dict() (e.g. towerflow.ps.sparse_optim.SparseAdagrad"
-        f"() or towerflow.ps.rows.UniformRows()), got {type(value).__name__}."
-    )
 
 
 def _encode(tensor: torch.Tensor) -> bytes:
@@ -100,46 +84,6 @@ def _decode(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Te
 with warnings.catch_warnings():  # torch warns once per process about read-only buffers
     warnings.simplefilter("ignore")
     torch.frombuffer(bytes(8), dtype=torch.int64)
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """What a table is: its name, shape, dtype, sharding, optimizer and initializer.
-
-    Attributes:
-        name: unique among the job's tables.
-        partitioner: how rows map to shards (its ``num_rows`` is the table's).
-        dim: values per row.
-        optimizer: the row-wise optimizer's description (``{"name", "hyper"}``).
-        initializer: the rows' start (``{"kind", ...}``).
-        dtype: ``torch.float32`` or ``torch.float64``.
-    """
-
-    name: str
-    partitioner: Partitioner
-    dim: int
-    optimizer: Mapping[str, Any]
-    initializer: Mapping[str, Any]
-    dtype: torch.dtype = torch.float32
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of the table."""
-        return int(self.partitioner.num_rows or 0)
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row."""
-        return self.dim * torch.empty((), dtype=self.dtype).element_size()
-
-    def spec(self, shard: int) -> tpb.TableSpec:
-        """The ``TableSpec`` message of shard ``shard``."""
-        return tpb.TableSpec(
-            name=self.name, num_rows=self.num_rows, dim=self.dim,
-            dtype=_DTYPE_NAMES[self.dtype],
-            partitioner=json.dumps(self.partitioner.to_dict(), sort_keys=True),
-            optimizer=json.dumps(dict(self.optimizer), sort_keys=True),
-            initializer=json.dumps(dict(self.initializer), sort_keys=True), shard=shard)
 
 
 def _rows_of(config: TableConfig, data: bytes, count: int) -> torch.Tensor:
@@ -188,7 +132,7 @@ class TableClient:
 
     Requests to different shards are in flight together; the requests to
     one shard travel in order on its row stream
-    (:class:`~towerflow.ps.row_stream.RowStream`), so its pushes arrive in
+    (:class:`~towerflow.ps.worker.tables.stream.RowStream`), so its pushes arrive in
     ``seq`` order. A request whose stream fails ``UNAVAILABLE`` /
     ``DEADLINE_EXCEEDED`` / ``DATA_LOSS`` is sent again as a unary
     ``PushPullRows`` call (the same bytes: a push's ``seq`` makes it apply at

@@ -40,7 +40,7 @@ infinite values, an unknown table) is refused with ``INVALID_ARGUMENT`` /
 ``NOT_FOUND`` and a message naming the value; nothing is applied.
 
 This module imports no torch: a ps task that never holds a table does not
-load it (:mod:`towerflow.ps.table_shard` is imported by the first
+load it (:mod:`towerflow.ps.server.tables.shard` is imported by the first
 ``InitTable``).
 """
 
@@ -57,7 +57,7 @@ import grpc
 from towerflow.cluster.transport import raw_handlers, requests_until_closed
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.protocol import parse_message, push_records
+from towerflow.ps.protocol import AggregationConfig, parse_message, push_records
 
 __all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS"]
 
@@ -73,8 +73,6 @@ def _aggregation(text: str) -> Any:
     """The ``AggregationConfig`` of an ``InitTableRequest.aggregation`` (None: async)."""
     if not text:
         return None
-    from towerflow.ps.aggregation import AggregationConfig
-
     try:
         fields = json.loads(text)
         return AggregationConfig(**fields)
@@ -118,7 +116,7 @@ class TableService:
         })
 
     def table(self, name: str, shard: int) -> Any:
-        """The :class:`~towerflow.ps.table_shard.TableShard` ``(name, shard)``.
+        """The :class:`~towerflow.ps.server.tables.shard.TableShard` ``(name, shard)``.
 
         Raises:
             NotFoundError: no such table shard here.
@@ -134,7 +132,7 @@ class TableService:
 
     # -- handlers ------------------------------------------------------------------------
     def init_table(self, data: bytes) -> bytes:
-        from towerflow.ps.table_shard import TableShard, describe_spec
+        from towerflow.ps.server.tables.shard import TableShard, describe_spec
 
         request = parse_message(tpb.InitTableRequest, data, "InitTable")
         spec, aggregation = request.spec, _aggregation(request.aggregation)
@@ -224,7 +222,7 @@ class TableService:
             yield self.push_pull_rows(request, context)
 
     def export_rows(self, data: bytes) -> Iterator[bytes]:
-        from towerflow.ps.table_shard import encode
+        from towerflow.ps.server.tables.shard import encode
 
         request = parse_message(tpb.ExportRowsRequest, data, "ExportRows")
         shard = self.table(request.table, request.shard)

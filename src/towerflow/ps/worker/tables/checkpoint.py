@@ -27,7 +27,7 @@ never applied twice; a worker of the old layout restarts anyway, its
 partitioner no longer matching the cluster). A table's slots are restored
 when its optimizer is the one that wrote them, and reset otherwise.
 
-This module speaks to the ps through :class:`~towerflow.ps.table_client.TableClient`
+This module speaks to the ps through :class:`~towerflow.ps.worker.tables.client.TableClient`
 only; it imports no server module.
 """
 
@@ -42,7 +42,8 @@ import torch
 from towerflow.checkpoint import ChunkedGroup, ChunkedReader
 from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError
 from towerflow.ps.protocol import push_rows
-from towerflow.ps.table_client import TableClient, TableConfig, _decode
+from towerflow.ps.worker.tables.client import TableClient, _decode
+from towerflow.ps.worker.tables.config import TableConfig
 
 __all__ = ["TABLES_GROUP", "TABLES_KEY", "PART_BYTES", "describe_tables", "export_tables",
            "import_tables"]

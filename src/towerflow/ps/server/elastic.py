@@ -23,7 +23,7 @@ but has no task of its own in the ``ClusterSpec``. It joins a running
   :data:`RETIRED_KEPT` retired members for the live view.
 
 The job's end is not theirs: a ps task ends when the cluster's replicas
-have finished (:mod:`towerflow.ps.lifecycle`), whether elastic workers are
+have finished (:mod:`towerflow.ps.server.lifecycle`), whether elastic workers are
 still pushing or not; their next call then fails (the ps is gone).
 
 Example:

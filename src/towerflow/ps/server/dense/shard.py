@@ -4,15 +4,17 @@ A :class:`ShardState` holds the parameters of the variables placed on this ps
 task in **one contiguous float32 buffer** (layout in
 :class:`~towerflow.ps.placement.ShardLayout`), the server-side optimizer and
 its state buffers, the step counter (on ps task 0 it is the global step), the
-de-duplication table of pushes, and the counters a ps reports.
+de-duplication table of pushes, and the counters a ps reports
+(:mod:`~towerflow.ps.server.dense.records`); a push's header is checked
+against the layout by :mod:`~towerflow.ps.server.dense.checks`.
 
 Everything here is plain numpy and threads, so the shard logic is tested
-in-process; :mod:`towerflow.ps.service` puts it behind gRPC.
+in-process; :mod:`towerflow.ps.server.dense.service` puts it behind gRPC.
 
 Example:
     >>> import numpy as np
     >>> from towerflow.ps.placement import plan_placement
-    >>> from towerflow.ps.optimizers import make_optimizer
+    >>> from towerflow.ps.server.dense.optimizers import make_optimizer
     >>> layout = plan_placement({"w": (2,)}, 1).shards[0]
     >>> state = ShardState(layout, np.zeros(2, np.float32), make_optimizer("sgd", 2))
     >>> state.apply(np.ones(2, np.float32), lr=0.5)
@@ -29,8 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 import numpy as np
 
@@ -40,7 +41,6 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, keep_free_heap
-from towerflow.ps.optimizers import ServerOptimizer
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.protocol import (
     APPLIED,
@@ -52,12 +52,12 @@ from towerflow.ps.protocol import (
     PushOutcome,
     bounded,
 )
-from towerflow.ps.pushes import LIVENESS_SECONDS, Pending, PushTable
+from towerflow.ps.server.dense import checks
+from towerflow.ps.server.dense.optimizers import ServerOptimizer
+from towerflow.ps.server.dense.records import LedgerRecord, ShardFigures, ShardStats
+from towerflow.ps.server.pushes import LIVENESS_SECONDS, Pending, PushTable
 
 __all__ = [
-    "LedgerRecord",
-    "ShardFigures",
-    "ShardStats",
     "ShardState",
     "STAGING_FLOOR",
     "default_staging_limit",
@@ -82,56 +82,6 @@ def default_staging_limit(nbytes: int, replicas: int) -> int:
     parameters and optimizer state, whatever its peers send or withhold.
     """
     return max(STAGING_FLOOR, (replicas + 2) * nbytes)
-
-
-@dataclass(slots=True)
-class ShardStats:
-    """Counters a shard reports (all since it was initialised)."""
-
-    pushes: int = 0
-    applied: int = 0
-    updates: int = 0
-    stale: int = 0
-    refused: int = 0
-    duplicates: int = 0
-    voided: int = 0
-    max_lead: int = 0
-    pulls: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    refusals: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, int]:
-        """The counters as a dict (the last refusal messages left out)."""
-        return {k: getattr(self, k) for k in self.__slots__ if k != "refusals"}
-
-
-class ShardFigures(NamedTuple):
-    """What a shard reports in its ``Status`` reply, read at one moment."""
-
-    step: int
-    optimizer_step: int
-    stats: dict[str, int]
-    refusals: tuple[str, ...]
-    staged: int
-    pushes: tuple[tuple[int, int, int, str], ...]
-
-
-class LedgerRecord(NamedTuple):
-    """One entry of a shard's ledger: a push whose gradient is in the parameters.
-
-    A push is applied whole or not at all, so an entry's range
-    ``applied_start .. applied_stop - 1`` is the whole buffer and ``partial``
-    is always False (the fields stay for readers of older ledgers).
-    """
-
-    worker_id: int
-    incarnation: int
-    seq: int
-    step: int
-    partial: bool = False
-    applied_start: int = 0
-    applied_stop: int = 0
 
 
 class ShardState:
@@ -326,7 +276,7 @@ class ShardState:
             The earlier outcome (``duplicate``) when this push was answered
             already (a retry: the gradient is not applied twice), after waiting
             for it when it is still in progress; else the new push's
-            :class:`~towerflow.ps.pushes.Pending` record.
+            :class:`~towerflow.ps.server.pushes.Pending` record.
 
         Raises:
             InvalidArgumentError: a superseded incarnation, or a header that
@@ -453,51 +403,9 @@ class ShardState:
 
     # -- validation ---------------------------------------------------------------
     def validate_header(self, header: PushHeader) -> None:
-        """Raise :class:`InvalidArgumentError` unless the push matches the layout."""
-        who = f"worker {header.worker_id}"
-        if header.dtype != "float32":
-            raise InvalidArgumentError(bounded(
-                f"Gradient pushed by {who} to ps shard {self.layout.index} has dtype "
-                f"{bounded(header.dtype, 64)}; the parameters are float32. Cast gradients to float32."
-            ))
-        if header.segments and header.segments != self._expected:
-            raise InvalidArgumentError(self._describe_mismatch(header, who))
-        if header.numel != self.layout.numel:
-            raise InvalidArgumentError(
-                f"Gradient pushed by {who} to ps shard {self.layout.index} has {header.numel} "
-                f"elements but the shard holds {self.layout.numel} "
-                f"({self._listing(self._expected)}); push gradients of the same model."
-            )
-        if not np.isfinite(header.lr) or header.lr <= 0:
-            raise InvalidArgumentError(
-                f"Learning rate {header.lr!r} pushed by {who} is not a positive number."
-            )
-
-    def _describe_mismatch(self, header: PushHeader, who: str) -> str:
-        got = dict(header.segments)
-        expected = dict(self._expected)
-        problems = []
-        for name, shape in self._expected:
-            if name not in got:
-                problems.append(f"variable {name!r} {list(shape)} is missing")
-            elif tuple(got[name]) != tuple(shape):
-                problems.append(f"variable {name!r} has shape {list(got[name])} but the "
-                                f"parameter has shape {list(shape)}")
-        problems += [f"unexpected variable {name!r} {list(shape)}"
-                     for name, shape in header.segments if name not in expected]
-        if not problems:
-            problems.append("the variables are in a different order")
-        shown = "; ".join(bounded(p, 200) for p in problems[:8])
-        if len(problems) > 8:
-            shown += f"; and {len(problems) - 8} more differences"
-        return bounded(f"Gradient pushed by {who} to ps shard {self.layout.index} does not "
-                       f"match its parameters: {shown}. It was refused and the parameters "
-                       "are unchanged; push gradients of the same model.")
-
-    @staticmethod
-    def _listing(items: Sequence[tuple[str, tuple[int, ...]]]) -> str:
-        shown = ", ".join(f"{n} {list(s)}" for n, s in items[:8])
-        return shown + (", ..." if len(items) > 8 else "")
+        """Raise :class:`InvalidArgumentError` unless the push matches the layout
+        (:func:`~towerflow.ps.server.dense.checks.check_header`)."""
+        checks.check_header(self.layout, self._expected, header)
 
     def find_nonfinite(self, values: np.ndarray, base: int = 0) -> int | None:
         """Index (in the shard buffer) of the first NaN / inf of ``values``, else None.
@@ -511,11 +419,7 @@ class ShardState:
 
     def nonfinite_message(self, header: PushHeader, index: int) -> str:
         """The refusal message for a NaN / inf at buffer ``index``."""
-        seg = self.layout.segment_at(index)
-        return (f"Gradient pushed by worker {header.worker_id} to ps shard {self.layout.index} "
-                f"contains NaN or inf in variable {seg.label!r} (shape {list(seg.shape)}); it "
-                "was refused and the parameters are unchanged. Lower the learning rate or clip "
-                "the gradients.")
+        return checks.nonfinite_message(self.layout, header, index)
 
     # -- reads ----------------------------------------------------------------------
     def buffer(self, name: str) -> np.ndarray:

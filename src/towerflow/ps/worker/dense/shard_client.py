@@ -1,0 +1,306 @@
+"""A worker's calls to one ps task of the dense path: status, init, pull, push, done, ledger.
+
+A :class:`ShardClient` holds an authenticated channel to one ps task and what
+its shard holds. A push streams the gradient in chunks (one message each way
+for a shard of one chunk, on a long-lived stream) and can bring the fresh
+parameters back in the same call; a push whose attempt runs out of time is
+sent again as the same push (the ps applies it once) while ``push_wait``
+allows. :class:`~towerflow.ps.worker.dense.client.PSClient` runs one per ps
+task, in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from towerflow.cluster.transport import (
+    RequestStream,
+    channel_address,
+    map_rpc_error,
+    stream_unary,
+    unary,
+    unary_stream,
+)
+from towerflow.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    TowerflowError,
+    UnavailableError,
+)
+from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.buffers import all_finite
+from towerflow.ps.placement import ShardLayout
+from towerflow.ps.protocol import (
+    CHUNK_BYTES,
+    AggregationConfig,
+    PushHeader,
+    aggregation_to_proto,
+    chunks,
+    encode_push_header,
+    layout_to_proto,
+    method_path,
+    optimizer_to_proto,
+    pack,
+    parse_message,
+    push_records,
+    signature_bytes,
+    unpack,
+)
+
+__all__ = ["ShardClient", "PUSH_RETRY_LOG_EVERY"]
+
+logger = logging.getLogger("towerflow.ps")
+
+#: a push sent again after its deadline logs a line at its first retry and every this many
+PUSH_RETRY_LOG_EVERY = 5
+
+_T = TypeVar("_T")
+
+
+def _receive(into: np.ndarray, chunks: Iterator[bytes], numel: int, what: str) -> None:
+    if numel != into.size:
+        raise DataLossError(
+            f"{what} announces {numel} elements but this worker's buffer holds {into.size}; "
+            "the ps holds another model: restart it or the chief."
+        )
+    raw = into.view(np.uint8)
+    pos = 0
+    for chunk in chunks:
+        end = pos + len(chunk)
+        if end > raw.size:
+            raise DataLossError(f"{what} sent more than the {raw.size} bytes it announced.")
+        raw[pos:end] = np.frombuffer(chunk, np.uint8)
+        pos = end
+    if pos != raw.size:
+        raise DataLossError(f"{what} ended after {pos} of {raw.size} bytes.")
+
+
+class ShardClient:
+    """Calls to one ps task.
+
+    Args:
+        channel: an authenticated channel to the ps task.
+        layout: what that shard holds.
+        timeout: deadline of ordinary calls (seconds).
+        push_timeout: deadline of one attempt of a push (covers a sync step's wait).
+        push_wait: how long, from its start, a push whose attempt ran out of
+            time is sent again (the same push: the ps answers the retry with the
+            first attempt's outcome, so it is applied once); None: for ever; 0:
+            never.
+        chunk_bytes: size of streamed chunks.
+    """
+
+    def __init__(self, channel: grpc.Channel, layout: ShardLayout, *, timeout: float = 30.0,
+                 push_timeout: float | None = None, push_wait: float | None = 0.0,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.channel = channel
+        self.layout = layout
+        self.timeout = timeout
+        self.push_timeout = push_timeout or timeout
+        self.push_wait = push_wait
+        self.chunk_bytes = chunk_bytes
+        self.version = 0  # the shard step of the last parameters received
+        self._stream: RequestStream | None = None
+        self._stream_lock = threading.Lock()
+        self._signature = signature_bytes(layout)
+
+    @property
+    def address(self) -> str:
+        """The ps task's address."""
+        return channel_address(self.channel)
+
+    def _retrying(self, call: Callable[[], _T], timeout: float) -> _T:
+        """Run ``call``, retrying while the ps is unavailable, until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            try:
+                return call()
+            except UnavailableError:
+                if time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def status(self, timeout: float | None = None) -> pb.StatusReply:
+        """The shard's status (initialised, step, layout fingerprint, counters)."""
+        data = unary(self.channel, method_path("Status"), b"", timeout=timeout or self.timeout)
+        return parse_message(pb.StatusReply, data, "StatusReply")
+
+    def init(self, params: np.ndarray, *, optimizer: Any,
+             aggregation: AggregationConfig, step: int = 0,
+             slots: Mapping[str, np.ndarray] | None = None, optimizer_step: int = 0,
+             pushes: Sequence[tuple[int, int, int, str]] = ()) -> None:
+        """Create the shard with ``params`` (and optimizer ``slots``) on the ps.
+
+        ``optimizer``: what the ps applies gradients with (an ``OptimizerConfig``
+        or its ``OptimizerSpec``, :func:`~towerflow.ps.protocol.optimizer_to_proto`).
+        ``pushes``: the shard's push table from a checkpoint (rows
+        ``(worker, incarnation, seq, status)``), so that the pushes it had
+        answered are not applied again.
+        """
+        slots = dict(slots or {})
+        req = pb.InitRequest(
+            shard=self.layout.index, segments=layout_to_proto(self.layout),
+            optimizer=optimizer_to_proto(optimizer), aggregation=aggregation_to_proto(aggregation),
+            step=step, slots=list(slots), optimizer_step=optimizer_step,
+            pushes=push_records(pushes))
+
+        def messages() -> Iterator[bytes]:
+            yield req.SerializeToString()
+            for buf in (params, *slots.values()):
+                yield from chunks(np.asarray(buf, np.float32).reshape(-1), self.chunk_bytes)
+
+        self._retrying(lambda: stream_unary(self.channel, method_path("Init"), messages(),
+                                            timeout=self.timeout), self.timeout)
+        self.version = step
+
+    def pull(self, into: np.ndarray, buffer: str = "params", *, track: bool = True) -> pb.PullReply:
+        """Receive the shard's ``buffer`` into ``into``; return the reply header.
+
+        With ``track`` (the default) pulled parameters become the version the
+        next push says its gradient was computed on; a snapshot for a
+        checkpoint passes ``track=False``.
+        """
+        req = pb.PullRequest(buffer=buffer).SerializeToString()
+
+        def call() -> pb.PullReply:
+            replies = unary_stream(self.channel, method_path("Pull"), req, timeout=self.timeout)
+            first = next(replies, None)
+            if first is None:
+                raise DataLossError(f"ps shard {self.layout.index} answered a pull with nothing.")
+            head = parse_message(pb.PullReply, first, "PullReply")
+            _receive(into, replies, head.numel, f"ps shard {self.layout.index}")
+            return head
+
+        head = self._retrying(call, self.timeout)
+        if buffer == "params" and track:
+            self.version = head.step
+        return head
+
+    def push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
+             pull_into: np.ndarray | None = None) -> pb.PushReply:
+        """Push ``grad``; with ``pull_into``, receive the fresh parameters in the same call."""
+        small = self.layout.nbytes <= self.chunk_bytes  # one message each way
+        header = PushHeader(
+            worker_id=worker_id, incarnation=incarnation, seq=seq, token=self.version, lr=lr,
+            dtype="float32" if grad.dtype == np.float32 else str(grad.dtype), numel=grad.size,
+            # a finite gradient lets the ps apply chunks as they arrive
+            finite=not small and grad.dtype == np.float32 and all_finite(grad))
+        head = encode_push_header(header, want_params=pull_into is not None,
+                                  signature=self._signature)
+
+        def messages() -> Iterator[bytes]:
+            yield head
+            yield from chunks(grad, self.chunk_bytes)
+
+        def call() -> pb.PushReply:
+            if small:
+                return self._push_pull_small(head, grad, pull_into)
+            if pull_into is None:
+                data = stream_unary(self.channel, method_path("Push"), messages(),
+                                    timeout=self.push_timeout)
+                return parse_message(pb.PushReply, data, "PushReply")
+            return self._push_pull(messages(), pull_into)
+
+        reply = self._waiting(call, f"push {seq} of worker {worker_id} (incarnation "
+                                    f"{incarnation}, computed on step {header.token})")
+        if pull_into is not None and reply.numel:
+            self.version = reply.step
+        return reply
+
+    def _waiting(self, call: Callable[[], pb.PushReply], what: str) -> pb.PushReply:
+        """Run a push's ``call``; after its deadline send it again while ``push_wait`` allows."""
+        start = time.monotonic()
+        retries = 0
+        while True:
+            try:
+                return self._retrying(call, self.push_timeout)
+            except DeadlineExceededError:
+                waited = time.monotonic() - start
+                if self.push_wait is not None and waited >= self.push_wait:
+                    raise
+            retries += 1
+            if retries % PUSH_RETRY_LOG_EVERY == 1 or PUSH_RETRY_LOG_EVERY == 1:
+                limit = ("for ever (step_timeout=None)" if self.push_wait is None
+                         else f"up to {self.push_wait:g} s")
+                logger.warning(
+                    "%s is still waiting for ps task %d at %s after %.0f s: its step needs the "
+                    "other workers' gradients. Sent again (retry %d, each attempt %g s; the ps "
+                    "applies it once); waiting %s.", what, self.layout.index, self.address,
+                    waited, retries, self.push_timeout, limit)
+
+    def _push_pull_small(self, head: bytes, grad: np.ndarray,
+                         into: np.ndarray | None) -> pb.PushReply:
+        payload = memoryview(np.ascontiguousarray(grad)).cast("B")
+        request = pack(head, payload)
+        if self._stream_lock.acquire(blocking=False):
+            try:
+                data = self._stream_round_trip(request)
+            finally:
+                self._stream_lock.release()
+        else:  # another thread's push holds the stream
+            data = unary(self.channel, method_path("PushPullSmall"), request, timeout=self.push_timeout)
+        head, params = unpack(data)
+        reply = parse_message(pb.PushReply, head, "PushReply")
+        if reply.numel and into is not None:
+            _receive(into, iter((params,)), reply.numel, f"ps shard {self.layout.index}")
+        return reply
+
+    def _stream_round_trip(self, request: bytes) -> bytes:
+        """One push-and-pull on the long-lived stream (reopened when old or broken)."""
+        if self._stream is not None and not self._stream.fresh:
+            self.close_stream()
+        if self._stream is None:
+            self._stream = RequestStream(self.channel, method_path("PushPullSmallStream"),
+                                         self.push_timeout, request)
+        else:
+            self._stream.send(request)
+        try:
+            return self._stream.receive()
+        except TowerflowError:
+            self.close_stream()
+            raise
+
+    def close_stream(self) -> None:
+        """End the push stream, if one is open (the next small push opens another)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def _push_pull(self, messages: Iterator[bytes], into: np.ndarray) -> pb.PushReply:
+        method = method_path("PushPull")
+        call = self.channel.stream_stream(method)(messages, timeout=self.push_timeout)
+        try:
+            replies = iter(call)
+            first = next(replies, None)
+            if first is None:
+                raise DataLossError(f"ps shard {self.layout.index} answered a push with nothing.")
+            reply = parse_message(pb.PushReply, first, "PushReply")
+            if reply.numel:
+                _receive(into, replies, reply.numel, f"ps shard {self.layout.index}")
+            return reply
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc, method, self.address) from None
+        finally:
+            call.cancel()
+
+    def done(self, worker_id: int, checkpoint_step: int | None = None) -> None:
+        """Tell the shard this worker has finished (the chief: after its final checkpoint,
+        written at global step ``checkpoint_step``; None: it wrote none)."""
+        request = pb.DoneRequest(worker_id=worker_id, final_checkpoint=checkpoint_step is not None,
+                                 checkpoint_step=checkpoint_step or 0)
+        unary(self.channel, method_path("Done"), request.SerializeToString(), timeout=self.timeout)
+
+    def ledger(self, since: int = 0) -> pb.LedgerReply:
+        """The pushes the shard applied, from ledger entry ``since`` on."""
+        data = unary(self.channel, method_path("Ledger"),
+                     pb.LedgerRequest(since=since).SerializeToString(), timeout=self.timeout)
+        return parse_message(pb.LedgerReply, data, "LedgerReply")

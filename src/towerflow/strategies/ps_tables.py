@@ -1,0 +1,90 @@
+"""The sparse tables' part of :class:`~towerflow.strategies.parameter_server.ParameterServer`.
+
+A model's :class:`~towerflow.ps.worker.tables.embedding.ShardedEmbedding`
+modules (and, with ``sparse_threshold_bytes``, its large embeddings swapped
+for them) live on the ps tasks as row-sharded tables. Here the strategy binds
+them (:func:`attach_tables`), creates or restores them on the ps tasks before
+the dense ``Init`` (:func:`start_tables`), and puts them into a checkpoint and
+takes them back out (:func:`table_groups`, :func:`tables_to_restore`): the
+``ps_tables`` chunked group, streamed part by part, never gathered.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from towerflow.ps.worker.tables.checkpoint import (
+    PART_BYTES,
+    TABLES_GROUP,
+    TABLES_KEY,
+    describe_tables,
+    export_tables,
+    import_tables,
+)
+from towerflow.ps.worker.tables.embedding import SparseTables, swap_embeddings
+
+__all__ = ["attach_tables", "start_tables", "table_groups", "tables_to_restore"]
+
+log = logging.getLogger("towerflow.ps")
+
+
+def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
+                  sparse_threshold: int | None, **client_options: Any) -> SparseTables:
+    """Swap large embeddings (``sparse_threshold`` bytes and up) and bind the model's tables.
+
+    Args:
+        model: the model being prepared.
+        optimizer: the dense ``OptimizerConfig`` (a table without an optimizer
+            of its own takes its counterpart).
+        cluster: the ``ClusterSpec``; the tables are sharded over its ps tasks.
+        sparse_threshold: see ``ParameterServer(sparse_threshold_bytes=)``; None:
+            only explicit ``ShardedEmbedding`` modules.
+        **client_options: the :class:`~towerflow.ps.worker.tables.client.TableClient`'s.
+
+    Returns:
+        The model's tables (false when it has none).
+    """
+    if sparse_threshold is not None:
+        swapped = swap_embeddings(model, sparse_threshold)
+        if swapped:
+            log.info("sparse tables on the ps tasks: %s", ", ".join(swapped))
+    addresses = [cluster.task_address("ps", i) for i in range(cluster.num_tasks("ps"))]
+    return SparseTables(model, addresses, optimizer, **client_options)
+
+
+def start_tables(tables: SparseTables, restore: tuple[Any, Any] | None) -> None:
+    """(The chief) create the tables on the ps tasks, before the dense ``Init``.
+
+    Args:
+        tables: the model's tables.
+        restore: what :func:`tables_to_restore` took from a checkpoint; None:
+            the tables start from their initializers.
+    """
+    if restore:
+        configs = [module.config for _, module in tables.modules]
+        import_tables(tables.client, configs, *restore)
+    else:
+        tables.initialize()
+
+
+def table_groups(tables: SparseTables, part_bytes: int | None
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tables' checkpoint group and metadata: ``({"ps_tables": group}, {"tables": ...})``.
+
+    The group is a chunked group of parts of ``part_bytes`` (default 64 MiB),
+    streamed from the ps shards while the checkpoint is written.
+    """
+    configs = [module.config for _, module in tables.modules]
+    group = export_tables(tables.client, configs, part_bytes=part_bytes or PART_BYTES)
+    return {TABLES_GROUP: group}, {TABLES_KEY: describe_tables(configs)}
+
+
+def tables_to_restore(groups: Mapping[str, Any], metadata: Mapping[str, Any]
+                      ) -> tuple[Any, Any]:
+    """What :func:`start_tables` restores: the checkpoint's ``ps_tables`` group (a
+    :class:`~towerflow.checkpoint.ChunkedReader`, or None) and the tables' descriptions."""
+    return groups.get(TABLES_GROUP), metadata.get(TABLES_KEY)
