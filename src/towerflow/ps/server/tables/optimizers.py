@@ -189,15 +189,19 @@ class SparseAdagrad(SparseOptimizer):
 
     Args:
         initial_accumulator_value: the accumulator's start, > 0 (TensorFlow's 0.1).
+        epsilon: added to ``sqrt(accum)`` (``torch.optim.Adagrad``'s ``eps``);
+            0 (default): TensorFlow's update.
     """
 
     name: ClassVar[str] = "adagrad"
     slot_names: ClassVar[tuple[str, ...]] = ("accumulator",)
     initial_accumulator_value: float = 0.1
+    epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         _number("SparseAdagrad", "initial_accumulator_value", self.initial_accumulator_value,
                 low=0.0, low_open=True)
+        _number("SparseAdagrad", "epsilon", self.epsilon, low=0.0)
 
     def slot_initial_value(self, slot: str) -> float:
         SparseOptimizer.slot_initial_value(self, slot)
@@ -207,7 +211,8 @@ class SparseAdagrad(SparseOptimizer):
                grads: torch.Tensor, lr: float, step: int) -> None:
         accum = slots["accumulator"]
         acc = accum.index_select(0, index).addcmul_(grads, grads)
-        rows = var.index_select(0, index).addcmul_(grads, acc.rsqrt(), value=-lr)
+        scale = acc.rsqrt() if not self.epsilon else acc.sqrt().add_(self.epsilon).reciprocal_()
+        rows = var.index_select(0, index).addcmul_(grads, scale, value=-lr)
         accum.index_copy_(0, index, acc)
         var.index_copy_(0, index, rows)
 
