@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -47,3 +48,30 @@ def subprocess_env() -> dict[str, str]:
 def python() -> str:
     """The interpreter running the tests, for starting child processes."""
     return sys.executable
+
+
+@pytest.fixture
+def start_ps_tasks(free_ports) -> Iterator[Callable[[Any], Any]]:
+    """Return ``start(credentials) -> ClusterSpec``: two full ps tasks (dense and table
+    services) and one worker slot on 127.0.0.1, in this process, serving after Done.
+
+    The tasks it started are stopped when the test ends.
+    """
+    from towerflow.cluster import ClusterSpec, Server, ServerOptions
+
+    servers: list[Any] = []
+
+    def start(credentials: Any) -> Any:
+        ports = free_ports(3)
+        spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
+                            "worker": [f"127.0.0.1:{ports[2]}"]})
+        for i in range(2):
+            servers.append(Server(spec, "ps", i, credentials=credentials,
+                                  options=ServerOptions(serve_forever=True)))
+        return spec
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()

@@ -21,7 +21,7 @@ from torch import nn
 
 import towerflow
 from towerflow import PlacementError, configure, device
-from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
+from towerflow.cluster import TaskInfo
 from towerflow.cluster.transport import Credentials
 from towerflow.ps import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
@@ -83,18 +83,9 @@ def test_cuda_visible_devices_decides_what_a_process_lists(python, subprocess_en
 
 
 @pytest.fixture
-def ps_servers(free_ports):
+def ps_servers(start_ps_tasks):
     """Two ps tasks (dense and table services) in this process, serving after Done."""
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
-    try:
-        yield spec
-    finally:
-        for server in servers:
-            server.stop()
+    return start_ps_tasks(SECRET)
 
 
 class _Click(nn.Module):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
+from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from towerflow.ps import tables_pb2 as tpb
@@ -24,8 +24,9 @@ from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.server.tables.rows import UniformRows
 from towerflow.ps.server.tables.service import TableHost
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig
-from towerflow.ps.worker.tables.embedding import ShardedEmbedding, swap_embeddings
+from towerflow.ps.worker.tables.config import TableConfig
+from towerflow.ps.worker.tables.embedding import ShardedEmbedding
+from towerflow.ps.worker.tables.swap import swap_embeddings
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.processes import stop_processes
@@ -235,8 +236,8 @@ def test_swap_replaces_large_embeddings_and_drops_their_weight():
     assert swap_embeddings(model, 1000 * 8 * 4) == ["0"]
     assert isinstance(model[0], ShardedEmbedding) and (model[0].num_rows, model[0].dim) == (1000, 8)
     assert [n for n, _ in model.named_parameters()] == ["1.weight"]
-    with pytest.raises(InvalidArgumentError, match=r"uses \['padding_idx'\]"):
-        swap_embeddings(nn.Sequential(nn.Embedding(1000, 8, padding_idx=0)), 1)
+    with pytest.raises(InvalidArgumentError, match=r"uses include_last_offset=True"):
+        swap_embeddings(nn.Sequential(nn.EmbeddingBag(1000, 8, include_last_offset=True)), 1)
 
 
 class Click(nn.Module):
@@ -257,18 +258,9 @@ def click_loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 @pytest.fixture
-def ps_servers(free_ports):
+def ps_servers(start_ps_tasks):
     """Two full ps tasks (dense and table services) in this process, serving after Done."""
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
-    try:
-        yield spec
-    finally:
-        for server in servers:
-            server.stop()
+    return start_ps_tasks(SECRET)
 
 
 @pytest.mark.parametrize("swap", [False, True])
@@ -287,10 +279,11 @@ def _strategy_step_matches_local_sgd(ps_servers, *, swap: bool, defer: bool) -> 
     ids[0, :2] = 7  # a row used twice in one bag
     labels = torch.randint(0, 2, (8,)).float()
     local = Click(50, embedding=nn.EmbeddingBag(50, 4, mode="sum"))
-    with torch.no_grad():  # a swapped table starts from the default initializer
-        init = DEFAULT_INITIALIZER if swap else INIT
-        local.emb.weight.copy_(expected_rows(torch.arange(50), 4, init))
-    model = Click(50, embedding=nn.EmbeddingBag(50, 4, mode="sum") if swap else
+    with torch.no_grad():  # a swapped table starts from the module's own weight
+        local.emb.weight.copy_(expected_rows(torch.arange(50), 4, INIT))
+    swapped = nn.EmbeddingBag(50, 4, mode="sum")
+    swapped.load_state_dict(local.emb.state_dict())
+    model = Click(50, embedding=swapped if swap else
                   ShardedEmbedding(50, 4, mode="sum", initializer=INIT, defer_push=defer))
     model.out.load_state_dict(local.out.state_dict())
     strategy = ParameterServer(ps_servers, TaskInfo("worker", 0), credentials=SECRET,

@@ -12,7 +12,8 @@ A file's path says which process it runs in:
   (:class:`ShardState`, :class:`PSService`) and the sparse tables'
   (:class:`TableService`, :class:`TableHost`);
 - :mod:`towerflow.ps.worker` — what runs inside a worker: :class:`PSClient`,
-  :class:`TableClient` / :class:`TableConfig`, :class:`ShardedEmbedding`.
+  :class:`TableClient` / :class:`TableConfig`, :class:`ShardedEmbedding`,
+  :func:`keep_dense` (a model's embedding that stays a dense parameter).
 
 The halves never import each other. This module only hands names on:
 importing it loads neither torch nor grpc, nor either half; each name is
@@ -53,6 +54,7 @@ __all__ = [
     "ShardClient",
     "PushResult",
     "ShardedEmbedding",
+    "keep_dense",
     "TableClient",
     "TableConfig",
     "TableService",
@@ -72,6 +74,7 @@ _LAZY = {
     "ShardClient": "towerflow.ps.worker.dense.shard_client",
     "PushResult": "towerflow.ps.worker.dense.client",
     "ShardedEmbedding": "towerflow.ps.worker.tables.embedding",
+    "keep_dense": "towerflow.ps.worker.tables.swap",
     "TableClient": "towerflow.ps.worker.tables.client",
     "TableConfig": "towerflow.ps.worker.tables.config",
     "TableService": "towerflow.ps.server.tables.service",

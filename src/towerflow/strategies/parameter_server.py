@@ -63,6 +63,7 @@ from towerflow.ps.worker.dense.variables import (
     dense_groups,
     dense_restore,
 )
+from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
 from towerflow.strategies.ps_tables import (
@@ -115,11 +116,12 @@ class ParameterServer(Strategy):
             ``"0.0.0.0"`` in a pod whose Service name resolves only once it
             runs); a server asked to listen there that cannot is an error.
         sparse_threshold_bytes: every ``nn.Embedding`` / ``nn.EmbeddingBag``
-            whose weight has this many bytes or more becomes a sparse table on
-            the ps tasks (``towerflow.ps.ShardedEmbedding``: only a batch's rows
-            travel); None (default): only explicit ``ShardedEmbedding`` modules
-            (a swapped table starts from the table initializer and needs a row-wise
-            optimizer, so the swap is asked for, never implied).
+            declared ``sparse=True`` or whose weight has this many bytes or more
+            (default 64 MiB) becomes a sparse table on the ps tasks (only a
+            batch's rows travel; ``towerflow.ps.worker.tables.swap``), starting
+            from the module's own values, announced by one line each; None:
+            none (only explicit ``ShardedEmbedding`` modules). One module stays
+            dense with ``towerflow.ps.keep_dense(module)``.
         table_part_bytes: bytes of a sparse table's rows and slots per checkpoint
             file (default 64 MiB): saving or restoring a table holds one such part.
         join: join a running async job as an elastic worker (see above); ``task``
@@ -139,7 +141,7 @@ class ParameterServer(Strategy):
                  prefetch: bool = False, is_chief: bool | None = None,
                  device_setter: Any = None, server: Any = True,
                  bind_host: str | None = None,
-                 sparse_threshold_bytes: int | None = None,
+                 sparse_threshold_bytes: int | None = DEFAULT_SPARSE_THRESHOLD,
                  table_part_bytes: int | None = None, join: bool = False,
                  max_elastic_workers: int = DEFAULT_MAX_ELASTIC) -> None:
         from towerflow.cluster import resolve_cluster
@@ -254,13 +256,14 @@ class ParameterServer(Strategy):
             raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
         self._tables = attach_tables(  # sparse tables: rows on the ps
             model, optimizer, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
-            credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
+            chief=self._chief, credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
             aggregation=self.aggregation)
         if self._elastic and self._tables:
             raise InvalidArgumentError(
                 "An elastic worker (join=True) trains dense models only: this model has sparse "
                 "tables on the ps tasks, whose shards count the cluster's replicas alone. Add "
-                "the worker to the cluster as a task instead.")
+                "the worker to the cluster as a task instead (or, in a job whose every "
+                "worker keeps its embeddings dense, pass sparse_threshold_bytes=None).")
         model.to(self._device)
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         wrong = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]

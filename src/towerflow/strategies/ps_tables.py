@@ -1,8 +1,10 @@
 """The sparse tables' part of :class:`~towerflow.strategies.parameter_server.ParameterServer`.
 
 A model's :class:`~towerflow.ps.worker.tables.embedding.ShardedEmbedding`
-modules (and, with ``sparse_threshold_bytes``, its large embeddings swapped
-for them) live on the ps tasks as row-sharded tables. Here the strategy binds
+modules (and its ``nn.Embedding`` / ``nn.EmbeddingBag`` modules declared
+``sparse=True`` or of ``sparse_threshold_bytes`` and more, swapped for them by
+:func:`~towerflow.ps.worker.tables.swap.swap_embeddings`) live on the ps tasks
+as row-sharded tables. Here the strategy binds
 them (:func:`attach_tables`), creates or restores them on the ps tasks before
 the dense ``Init`` (:func:`start_tables`), and puts them into a checkpoint and
 takes them back out (:func:`table_groups`, :func:`tables_to_restore`): the
@@ -25,7 +27,8 @@ from towerflow.ps.worker.tables.checkpoint import (
     export_tables,
     import_tables,
 )
-from towerflow.ps.worker.tables.embedding import SparseTables, swap_embeddings
+from towerflow.ps.worker.tables.embedding import SparseTables
+from towerflow.ps.worker.tables.swap import describe_swap, swap_embeddings
 
 __all__ = ["attach_tables", "start_tables", "table_groups", "tables_to_restore"]
 
@@ -33,8 +36,13 @@ log = logging.getLogger("towerflow.ps")
 
 
 def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
-                  sparse_threshold: int | None, **client_options: Any) -> SparseTables:
-    """Swap large embeddings (``sparse_threshold`` bytes and up) and bind the model's tables.
+                  sparse_threshold: int | None, chief: bool,
+                  **client_options: Any) -> SparseTables:
+    """Swap ``sparse=True`` and large embeddings and bind the model's tables.
+
+    Each swapped table is announced with one warning-level line (seen with
+    Python's default logging). A worker that is not the chief forgets the
+    swapped modules' weights at once: only the chief ships them.
 
     Args:
         model: the model being prepared.
@@ -43,17 +51,20 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
         cluster: the ``ClusterSpec``; the tables are sharded over its ps tasks.
         sparse_threshold: see ``ParameterServer(sparse_threshold_bytes=)``; None:
             only explicit ``ShardedEmbedding`` modules.
+        chief: this worker initialises the tables.
         **client_options: the :class:`~towerflow.ps.worker.tables.client.TableClient`'s.
 
     Returns:
         The model's tables (false when it has none).
     """
-    if sparse_threshold is not None:
-        swapped = swap_embeddings(model, sparse_threshold)
-        if swapped:
-            log.info("sparse tables on the ps tasks: %s", ", ".join(swapped))
+    swapped = swap_embeddings(model, sparse_threshold)
     addresses = [cluster.task_address("ps", i) for i in range(cluster.num_tasks("ps"))]
-    return SparseTables(model, addresses, optimizer, **client_options)
+    tables = SparseTables(model, addresses, optimizer, **client_options)
+    for path in swapped:
+        log.warning("%s", describe_swap(model.get_submodule(path), len(addresses)))
+    if not chief:
+        tables.release()
+    return tables
 
 
 def start_tables(tables: SparseTables, restore: tuple[Any, Any] | None) -> None:
@@ -65,6 +76,7 @@ def start_tables(tables: SparseTables, restore: tuple[Any, Any] | None) -> None:
             the tables start from their initializers.
     """
     if restore:
+        tables.release()  # the checkpoint's rows win over the modules' weights
         configs = [module.config for _, module in tables.modules]
         import_tables(tables.client, configs, *restore)
     else:

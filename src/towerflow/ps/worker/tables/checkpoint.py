@@ -46,7 +46,7 @@ from towerflow.ps.worker.tables.client import TableClient, _decode
 from towerflow.ps.worker.tables.config import TableConfig
 
 __all__ = ["TABLES_GROUP", "TABLES_KEY", "PART_BYTES", "describe_tables", "export_tables",
-           "import_tables"]
+           "import_tables", "ship_rows"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -289,3 +289,42 @@ def _send(client: TableClient, config: TableConfig, ids: torch.Tensor, rows: tor
                   for i in range(0, max(1, shard_ids.numel()), step))
         client.import_rows(config, shard, pieces, pushes=pushes[shard])
         sent.add((config.name, shard))
+
+
+# ----------------------------------------------------------------------------- a module's rows
+def ship_rows(client: TableClient, config: TableConfig, ids: torch.Tensor | None,
+              rows: torch.Tensor, *, shards: Sequence[int] | None = None,
+              part_bytes: int = PART_BYTES) -> None:
+    """Set a new table's rows from ``rows`` (a module's weight), streamed to their owners.
+
+    Each shard takes its rows through the import path (``ImportRows``, slots
+    reset) in streams of about ``part_bytes``, each cut into calls of the
+    client's ``max_call_bytes``; only one call's rows are gathered at a time,
+    so the worker holds no second copy of the table.
+
+    Args:
+        client: a client of every ps task.
+        config: the table (created on the ps tasks).
+        ids: the global ids of ``rows``; None: ``rows`` is the whole table.
+        rows: ``(len(ids) or num_rows, dim)`` values.
+        shards: the shards to fill (default: all).
+        part_bytes: rows per import stream (what a ps task gathers at once).
+    """
+    call = max(1, client.max_call_bytes // config.row_bytes)
+    per_stream = max(call, part_bytes // config.row_bytes)
+    if ids is not None:
+        ids = config.partitioner.check(ids.to(torch.int64))
+    for shard in range(client.num_shards) if shards is None else shards:
+        if ids is None:
+            shard_ids, places = config.partitioner.global_ids(shard), None
+        else:
+            places, shard_ids = config.partitioner.split(ids)[shard]
+        for start in range(0, shard_ids.numel(), per_stream):
+            block = slice(start, min(start + per_stream, shard_ids.numel()))
+            pieces = ((shard_ids[i:i + call],
+                       rows.index_select(0, shard_ids[i:i + call] if places is None
+                                         else places[i:i + call]).to("cpu", config.dtype),
+                       None) for i in range(block.start, block.stop, call))
+            client.import_rows(config, shard, pieces)
+    log.debug("table %r: its start rows shipped to ps task(s) %s", config.name,
+              list(range(client.num_shards)) if shards is None else list(shards))

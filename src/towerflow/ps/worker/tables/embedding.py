@@ -39,14 +39,13 @@ model says ``nn.Embedding(10_000_000, 32)``, which allocates the whole weight
   owns no weight at all, so a table larger than the worker's memory can be
   declared and trained; its optimizer, initializer and partitioner are
   chosen per table.
-- The ``ParameterServer`` strategy's ``sparse_threshold_bytes`` swaps every
-  ``nn.Embedding`` / ``nn.EmbeddingBag`` whose weight is at least that large
-  for a :class:`ShardedEmbedding` of the same shape (:func:`swap_embeddings`)
-  and frees the weight, so an unchanged model trains sparsely; building it
-  under ``torch.device("meta")`` avoids even the first allocation. A swapped
-  table starts from the table initializer (id-hashed uniform), not from the
-  module's random weight, and uses the row-wise counterpart of the model's
-  optimizer (sgd, adagrad, adam -> lazy Adam).
+- The ``ParameterServer`` strategy swaps every ``nn.Embedding`` /
+  ``nn.EmbeddingBag`` declared ``sparse=True`` or at least
+  ``sparse_threshold_bytes`` large (64 MiB by default) for a
+  :class:`ShardedEmbedding` of the same shape
+  (:func:`~towerflow.ps.worker.tables.swap.swap_embeddings`), which starts
+  from the module's own values and uses the row-wise counterpart of the
+  model's optimizer (sgd, adagrad, adam -> lazy Adam).
 
 This module and :mod:`towerflow.ps.worker.tables.client` speak to the ps through the
 generated ``tables_pb2`` messages and the cluster transport only; they import
@@ -55,6 +54,7 @@ no server module.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -65,11 +65,12 @@ from torch import nn
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
+from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
 
-__all__ = ["ShardedEmbedding", "SparseTables", "swap_embeddings", "sparse_optimizer_for",
-           "unique_ids"]
+__all__ = ["ShardedEmbedding", "SparseTables", "sparse_optimizer_for", "unique_ids",
+           "seeded_initializer"]
 
 _BAG_MODES = ("sum", "mean", "max")
 #: a lookup of at most this many values gathers its rows with ``index_select`` (whose
@@ -112,7 +113,9 @@ class ShardedEmbedding(nn.Module):
             optimizer or its ``to_dict()``); None: the counterpart of the
             strategy's optimizer.
         initializer: the rows' start (``towerflow.ps.server.tables.rows.UniformRows`` /
-            ``ConstantRows`` or their dicts); default uniform in [-0.05, 0.05).
+            ``NormalRows`` / ``ConstantRows`` or their dicts); default uniform in
+            [-0.05, 0.05), its seed drawn from the table's name (two tables
+            start apart).
         partitioner: ``mod`` (default; ``id % num_ps``, even under skewed ids)
             or ``range`` (contiguous rows, as ``tf.fixed_size_partitioner``).
         name: the table's name on the ps (default: the module's path in the model).
@@ -130,6 +133,10 @@ class ShardedEmbedding(nn.Module):
             an error of a deferred push is raised by the call that sends it.
             False (default): each step's push is sent and answered within the
             step.
+        padding_idx: an id whose row keeps its value (no update reaches it),
+            as ``nn.Embedding(padding_idx=)``.
+        trainable: False: the rows are served and never updated (no row
+            gradient is pushed), as a frozen ``nn.Embedding``.
 
     Example::
 
@@ -145,7 +152,8 @@ class ShardedEmbedding(nn.Module):
     def __init__(self, num_rows: int, dim: int, *, mode: str | None = None,
                  optimizer: Any = None, initializer: Any = None, partitioner: str = "mod",
                  name: str | None = None, dtype: torch.dtype = torch.float32,
-                 defer_push: bool = False) -> None:
+                 defer_push: bool = False, padding_idx: int | None = None,
+                 trainable: bool = True) -> None:
         super().__init__()
         for what, value in (("num_rows", num_rows), ("dim", dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -161,14 +169,40 @@ class ShardedEmbedding(nn.Module):
             raise InvalidArgumentError(f"ShardedEmbedding: dtype={dtype}; use torch.float32 or "
                                        "torch.float64.")
         self.num_rows, self.dim, self.mode, self.dtype = num_rows, dim, mode, dtype
+        if padding_idx is not None and not (isinstance(padding_idx, int)
+                                            and 0 <= padding_idx < num_rows):
+            raise InvalidArgumentError(f"ShardedEmbedding: padding_idx={padding_idx!r} is not an "
+                                       f"id of the table; use an id in [0, {num_rows}) or None.")
         self.optimizer = None if optimizer is None else _describe(optimizer, "optimizer")
-        self.initializer = _describe(DEFAULT_INITIALIZER if initializer is None else initializer,
-                                     "initializer")
+        #: None: towerflow's initializer, seeded by the table's name (make_config)
+        self.initializer = None if initializer is None else _describe(initializer, "initializer")
         self.partitioner_kind, self.table_name = partitioner, name
         self.defer_push = bool(defer_push)
+        self.padding_idx, self.trainable = padding_idx, bool(trainable)
+        self._start: tuple[torch.Tensor | None, torch.Tensor] | None = None
         self._client: TableClient | None = None
         self.config: TableConfig | None = None
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def start_from(self, rows: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        """Rows the table starts from, shipped once when the chief creates it.
+
+        Args:
+            rows: ``(num_rows, dim)`` (``ids`` None: the whole table, e.g. a
+                module's weight; kept by reference, not copied) or
+                ``(len(ids), dim)``.
+            ids: the ids of ``rows``; the other rows keep the initializer's values.
+        """
+        want = (self.num_rows if ids is None else ids.numel(), self.dim)
+        if tuple(rows.shape) != want:
+            raise InvalidArgumentError(f"ShardedEmbedding.start_from: rows of shape "
+                                       f"{tuple(rows.shape)}, expected {want}.")
+        self._start = (ids, rows)
+
+    def take_start(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """The ``(ids, rows)`` of :meth:`start_from`, forgotten here (shipped or not needed)."""
+        start, self._start = self._start, None
+        return start
 
     def extra_repr(self) -> str:
         bag = "" if self.mode is None else f", mode={self.mode!r}"
@@ -185,9 +219,11 @@ class ShardedEmbedding(nn.Module):
         part: Partitioner = (ModPartitioner(num_shards, num_rows=self.num_rows)
                              if self.partitioner_kind == "mod"
                              else RangePartitioner(self.num_rows, num_shards))
-        return TableConfig(name=self.table_name or name, partitioner=part, dim=self.dim,
+        name = self.table_name or name
+        return TableConfig(name=name, partitioner=part, dim=self.dim,
                            optimizer=self.optimizer or dict(optimizer),
-                           initializer=self.initializer, dtype=self.dtype)
+                           initializer=self.initializer or seeded_initializer(name),
+                           dtype=self.dtype)
 
     def bind(self, client: TableClient, config: TableConfig) -> None:
         """Attach to the ps tasks (the strategy's ``prepare()`` does this)."""
@@ -216,7 +252,7 @@ class ShardedEmbedding(nn.Module):
             )
         unique, inverse = unique_ids(input.reshape(-1).to("cpu", torch.int64))
         rows = self._client.pull(self.config, unique).to(input.device)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.trainable:
             rows.requires_grad_(True)
             self._touched.append((unique, rows))
         index = inverse.to(input.device).view(input.shape)
@@ -239,24 +275,38 @@ class ShardedEmbedding(nn.Module):
         None when no lookup had a gradient.
         """
         touched, self._touched = self._touched, []
-        parts = [(ids, rows.grad) for ids, rows in touched if rows.grad is not None]
+        parts = [(ids, rows.grad.detach().cpu()) for ids, rows in touched
+                 if rows.grad is not None]
         if not parts:
             return None
-        if len(parts) == 1:
-            return parts[0][0], parts[0][1].detach().cpu()
-        return (torch.cat([p[0] for p in parts]),
-                torch.cat([p[1].detach().cpu() for p in parts]))
+        ids, grads = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]),
+                                                       torch.cat([p[1] for p in parts]))
+        if self.padding_idx is not None:  # the padding row takes no update
+            keep = ids != self.padding_idx
+            ids, grads = ids[keep], grads[keep]
+        return ids, grads
 
     def forget(self) -> None:
         """Drop the lookups not pushed yet (a step that is not pushed)."""
         self._touched = []
 
 
+def seeded_initializer(name: str) -> dict[str, Any]:
+    """towerflow's row initializer for table ``name``: its seed a stable hash of the name.
+
+    Example:
+        >>> seeded_initializer("a")["seed"] != seeded_initializer("b")["seed"]
+        True
+    """
+    digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
+    return {**DEFAULT_INITIALIZER, "seed": int.from_bytes(digest, "little") >> 1}
+
+
 def sparse_optimizer_for(config: Any) -> dict[str, Any]:
     """The row-wise optimizer's description for a dense ``OptimizerConfig``.
 
     ``sgd`` -> ``sgd``, ``adagrad`` -> ``adagrad`` (same initial accumulator),
-    ``adam`` -> ``lazy_adam`` (same betas and eps).
+    (and eps), ``adam`` -> ``lazy_adam`` (same betas and eps).
 
     Raises:
         InvalidArgumentError: momentum or weight decay, which TensorFlow's sparse
@@ -274,47 +324,11 @@ def sparse_optimizer_for(config: Any) -> dict[str, Any]:
         return {"name": "sgd", "hyper": {}}
     if name == "adagrad":
         return {"name": "adagrad",
-                "hyper": {"initial_accumulator_value": float(config.initial_accumulator_value)}}
+                "hyper": {"initial_accumulator_value": float(config.initial_accumulator_value),
+                          "epsilon": float(config.eps)}}
     beta1, beta2 = config.betas
     return {"name": "lazy_adam", "hyper": {"beta1": float(beta1), "beta2": float(beta2),
                                            "epsilon": float(config.eps)}}
-
-
-def swap_embeddings(model: nn.Module, threshold_bytes: int) -> list[str]:
-    """Replace each ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``threshold_bytes`` or more.
-
-    The replacement is a :class:`ShardedEmbedding` of the same shape (and bag
-    mode); the module's weight is dropped. Returns the swapped modules' paths.
-
-    Raises:
-        InvalidArgumentError: such a module uses ``padding_idx``, ``max_norm``,
-            ``scale_grad_by_freq`` or ``include_last_offset``, which a sharded
-            table does not have (raise the threshold or drop the option).
-    """
-    swapped = []
-    for path, module in list(model.named_modules()):
-        if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
-            continue
-        weight = module.weight
-        if weight.numel() * weight.element_size() < threshold_bytes:
-            continue
-        used = [k for k in ("padding_idx", "max_norm") if getattr(module, k) is not None]
-        used += [k for k in ("scale_grad_by_freq", "include_last_offset")
-                 if getattr(module, k, False)]
-        if used:
-            raise InvalidArgumentError(
-                f"{path} ({module}) uses {used}, which a table sharded on the ps tasks does not "
-                "support; drop them or raise sparse_threshold_bytes above its "
-                f"{weight.numel() * weight.element_size()} bytes to keep it dense."
-            )
-        mode = module.mode if isinstance(module, nn.EmbeddingBag) else None
-        dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
-        table = ShardedEmbedding(module.num_embeddings, module.embedding_dim, mode=mode,
-                                 name=path, dtype=dtype)
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, attr, table)
-        swapped.append(path)
-    return swapped
 
 
 class SparseTables:
@@ -355,9 +369,23 @@ class SparseTables:
         return self.client is not None
 
     def initialize(self) -> None:
-        """Create every table on every ps task (the chief; idempotent)."""
+        """Create every table on every ps task (the chief; idempotent).
+
+        A table that starts from given rows (a module's weight) ships them to
+        the shards this call created (a shard that existed keeps its rows),
+        then forgets them.
+        """
         for _, module in self.modules:
-            self.client.init_table(module.config)  # type: ignore[union-attr, arg-type]
+            replies = self.client.init_table(module.config)  # type: ignore[union-attr, arg-type]
+            start = module.take_start()
+            created = [s for s, reply in enumerate(replies) if reply.created]
+            if start is not None and created:
+                ship_rows(self.client, module.config, *start, shards=created)  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        """Forget the rows the tables would start from (a worker that does not initialise)."""
+        for _, module in self.modules:
+            module.take_start()
 
     def forget(self) -> None:
         """Drop lookups not pushed (start of a step)."""

@@ -1,0 +1,170 @@
+"""A model's own ``nn.Embedding`` / ``nn.EmbeddingBag`` made sparse tables on the ps tasks.
+
+Under the ``ParameterServer`` strategy a model is trained as its author wrote
+it: :func:`swap_embeddings` replaces each embedding module that is declared
+``sparse=True``, or whose weight has at least ``threshold_bytes``
+(:data:`DEFAULT_SPARSE_THRESHOLD`, 64 MiB, unless the strategy is told
+otherwise), by a :class:`~towerflow.ps.worker.tables.embedding.ShardedEmbedding`
+of the same shape that starts from the module's own values:
+
+- a module that holds a weight (``from_pretrained``, a hand-set or restored
+  weight, the module's own random start) ships it to its shards once, when
+  the chief creates the table; the worker then drops it;
+- a module built on the ``meta`` device (no weight) starts from the module
+  class's own distribution, N(0, 1), drawn per id (``NormalRows``), its
+  ``padding_idx`` row zero as the module would have it; a module whose
+  ``towerflow_initializer`` attribute names a row initializer (a dict such as
+  ``{"kind": "uniform", "minval": -0.05, "maxval": 0.05, "seed": 0}``) starts
+  from that instead;
+- a frozen weight (``from_pretrained(..., freeze=True)``,
+  ``requires_grad=False``) is served and never updated;
+- the ``padding_idx`` row keeps its value and takes no update.
+
+A module that should stay dense says so with :func:`keep_dense`; the
+strategy's ``sparse_threshold_bytes=None`` swaps none. ``max_norm``,
+``scale_grad_by_freq`` and ``include_last_offset`` have no row-wise form and
+are refused with the way out.
+
+Each swap is announced by one warning-level line on the ``towerflow.ps``
+logger (seen with Python's default logging, and by ``towerflow train``), e.g.
+``'user_emb' 1,000,000 x 32 (128 MB) -> rows on 2 ps tasks, row-wise adagrad``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from towerflow.errors import InvalidArgumentError
+from towerflow.ps.worker.tables.embedding import ShardedEmbedding
+
+__all__ = ["DEFAULT_SPARSE_THRESHOLD", "DENSE_ATTRIBUTE", "INITIALIZER_ATTRIBUTE", "keep_dense", "swap_embeddings",
+           "describe_swap"]
+
+log = logging.getLogger("towerflow.ps")
+
+#: weights of at least this many bytes become sparse tables by default. Conservative: a
+#: table this large costs the dense path 64 MiB each way per step, far more than a batch's rows
+DEFAULT_SPARSE_THRESHOLD = 64 << 20
+#: the attribute :func:`keep_dense` sets on a module
+DENSE_ATTRIBUTE = "towerflow_dense"
+#: the attribute naming a meta-built module's row initializer
+INITIALIZER_ATTRIBUTE = "towerflow_initializer"
+#: ``nn.Embedding`` / ``nn.EmbeddingBag``'s own start of a weight: N(0, 1)
+_MODULE_INIT = {"kind": "normal", "mean": 0.0, "std": 1.0}
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def keep_dense(module: M) -> M:
+    """Keep ``module`` (an embedding) a dense parameter under the ``ParameterServer``.
+
+    Returns the module, so it can wrap its construction.
+
+    Example:
+        >>> emb = keep_dense(nn.Embedding(10, 4, sparse=True))
+        >>> emb.towerflow_dense
+        True
+    """
+    setattr(module, DENSE_ATTRIBUTE, True)
+    return module
+
+
+def _should_swap(module: nn.Module, threshold_bytes: int | None) -> bool:
+    if threshold_bytes is None or getattr(module, DENSE_ATTRIBUTE, False):
+        return False
+    weight = module.weight
+    return bool(module.sparse) or weight.numel() * weight.element_size() >= threshold_bytes
+
+
+def _refuse_options(path: str, module: nn.Module) -> None:
+    used = [f"max_norm={module.max_norm}"] if module.max_norm is not None else []
+    used += [f"{k}=True" for k in ("scale_grad_by_freq", "include_last_offset")
+             if getattr(module, k, False)]
+    if used:
+        raise InvalidArgumentError(
+            f"{path!r} ({module}) uses {', '.join(used)}, which a table sharded on the ps tasks "
+            "does not have; drop the option (or use towerflow.ps.ShardedEmbedding without it), "
+            "or keep the module dense with towerflow.ps.keep_dense(module)."
+        )
+
+
+def _table_of(path: str, module: nn.Embedding | nn.EmbeddingBag) -> ShardedEmbedding:
+    """The :class:`ShardedEmbedding` that replaces ``module``, holding its weight to ship."""
+    weight = module.weight
+    mode = module.mode if isinstance(module, nn.EmbeddingBag) else None
+    dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+    meta = weight.device.type == "meta"
+    table = ShardedEmbedding(module.num_embeddings, module.embedding_dim, mode=mode, name=path,
+                             dtype=dtype,
+                             initializer=getattr(module, INITIALIZER_ATTRIBUTE, None)
+                             or (_MODULE_INIT if meta else None),
+                             padding_idx=module.padding_idx,
+                             trainable=weight.requires_grad)
+    if meta:
+        if module.padding_idx is not None:  # as nn.Embedding.reset_parameters has it
+            table.start_from(torch.zeros((1, module.embedding_dim), dtype=dtype),
+                             ids=torch.tensor([module.padding_idx]))
+    else:
+        table.start_from(weight.detach())
+    return table
+
+
+def swap_embeddings(model: nn.Module, threshold_bytes: int | None) -> list[str]:
+    """Replace each ``nn.Embedding`` / ``nn.EmbeddingBag`` that is ``sparse=True`` or large.
+
+    Large: a weight of ``threshold_bytes`` or more. ``threshold_bytes=None``
+    replaces none; a module marked by :func:`keep_dense` is never replaced.
+    The replacement is a :class:`ShardedEmbedding` of the same shape, bag
+    mode, ``padding_idx`` and trainability, holding the module's weight until
+    it is shipped (see the module docstring); the module is dropped.
+
+    Returns:
+        The replaced modules' paths.
+
+    Raises:
+        InvalidArgumentError: such a module uses ``max_norm``,
+            ``scale_grad_by_freq`` or ``include_last_offset``.
+    """
+    swapped = []
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            continue
+        if not _should_swap(module, threshold_bytes):
+            continue
+        _refuse_options(path, module)
+        table = _table_of(path, module)
+        parent_path, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, attr, table)
+        swapped.append(path)
+    return swapped
+
+
+def describe_swap(table: ShardedEmbedding, num_ps: int) -> str:
+    """The line that announces a swapped table (after it is bound).
+
+    Example:
+        >>> t = ShardedEmbedding(1_000_000, 32, name="user_emb")
+        >>> t.optimizer = {"name": "adagrad", "hyper": {}}
+        >>> describe_swap(t, 2)
+        "'user_emb' 1,000,000 x 32 (128 MB) -> rows on 2 ps tasks, row-wise adagrad"
+    """
+    config = table.config
+    name = config.name if config is not None else table.table_name
+    optimizer = (config.optimizer if config is not None else table.optimizer) or {}
+    notes = [] if table.trainable else ["frozen"]
+    notes += [] if table.padding_idx is None else [f"padding_idx {table.padding_idx} kept"]
+    extra = "".join(f", {n}" for n in notes)
+    return (f"{name!r} {table.num_rows:,} x {table.dim} ({_size(table.nbytes)}) -> rows on "
+            f"{num_ps} ps task{'s' if num_ps != 1 else ''}, row-wise "
+            f"{optimizer.get('name', '?')}{extra}")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} bytes"
