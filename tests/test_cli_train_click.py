@@ -72,14 +72,15 @@ def test_click_on_one_ps_and_two_workers_shards_its_table_and_reaches_the_truths
         tmp_path, subprocess_env) -> None:
     run = tmp_path / "run"
     command = [sys.executable, "-m", "towerflow", "train", "click", "--ps", "1", "--workers", "2",
-               "--sparse-threshold", "1KiB", *SMALL, "--max-steps", "600", "--log-every", "100",
+               *SMALL, "--max-steps", "600", "--log-every", "100",
                "--train-dir", str(run)]
     proc = subprocess.run(command, env=subprocess_env, capture_output=True, text=True,
                           timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    for worker in (0, 1):  # each worker swapped its (never allocated) table for the ps's
-        assert f"[worker:{worker}] sparse tables on the ps tasks: table" in out, out[-5000:]
+    for worker in (0, 1):  # each swapped its (never allocated) sparse=True table by default
+        assert f"[worker:{worker}] 'table' 2,000 x 8 (64 kB) -> rows on 1 ps task, row-wise " \
+            "adagrad" in out, out[-5000:]
     assert re.search(r"\[ps:0\] table 'table' shard 0: 2000 rows x 8 \(128000 bytes with slots\)",
                      out), out[-5000:]
     ckpt = read_checkpoint(latest_checkpoint(run))

@@ -47,6 +47,8 @@ def _ps_strategy(*flags: str):  # noqa: ANN202
     (["--on-bad-gradient", "skip"], lambda s: s._policy, "skip"),
     (["--ps-prefetch"], lambda s: s._prefetch, True),
     (["--sparse-threshold", "1MiB"], lambda s: s._sparse_threshold, 1048576),
+    (["--sparse-threshold", "off"], lambda s: s._sparse_threshold, None),
+    ([], lambda s: s._sparse_threshold, 64 << 20),
     (["--table-part-bytes", "4KiB"], lambda s: s._table_part_bytes, 4096),
 ])
 def test_each_ps_flag_reaches_the_parameter_server_strategy(flags, read, expected) -> None:
@@ -195,3 +197,14 @@ def test_a_local_ps_run_trains_with_every_option_given(tmp_path, python, subproc
     ckpt = read_checkpoint(latest_checkpoint(train_dir))
     assert ckpt.step == 6 and ckpt.metadata["strategy"]["mode"] == "sync"
     assert ckpt.metadata["schedule"]["decay_steps"] == decay_steps_for_epochs(1437, 16, 350.0)
+
+
+def test_a_settings_file_turns_the_sparse_tables_off_with_a_bare_off(tmp_path) -> None:
+    from towerflow.cli._config import convert_settings
+    from towerflow.cli._train_options import add_train_arguments
+
+    parser = add_train_arguments(argparse.ArgumentParser())
+    settings = yaml.safe_load("sparse_threshold: off\n")  # YAML 1.1: false
+    assert convert_settings(parser, settings, "run.yaml")["sparse_threshold"] == "off"
+    with pytest.raises(InvalidArgumentError, match=r"'lots' is not a valid byte_count_or_off"):
+        convert_settings(parser, {"sparse_threshold": "lots"}, "run.yaml")

@@ -92,8 +92,14 @@ def test_the_task_reads_its_settings_and_leaves_a_table_the_ps_holds_unallocated
     table = sharded.build_train_model().table.weight
     assert table.is_meta and table.shape == (5000, 8)  # no memory: the strategy swaps it
     assert not sharded.build_model().table.weight.is_meta  # eval's model holds it
-    kept = get_task("click", {**settings, "sparse_threshold": 5000 * 8 * 4 + 1})
-    assert not kept.build_train_model().table.weight.is_meta  # below the threshold: dense
+    sparse = get_task("click", {**settings, "sparse_threshold": 5000 * 8 * 4 + 1})
+    assert sparse.build_train_model().table.weight.is_meta  # sparse=True: a table anyway
+    assert get_task("click", {**settings, "ps": 2}).build_train_model().table.weight.is_meta
+    kept = get_task("click", {**settings, "sparse_threshold": "off"})
+    assert not kept.build_train_model().table.weight.is_meta  # off: dense
+    dense = get_task("click", {**settings, "optimizer": "adam", "ps": 2,
+                               "sparse_threshold": 5000 * 8 * 4 + 1})
+    assert not dense.build_train_model().table.weight.is_meta  # below the threshold: dense
     assert not get_task("click", {**settings, "optimizer": "adam"}).build_model().table.sparse
     with pytest.raises(InvalidArgumentError, match=r"table_rows must be at least 1, got 0; "
                        r"pass --table-rows N >= 1"):

@@ -64,6 +64,14 @@ def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     return {dest for dest, value in vars(parsed).items() if value is not _UNSET}
 
 
+def _takes_off(action: argparse.Action) -> bool:
+    """Whether the option's type reads the word ``off`` (``--sparse-threshold off``)."""
+    try:
+        return callable(action.type) and action.type("off") == "off"
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        return False
+
+
 def _convert(action: argparse.Action, value: Any, source: str) -> Any:
     name = f"{source}: {action.dest}"
     if value is None:
@@ -72,6 +80,8 @@ def _convert(action: argparse.Action, value: Any, source: str) -> Any:
         if not isinstance(value, bool):
             raise InvalidArgumentError(f"{name} is a switch: write true or false, not {value!r}.")
         return value
+    if value is False and _takes_off(action):  # YAML 1.1 reads a bare `off` as false
+        value = "off"
     if isinstance(value, dict | list | bool):
         raise InvalidArgumentError(f"{name} takes one value like {flag_of(action)} does, "
                                    f"not {value!r}.")

@@ -19,7 +19,8 @@ from typing import Any
 
 from towerflow.cli._serving import BIND_ENV, add_lifecycle_arguments
 
-__all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "flag_of_dest",
+__all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "byte_count_or_off",
+           "flag_of_dest",
            "option_defaults", "strategy_options"]
 
 _MODELS = ("cifar10", "digits", "click")  # towerflow.training.tasks.TASKS
@@ -172,10 +173,11 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--partition-threshold", type=byte_count, default=None, metavar="BYTES",
                        help="split a variable larger than this across the ps tasks (e.g. "
                        "1048576 or 64MiB); default: never")
-    group.add_argument("--sparse-threshold", type=byte_count, default=None, metavar="BYTES",
-                       help="make every nn.Embedding / nn.EmbeddingBag of this many bytes or "
-                       "more a sparse table sharded over the ps tasks (only a batch's rows "
-                       "travel; e.g. 64MiB); default: never")
+    group.add_argument("--sparse-threshold", type=byte_count_or_off, default=None,
+                       metavar="BYTES|off",
+                       help="make every nn.Embedding / nn.EmbeddingBag declared sparse=True or "
+                       "of this many bytes or more a sparse table sharded over the ps tasks "
+                       "(only a batch's rows travel; e.g. 16MiB); 'off': none; default: 64MiB")
     group.add_argument("--table-part-bytes", type=byte_count, default=None, metavar="BYTES",
                        help="bytes of a sparse table's rows and slots per checkpoint file "
                        "(what saving or restoring a table holds at once); default: 64MiB")
@@ -226,6 +228,31 @@ def byte_count(text: str) -> int:
     return int(value)
 
 
+def byte_count_or_off(text: str) -> int | str:
+    """:func:`byte_count`, or ``"off"`` (an argparse type).
+
+    Example:
+        >>> byte_count_or_off("OFF"), byte_count_or_off("1KiB")
+        ('off', 1024)
+    """
+    if text.strip().lower() == "off":
+        return "off"
+    try:
+        return byte_count(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither a size in bytes such as 64MiB nor 'off'") from None
+
+
+def _keyword_value(dest: str, value: Any) -> tuple[bool, Any]:
+    """Whether the strategy takes ``dest``'s keyword, and its value there.
+
+    ``--sparse-threshold`` not given: the strategy's default; ``off``: None (none).
+    """
+    if dest == "sparse_threshold":
+        return value is not None, None if value == "off" else value
+    return True, value
+
+
 @cache
 def option_defaults() -> dict[str, Any]:
     """Every option's default, by its dest."""
@@ -261,7 +288,8 @@ def strategy_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         value = getattr(args, dest)
         mode = _MODE_OPTIONS.get(dest) if owner == kind else None
         if owner == kind and (mode is None or mode == args.mode):
-            if keyword is not None:
+            takes, value = _keyword_value(dest, value)
+            if keyword is not None and takes:
                 options[keyword] = value
             continue
         if value == option_defaults()[dest]:

@@ -18,10 +18,12 @@ N machines: the same command under torchrun's environment (``torchrun
 truth (a ``--table-rows`` x ``--embedding-dim`` embedding bag of
 ``--ids-per-example`` Zipf ids per example, a linear and an MLP head; Adagrad,
 batches of 512 unless given); ``towerflow eval`` prints its AUC and the
-truth's. With ``--sparse-threshold`` at most the table's bytes, the ps tasks
-hold the table row-sharded and a worker pulls and pushes only a batch's rows::
+truth's. Under ``--ps`` its table (``sparse=True``, as a model's embedding of
+64 MiB and more, or of ``--sparse-threshold`` bytes) is held by the ps tasks
+row-sharded and a worker pulls and pushes only a batch's rows
+(``--sparse-threshold off``: none is)::
 
-    towerflow train click --ps 2 --workers 2 --sparse-threshold 64MiB --train-dir runs/click
+    towerflow train click --ps 2 --workers 2 --train-dir runs/click
 
 Settings from a file: ``--config run.yaml`` (or ``.json``) names any of the
 options below by its name (``batch_size: 64`` or ``batch-size: 64``); flags

@@ -6,8 +6,9 @@ is the click's log-odds, trained with :func:`click_loss` (binary cross
 entropy). The table is a plain ``nn.EmbeddingBag``: in one process it trains
 as any module (with ``sparse_gradients=True`` its gradient holds the touched
 rows only, which ``torch.optim.SGD`` and ``Adagrad`` apply as such); under the
-``ParameterServer`` strategy with ``sparse_threshold_bytes`` at most its size
-the strategy swaps it for a table row-sharded over the ps tasks, and a model
+``ParameterServer`` strategy (``sparse=True``, or ``sparse_threshold_bytes``
+at most its size) the strategy swaps it for a table row-sharded over the ps
+tasks, and a model
 built with ``table_device="meta"`` never allocates it on the worker at all.
 
 Example:
@@ -48,7 +49,10 @@ class ClickNet(nn.Module):
                                      device=table_device)
         if table_device != "meta":
             with torch.no_grad():
-                self.table.weight.uniform_(-0.05, 0.05)  # as the ps tables' initializer
+                self.table.weight.uniform_(-0.05, 0.05)
+        else:  # the same start, drawn per id by the ps tasks that hold the table
+            self.table.towerflow_initializer = {"kind": "uniform", "minval": -0.05,
+                                                "maxval": 0.05, "seed": 0}
         self.linear = nn.Linear(dim, 1)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 

@@ -177,8 +177,9 @@ class ClickTask(Task):
     Settings (``towerflow train``'s options): ``table_rows`` (the table's rows,
     the ids' range), ``embedding_dim``, ``ids_per_example`` (a bag of Zipf(1.2)
     ids per example) and ``seed`` (the truth's). Under the ``ParameterServer``
-    strategy with ``sparse_threshold`` at most the table's bytes, the table is
-    row-sharded over the ps tasks and a worker never allocates it.
+    strategy (a ``sparse=True`` table, or ``sparse_threshold`` at most its
+    bytes; not with ``off``), the table is row-sharded over the ps tasks and a
+    worker never allocates it.
     """
 
     name = "click"
@@ -206,17 +207,22 @@ class ClickTask(Task):
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> ClickTask:
-        """``sparse_threshold`` (a ps run's) at most the table's bytes: the ps holds the table.
+        """A ps run's table on the ps tasks when sparse (or at least ``sparse_threshold``).
 
         Sparse gradients unless the optimizer has no sparse update (Adam, weight decay).
         """
         get = {**cls.options, **cls.option_defaults, **settings}.get
         rows, dim = int(get("table_rows")), int(get("embedding_dim"))
+        from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
+
         threshold = get("sparse_threshold")
         sparse = get("optimizer") in ("sgd", "momentum", "adagrad") and not get("weight_decay")
+        if threshold is None and get("ps"):  # the strategy's default rule
+            on_ps = sparse or rows * dim * 4 >= DEFAULT_SPARSE_THRESHOLD
+        else:
+            on_ps = threshold not in (None, "off") and (sparse or rows * dim * 4 >= int(threshold))
         return cls(rows, dim, int(get("ids_per_example")), seed=int(get("seed") or 0),
-                   sparse_gradients=sparse,
-                   tables_on_ps=threshold is not None and rows * dim * 4 >= int(threshold))
+                   sparse_gradients=sparse, tables_on_ps=on_ps)
 
     @property
     def logs(self) -> Any:
