@@ -219,3 +219,31 @@ def test_bad_ids_name_the_value_and_change_nothing(ps_servers) -> None:
         assert torch.equal(all_rows(model.emb), before)
     finally:
         strategy.shutdown()
+
+
+def test_only_the_chief_ships_a_modules_weight(ps_servers) -> None:
+    from towerflow.strategies.ps_tables import attach_tables
+
+    for chief in (True, False):
+        model = Net(nn.Embedding(30, 4, sparse=True))
+        tables = attach_tables(model, OptimizerConfig("sgd"), cluster=ps_servers,
+                               sparse_threshold=1, chief=chief,
+                               credentials=SECRET)
+        try:
+            start = model.emb.take_start()
+            assert (start is not None) == chief  # a worker that does not initialise drops it
+        finally:
+            tables.close()
+
+
+def test_the_row_wise_optimizer_takes_the_models_hyperparameters() -> None:
+    from towerflow.ps.worker.tables.embedding import sparse_optimizer_for
+
+    adagrad = sparse_optimizer_for(OptimizerConfig("adagrad", initial_accumulator_value=0.5,
+                                                   eps=1e-6))
+    assert adagrad == {"name": "adagrad", "hyper": {"initial_accumulator_value": 0.5,
+                                                    "epsilon": 1e-6}}
+    adam = sparse_optimizer_for(OptimizerConfig("adam", betas=(0.8, 0.99), eps=1e-7))
+    assert adam == {"name": "lazy_adam", "hyper": {"beta1": 0.8, "beta2": 0.99, "epsilon": 1e-7}}
+    with pytest.raises(InvalidArgumentError, match=r"weight_decay=0\.01.*give the table its own"):
+        sparse_optimizer_for(OptimizerConfig("adam", weight_decay=0.01))
