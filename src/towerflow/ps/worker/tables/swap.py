@@ -46,8 +46,9 @@ __all__ = ["DEFAULT_SPARSE_THRESHOLD", "DENSE_ATTRIBUTE", "INITIALIZER_ATTRIBUTE
 
 log = logging.getLogger("towerflow.ps")
 
-#: weights of at least this many bytes become sparse tables by default. Conservative: a
-#: table this large costs the dense path 64 MiB each way per step, far more than a batch's rows
+#: weights of at least this many bytes become sparse tables by default. The row path wins
+#: from about the bytes of the rows one batch touches (1 MiB for 8,192 ids of 128-byte rows,
+#: benchmarks/sparse_default_threshold.py); this keeps a factor of 64 above that
 DEFAULT_SPARSE_THRESHOLD = 64 << 20
 #: the attribute :func:`keep_dense` sets on a module
 DENSE_ATTRIBUTE = "towerflow_dense"
