@@ -321,10 +321,11 @@ def ship_rows(client: TableClient, config: TableConfig, ids: torch.Tensor | None
             places, shard_ids = config.partitioner.split(ids)[shard]
         for start in range(0, shard_ids.numel(), per_stream):
             block = slice(start, min(start + per_stream, shard_ids.numel()))
+            where = shard_ids if places is None else places
             pieces = ((shard_ids[i:i + call],
-                       rows.index_select(0, shard_ids[i:i + call] if places is None
-                                         else places[i:i + call]).to("cpu", config.dtype),
-                       None) for i in range(block.start, block.stop, call))
+                       rows.index_select(0, where[i:i + call].to(rows.device))
+                       .to("cpu", config.dtype), None)
+                      for i in range(block.start, block.stop, call))
             client.import_rows(config, shard, pieces)
     log.debug("table %r: its start rows shipped to ps task(s) %s", config.name,
               list(range(client.num_shards)) if shards is None else list(shards))
