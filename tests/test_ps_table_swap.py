@@ -247,3 +247,18 @@ def test_the_row_wise_optimizer_takes_the_models_hyperparameters() -> None:
     assert adam == {"name": "lazy_adam", "hyper": {"beta1": 0.8, "beta2": 0.99, "epsilon": 1e-7}}
     with pytest.raises(InvalidArgumentError, match=r"weight_decay=0\.01.*give the table its own"):
         sparse_optimizer_for(OptimizerConfig("adam", weight_decay=0.01))
+
+
+def test_a_table_that_exists_keeps_its_rows_when_a_chief_initialises_again(ps_servers) -> None:
+    from towerflow.strategies.ps_tables import attach_tables
+
+    first, second = torch.zeros(20, 4), torch.ones(20, 4)
+    for vectors in (first, second):  # the second chief (restarted) finds the table there
+        model = Net(nn.Embedding.from_pretrained(vectors, freeze=False, sparse=True))
+        tables = attach_tables(model, OptimizerConfig("sgd"), cluster=ps_servers,
+                               sparse_threshold=1, chief=True, credentials=SECRET)
+        try:
+            tables.initialize()
+            assert torch.equal(all_rows(model.emb), first)
+        finally:
+            tables.close()
