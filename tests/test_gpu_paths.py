@@ -17,19 +17,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 from test_placement import collect_placement_log
+from test_ps_tables import SECRET, ps_servers  # noqa: F401  (a fixture: two ps tasks here)
 from torch import nn
 
 import towerflow
 from towerflow import PlacementError, configure, device
-from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
-from towerflow.cluster.transport import Credentials
+from towerflow.cluster import TaskInfo
 from towerflow.ps import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 
 pytestmark = pytest.mark.gpu
 
-SECRET = Credentials(secret=b"gpu-paths-secret")
 CUDA0 = torch.device("cuda", 0)
 #: an operation PyTorch implements on the CPU only (torch.histogram; CUDA has torch.histc)
 CPU_ONLY_OP = "aten::histogram.bins_tensor"
@@ -82,21 +81,6 @@ def test_cuda_visible_devices_decides_what_a_process_lists(python, subprocess_en
     assert [d["name"] for d in json.loads(proc.stdout)] == expected
 
 
-@pytest.fixture
-def ps_servers(free_ports):
-    """Two ps tasks (dense and table services) in this process, serving after Done."""
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
-    try:
-        yield spec
-    finally:
-        for server in servers:
-            server.stop()
-
-
 class _Click(nn.Module):
     def __init__(self, embedding: nn.Module) -> None:
         super().__init__()
@@ -114,7 +98,7 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def test_a_gpu_worker_trains_dense_variables_and_table_rows_held_on_cpu_ps_tasks(
-        ps_servers) -> None:
+        ps_servers) -> None:  # noqa: F811  (the fixture imported above)
     torch.manual_seed(0)
     local = _Click(nn.EmbeddingBag(50, 4, mode="sum")).to(CUDA0)
     model = _Click(nn.EmbeddingBag(50, 4, mode="sum", sparse=True))

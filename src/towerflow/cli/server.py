@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         UnavailableError: a ps task's workers stayed away past ``--idle-timeout``.
     """
     from towerflow.cluster import Server, ServerOptions, resolve_cluster
+    from towerflow.cluster.server import stop_on_signals_from_now
     from towerflow.errors import InvalidArgumentError
 
     cluster, task = resolve_cluster(args.cluster, args.job, args.task)
@@ -153,11 +154,13 @@ def run(args: argparse.Namespace) -> int:
                             max_streams_per_peer=args.max_streams_per_peer,
                             serve_forever=args.serve_forever,
                             idle_timeout=idle_timeout_from_args(args))
-    server = Server(cluster, task.job_name, task.task_index,
-                    credentials=credentials_from_args(args), options=options)
-    print(f"serving {task.device_name} at {server.target}", flush=True)
-    try:
-        server.join()  # SIGTERM / Ctrl-C end it
-    finally:
-        server.stop(grace=1.0)
+    with stop_on_signals_from_now() as bind:  # SIGTERM / Ctrl-C end it, from the start
+        server = Server(cluster, task.job_name, task.task_index,
+                        credentials=credentials_from_args(args), options=options)
+        bind(server)
+        print(f"serving {task.device_name} at {server.target}", flush=True)
+        try:
+            server.join(handle_signals=False)
+        finally:
+            server.stop(grace=1.0)
     return 0
