@@ -25,6 +25,7 @@ __all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "flag_of_des
 _MODELS = ("cifar10", "digits", "click")  # towerflow.training.tasks.TASKS
 _MODES = ("async", "sync", "ssp")  # towerflow.ps.server.dense.aggregation.MODES
 _PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
+_PS_STRATEGY = "greedy"  # towerflow.ps.placement.DEFAULT_PS_STRATEGY
 _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
 
 #: option dest -> (the strategy that takes it, its keyword there)
@@ -166,9 +167,10 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--replicas-to-aggregate", type=int, default=None, metavar="N",
                        help="--mode sync: gradients averaged per step; the workers beyond N "
                        "are backups; default: every worker")
-    group.add_argument("--ps-strategy", choices=_PS_STRATEGIES, default="round_robin",
-                       help="how variables are spread over the ps tasks: in turn, or "
-                       "'greedy' by bytes")
+    group.add_argument("--ps-strategy", choices=_PS_STRATEGIES, default=_PS_STRATEGY,
+                       help="how variables are spread over the ps tasks: 'greedy' (default) "
+                       "puts each on the task holding the fewest bytes so far; 'round_robin' "
+                       "puts them on the tasks in turn")
     group.add_argument("--partition-threshold", type=byte_count, default=None, metavar="BYTES",
                        help="split a variable larger than this across the ps tasks (e.g. "
                        "1048576 or 64MiB); default: never")

@@ -188,7 +188,8 @@ def _launch_local(args: argparse.Namespace, count: int) -> int:
         from towerflow.training.tasks import get_task
 
         get_task(args.model).load("train", build_data_options(args))  # once, for every worker
-    return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count)
+    return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count,
+                          who="towerflow train")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
     cluster, task = resolve_cluster()
     if cluster is None and (args.ps or count > 1):
         return _launch_local(args, count)
+    if cluster is not None:  # a task of a cluster: its share of this host's cores
+        from towerflow.cluster.threads import apply_thread_share
+
+        apply_thread_share("towerflow train", cluster, task)
     if cluster is None and args.num_gpus:
         require_gpus(args.num_gpus)
     from towerflow.training.ps_train import serve_task
