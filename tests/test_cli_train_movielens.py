@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from towerflow.cli import main
@@ -21,6 +22,15 @@ AUC = re.compile(r"^AUC = (\d\.\d{3})$", re.MULTILINE)
 LOGLOSS = re.compile(r"^logloss = (\d+\.\d{4})$", re.MULTILINE)
 
 
+@pytest.fixture
+def one_thread():
+    """Train on one thread, as a launched process does (the tests' host has few cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _metrics(out: str) -> tuple[float, float]:
     auc, logloss = AUC.search(out), LOGLOSS.search(out)
     assert auc is not None and logloss is not None, out
@@ -29,7 +39,7 @@ def _metrics(out: str) -> tuple[float, float]:
 
 @pytest.mark.slow
 def test_movielens_learns_the_planted_taste_and_eval_prints_auc_and_logloss(
-        tmp_path, capsys) -> None:
+        tmp_path, capsys, one_thread) -> None:
     write_ml100k(tmp_path / "data" / "ml-100k")  # even users like even movies
     run = tmp_path / "run"
     assert main(["train", "movielens", "--data-dir", str(tmp_path / "data"), "--train-dir",
@@ -50,7 +60,7 @@ def test_movielens_learns_the_planted_taste_and_eval_prints_auc_and_logloss(
 
 @pytest.mark.slow
 def test_criteo_trains_from_the_gzipped_logs_and_eval_prints_auc_and_logloss(
-        tmp_path, capsys) -> None:
+        tmp_path, capsys, one_thread) -> None:
     write_criteo(tmp_path / "dac", 400, gz=True)
     run = tmp_path / "run"
     assert main(["train", "criteo", "--data-dir", str(tmp_path), "--train-dir", str(run),
