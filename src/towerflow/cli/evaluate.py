@@ -95,7 +95,8 @@ def _model(args: argparse.Namespace, train_dir: str | None,
     if args.model is None and recorded is None:
         where = f" ({train_dir!r} has none)" if train_dir else ""
         raise InvalidArgumentError(
-            f"towerflow eval needs a model: name it ({', '.join(_MODELS)}), or pass the "
+            f"towerflow eval needs a model: name it ({', '.join(_MODELS[:-1])} or {_MODELS[-1]}), "
+            "or pass the "
             f"--train-dir of a run whose run.yaml names it{where}.")
     return args.model or recorded
 
