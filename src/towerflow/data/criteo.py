@@ -106,8 +106,8 @@ def _chunk(lines: pd.Series, path: Path, first_line: int, buckets: int) -> tuple
             raise bad_row(path, first_line + row, f"C{j + 1} {column.iloc[row]!r} is not eight "
                           "hex digits", _FIX)
         present = (column != "").to_numpy()
-        values = np.array([int(v, 16) for v in column[present]], dtype=np.int64)
-        ids[present, j] = 1 + values % buckets
+        raw = bytes.fromhex("".join(column[present].tolist()))  # 4 big-endian bytes each
+        ids[present, j] = 1 + np.frombuffer(raw, dtype=">u4").astype(np.int64) % buckets
     return label.to_numpy(dtype=np.float32), dense, ids
 
 

@@ -51,10 +51,11 @@ class DataOptions:
     """Where a task's data comes from.
 
     Attributes:
-        data_dir: CIFAR-10's binary files (downloaded there when absent).
+        data_dir: the data set's files: CIFAR-10's binary files or MovieLens' (downloaded
+            there when absent), Criteo's logs.
         synthetic: random images with the real shapes instead of real data.
         synthetic_examples: how many synthetic examples per split.
-        download: fetch CIFAR-10 when the files are absent.
+        download: fetch CIFAR-10 or MovieLens when the files are absent.
     """
 
     data_dir: str | Path = "/tmp/cifar10_data"
