@@ -58,9 +58,8 @@ from towerflow.data.movielens_files import (
     GENRES,
     OCCUPATIONS_100K,
     ids_in_range,
-    numbers,
     read_genres,
-    read_table,
+    read_ratings,
     read_users,
 )
 from towerflow.data.recsys import FieldData, bad_row, download_zip, time_split
@@ -167,19 +166,7 @@ def load_movielens(data_dir: str | Path, split: str = "train", *, variant: str =
     folder = find_movielens(data_dir, variant, download=download)
     csv = variant in ("ml-20m", "ml-25m")
     ratings_path = folder / spec.ratings
-    if csv:
-        frame = read_table(ratings_path, ("userId", "movieId", "rating", "timestamp"), sep=",",
-                      header=True, encoding="utf-8")
-        user, item, rating, time = frame.columns
-    else:
-        sep = "\t" if variant == "ml-100k" else "::"
-        frame = read_table(ratings_path, ("user", "item", "rating", "timestamp"), sep=sep,
-                      header=False)
-        user, item, rating, time = frame.columns
-    users = numbers(frame, user, ratings_path, csv)
-    items = numbers(frame, item, ratings_path, csv)
-    stars = numbers(frame, rating, ratings_path, csv, integer=False)
-    times = numbers(frame, time, ratings_path, csv)
+    users, items, stars, times = read_ratings(ratings_path, variant)
     ids_in_range(users, spec.max_user, ratings_path, csv, "user", variant)
     ids_in_range(items, spec.max_item, ratings_path, csv, "movie", variant)
     index = time_split(torch.from_numpy(times), split, test_fraction).numpy()

@@ -24,7 +24,7 @@ from towerflow.data.recsys import bad_row
 from towerflow.errors import DataLossError
 
 __all__ = ["AGE_EDGES", "FIX", "GENRES", "OCCUPATIONS_100K", "ids_in_range", "numbers",
-           "read_genres", "read_table", "read_users"]
+           "read_genres", "read_ratings", "read_table", "read_users"]
 
 #: every genre any variant names (ml-100k's 19, ml-20m's "Children", "IMAX", "(no genres listed)")
 GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
@@ -90,6 +90,35 @@ def ids_in_range(ids: np.ndarray, top: int, path: Path, header: bool, what: str,
                       f"read it as the variant it is (--movielens-variant), or {FIX}")
 
 
+
+
+def read_ratings(path: Path, variant: str) -> tuple[np.ndarray, ...]:
+    """Users, movies, ratings and timestamps of a ratings file, as numbers.
+
+    Read as numbers straight away (ml-20m's 20M lines as strings would take
+    gigabytes); when that fails, the file is read again as strings to name
+    the first bad line.
+    """
+    csv = variant in ("ml-20m", "ml-25m")
+    names = ("userId", "movieId", "rating", "timestamp") if csv else (
+        "user", "item", "rating", "timestamp")
+    sep = "," if csv else "\t" if variant == "ml-100k" else "::"
+    kinds = dict(zip(names, ("int64", "int64", "float64", "int64"), strict=True))
+    try:
+        chunks = pd.read_csv(path, sep=sep, header=0 if csv else None, names=list(names),
+                             dtype=kinds, encoding="utf-8" if csv else "latin-1",
+                             engine="python" if len(sep) > 1 else "c", chunksize=_CHUNK_ROWS)
+        frame = pd.concat(list(chunks), ignore_index=True)
+        if frame["rating"].isna().any():
+            raise ValueError("an empty rating")
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError):
+        frame = read_table(path, names, sep=sep, header=csv,
+                           encoding="utf-8" if csv else "latin-1")
+        columns = [numbers(frame, n, path, csv, integer=n != "rating") for n in names]
+        return tuple(columns)
+    if csv:
+        _check_header(path, sep, "utf-8", names)
+    return tuple(frame[n].to_numpy(copy=True) for n in names)
 
 
 def _by_id(ids: np.ndarray, values: np.ndarray, top: int) -> np.ndarray:
