@@ -1,4 +1,4 @@
-"""``towerflow train cifar10|digits|click``: article 001's cifar10_multi_gpu_train.py as one command.
+"""``towerflow train cifar10|digits|click|movielens|criteo``: article 001's cifar10_multi_gpu_train.py as one command.
 
 One process::
 
@@ -22,6 +22,16 @@ truth's. With ``--sparse-threshold`` at most the table's bytes, the ps tasks
 hold the table row-sharded and a worker pulls and pushes only a batch's rows::
 
     towerflow train click --ps 2 --workers 2 --sparse-threshold 64MiB --train-dir runs/click
+
+``movielens`` and ``criteo`` train DeepFM (an ``nn.Embedding`` per field, FM
++ MLP) on the publishers' files in ``--data-dir``: MovieLens
+(``--movielens-variant ml-100k``, downloaded from GroupLens when absent)
+rated 4+ or not, Criteo's display-advertising TSV (``train.txt`` or
+``train.txt.gz``); ``towerflow eval`` prints AUC and logloss on the test
+split, the latest ratings or lines::
+
+    towerflow train movielens --data-dir data --train-dir runs/ml --max-steps 2000
+    towerflow train movielens --ps 2 --workers 2 --data-dir data --train-dir runs/ml-ps
 
 Settings from a file: ``--config run.yaml`` (or ``.json``) names any of the
 options below by its name (``batch_size: 64`` or ``batch-size: 64``); flags
@@ -68,7 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"Settings a resumed run may change: {', '.join(sorted(MAY_CHANGE))}; and, never taken "
         f"from the record: {', '.join(sorted(PER_RUN))}.", width=78)
     parser = subparsers.add_parser(
-        "train", help="train a built-in model (cifar10, digits, click)", description=__doc__,
+        "train", help="train a built-in model (cifar10, digits, click, movielens, criteo)", description=__doc__,
         epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_train_arguments(parser)
 
