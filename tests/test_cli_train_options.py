@@ -68,8 +68,7 @@ def test_the_ps_defaults_are_the_strategy_defaults() -> None:
     for name in ("aggregation", "_ps_strategy", "_threshold", "_timeout", "_init_timeout",
                  "_policy", "_prefetch", "_sparse_threshold", "_table_part_bytes"):
         ours, theirs = getattr(built, name), getattr(plain, name)
-        assert ours == theirs or (name == "_ps_strategy" and theirs is None
-                                  and ours == "round_robin"), name
+        assert ours == theirs, name
 
 
 def test_mirrored_flags_reach_the_all_reduce_strategy(monkeypatch) -> None:

@@ -24,6 +24,7 @@ import yaml
 
 from towerflow.cli._serving import bind_host
 from towerflow.cluster import ClusterSpec, TaskInfo, resolve_cluster
+from towerflow.cluster.threads import OMP_ENV, processes_on_host, thread_share
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "kubernetes"
@@ -31,6 +32,8 @@ DOCS = REPO / "docs"
 TFJOB_PORT = 2222  # the operator's default when no port is named tfjob-port
 #: What the TFJob operator and the Job controller name a pod's fields.
 POD_IP = "10.1.2.3"
+#: The CPU limit of a task's container (the downward API's limits.cpu, whole cores).
+POD_CPUS = "2"
 #: Keys of the Secrets cert-manager writes for a Certificate.
 CERT_KEYS = {"tls.crt", "tls.key", "ca.crt"}
 TRAINING_JOBS = {"chief", "worker"}
@@ -69,6 +72,10 @@ def _pod_env(container: dict[str, Any], fields: dict[str, str]) -> dict[str, str
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = _expand(str(var["value"]), env)
+        elif "resourceFieldRef" in var["valueFrom"]:
+            ref = var["valueFrom"]["resourceFieldRef"]
+            assert str(ref.get("divisor", "1")) == "1", f"{var['name']}: whole cores, not {ref}"
+            env[var["name"]] = fields[ref["resource"]]
         else:
             env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
     return env
@@ -96,7 +103,8 @@ def tfjob_pods(job: dict[str, Any]) -> Iterator[Pod]:
         (container,) = [c for c in pod["containers"] if c["name"] == "tensorflow"]
         for index in range(spec["replicas"]):
             fields = {"metadata.name": f"{name}-{rtype.lower()}-{index}",
-                      "metadata.namespace": namespace, "status.podIP": POD_IP}
+                      "metadata.namespace": namespace, "status.podIP": POD_IP,
+                      "limits.cpu": POD_CPUS}
             env = _pod_env(container, fields)
             env["TF_CONFIG"] = json.dumps({"cluster": cluster, "environment": "cloud",
                                            "task": {"type": rtype.lower(), "index": index}})
@@ -131,7 +139,7 @@ def jobset_pods(name: str, namespace: str, spec: dict[str, Any]) -> Iterator[Pod
                 "metadata.labels['jobset.sigs.k8s.io/replicatedjob-name']": rjob["name"],
                 "metadata.labels['jobset.sigs.k8s.io/job-index']": "0",
                 "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index),
-                "metadata.namespace": namespace, "status.podIP": POD_IP}
+                "metadata.namespace": namespace, "status.podIP": POD_IP, "limits.cpu": POD_CPUS}
             yield rjob["name"], index, job["template"]["spec"], _pod_env(container, fields)
 
 
@@ -205,6 +213,8 @@ def check_jobs(pods: list[Pod], manifests: dict[str, list[dict[str, Any]]], name
         assert address.rsplit(":", 1)[0] == own_host(kind, index, env)
         check_pod_port(pod, env, address)
         check_pod_files(pod, env, namespace, manifests)
+        # PyTorch's threads: the container's CPU limit, whatever the node's cores
+        assert thread_share(64, processes_on_host(spec, task), env) == (int(POD_CPUS), OMP_ENV)
         if kind == "ps":
             assert _command(pod)[:2] == ["towerflow", "server"]
     assert all(cluster == clusters[0] for cluster in clusters)

@@ -30,6 +30,7 @@ from towerflow.strategies.parameter_server import ParameterServer
 pytestmark = pytest.mark.gpu
 
 SECRET = Credentials(secret=b"gpu-paths-secret")
+
 CUDA0 = torch.device("cuda", 0)
 #: an operation PyTorch implements on the CPU only (torch.histogram; CUDA has torch.histc)
 CPU_ONLY_OP = "aten::histogram.bins_tensor"

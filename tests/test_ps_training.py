@@ -282,3 +282,37 @@ def test_prefetch_overlaps_the_push_with_the_next_batch_and_still_fits(cluster) 
     assert abs(weight - TRUE_WEIGHT) < 1e-2 and abs(bias - TRUE_BIAS) < 1e-2
 
 
+
+
+class _OneBigManySmall(torch.nn.Module):
+    """One big parameter, then eight small ones whose bytes add up to the big one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(32, 32))
+        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(128)) for _ in range(8))
+
+
+def test_the_default_placement_balances_bytes_over_the_ps_tasks(free_ports) -> None:
+    """Greedy by bytes: the big one alone on a ps, the small ones on the other (round robin
+    would put 1536 floats on one and 512 on the other)."""
+    ports = free_ports(3)
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
+                        "worker": [f"127.0.0.1:{ports[2]}"]})
+    servers = []
+    for index in range(2):
+        server = Server(spec, "ps", index, credentials=SECRET, start=False)
+        server.add_handlers([PSService(index).handlers()])
+        server.start()
+        servers.append(server)
+    strategy = worker(spec, 0, server=False)
+    try:
+        strategy.prepare(_OneBigManySmall(), OptimizerConfig("sgd", lr=0.1))
+        shards = strategy.client.placement.shards
+        assert [[g.name for g in s.segments] for s in shards] == [
+            ["big"], [f"small.{i}" for i in range(8)]]
+        assert [s.numel for s in shards] == [1024, 1024]
+    finally:
+        strategy.shutdown()
+        for server in servers:
+            server.stop()

@@ -251,11 +251,11 @@ def test_eval_takes_the_model_and_data_from_the_record(tmp_path, capsys) -> None
 
 def test_eval_without_a_model_or_a_record_says_what_to_give(tmp_path, capsys) -> None:
     assert main(["eval", "--train-dir", str(tmp_path)]) == 2
-    assert re.search(r"towerflow eval needs a model: name it \(cifar10, digits or click\)",
-                     capsys.readouterr().err)
+    assert re.search(r"towerflow eval needs a model: name it \(cifar10, digits, click, "
+                     r"movielens or criteo\)", capsys.readouterr().err)
     assert main(["train", "--train-dir", str(tmp_path)]) == 2
-    assert re.search(r"towerflow train needs a model: name it \(cifar10, digits or click\), give a "
-                     r"--config file", capsys.readouterr().err)
+    assert re.search(r"towerflow train needs a model: name it \(cifar10, digits, click, "
+                     r"movielens or criteo\), give a --config file", capsys.readouterr().err)
 
 
 def test_a_resume_that_cannot_keep_a_recorded_ps_setting_says_how_to_resume(tmp_path,

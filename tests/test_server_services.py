@@ -222,3 +222,23 @@ def test_join_in_the_main_thread_restores_the_signal_handlers_when_it_returns(sp
         stopper.cancel()
         server.stop()
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_signal_before_join_stops_the_server_instead_of_killing_the_process(spec):
+    """``towerflow server`` and ``run_ps_task`` listen as soon as the server is built: a
+    SIGTERM between that and ``join`` ends the join, not the process."""
+    import os
+
+    from towerflow.cluster.server import stop_on_signals_from_now
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with stop_on_signals_from_now() as bind:
+        server = Server(spec, "ps", 0, credentials=SECRET)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # before the server is bound or joined
+            bind(server)
+            server.join(handle_signals=False)  # returns: the signal stopped it
+            assert server.stopped
+        finally:
+            server.stop()
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -23,9 +23,10 @@ __all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "byte_count_
            "flag_of_dest",
            "option_defaults", "strategy_options"]
 
-_MODELS = ("cifar10", "digits", "click")  # towerflow.training.tasks.TASKS
+_MODELS = ("cifar10", "digits", "click", "movielens", "criteo")  # towerflow.training.tasks.TASKS
 _MODES = ("async", "sync", "ssp")  # towerflow.ps.server.dense.aggregation.MODES
 _PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
+_PS_STRATEGY = "greedy"  # towerflow.ps.placement.DEFAULT_PS_STRATEGY
 _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
 
 #: option dest -> (the strategy that takes it, its keyword there)
@@ -85,14 +86,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--batch-size", "--batch_size", type=int, default=128, metavar="N",
                         help="examples per replica per step")
     parser.add_argument("--data-dir", "--data_dir", default="/tmp/cifar10_data", metavar="DIR",
-                        help="CIFAR-10 binary files (downloaded there when absent)")
+                        help="the data set's files: CIFAR-10's binary files or MovieLens' "
+                        "(downloaded there when absent), Criteo's train.txt[.gz]")
     parser.add_argument("--data", choices=("real", "synthetic"), default="real",
                         help="'synthetic': random CIFAR-10-shaped images, for speed runs "
                         "or with no network")
     parser.add_argument("--synthetic-examples", type=int, default=10000, metavar="N",
                         help="examples in the synthetic data set (with --data synthetic)")
     parser.add_argument("--no-download", action="store_true",
-                        help="fail instead of downloading missing CIFAR-10 files")
+                        help="fail instead of downloading missing CIFAR-10 or MovieLens files")
     parser.add_argument("--log-device-placement", "--log_device_placement",
                         action="store_true",
                         help="log the device of every operation of the first step")
@@ -121,6 +123,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="values per row of the embedding table")
     click.add_argument("--ids-per-example", type=int, default=16, metavar="N",
                        help="feature ids per example (Zipf(1.2) over the table's rows)")
+    recsys = parser.add_argument_group(
+        "recommendation models (movielens, criteo: DeepFM; unless given, they train with "
+        "--optimizer adagrad --initial-accumulator-value 1e-4 --batch-size 256 (criteo 1024) "
+        "--ema-decay 0 --embedding-dim 16, their data in --data-dir /tmp/movielens_data or "
+        "/tmp/criteo_data)")
+    recsys.add_argument("--movielens-variant", choices=("ml-100k", "ml-1m", "ml-20m", "ml-25m"),
+                        default="ml-100k",
+                        help="which GroupLens release, in its folder of --data-dir (ml-100k/)")
+    recsys.add_argument("--criteo-buckets", type=int, default=100_000, metavar="N",
+                        help="rows per categorical field: each hashed value's id is 1 + value "
+                        "mod N (0: empty)")
     _add_optimizer_arguments(parser.add_argument_group(
         "optimizer (applied by the ps tasks with --ps, else by each replica)"))
     _add_ps_arguments(parser.add_argument_group(
@@ -167,9 +180,10 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--replicas-to-aggregate", type=int, default=None, metavar="N",
                        help="--mode sync: gradients averaged per step; the workers beyond N "
                        "are backups; default: every worker")
-    group.add_argument("--ps-strategy", choices=_PS_STRATEGIES, default="round_robin",
-                       help="how variables are spread over the ps tasks: in turn, or "
-                       "'greedy' by bytes")
+    group.add_argument("--ps-strategy", choices=_PS_STRATEGIES, default=_PS_STRATEGY,
+                       help="how variables are spread over the ps tasks: 'greedy' (default) "
+                       "puts each on the task holding the fewest bytes so far; 'round_robin' "
+                       "puts them on the tasks in turn")
     group.add_argument("--partition-threshold", type=byte_count, default=None, metavar="BYTES",
                        help="split a variable larger than this across the ps tasks (e.g. "
                        "1048576 or 64MiB); default: never")

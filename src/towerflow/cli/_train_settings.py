@@ -101,7 +101,7 @@ def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
                  f" ({', '.join(unusual)})" if unusual else "")
     if args.model is None:
         raise InvalidArgumentError(
-            "towerflow train needs a model: name it (cifar10, digits or click), give a --config file "
+            "towerflow train needs a model: name it (cifar10, digits, click, movielens or criteo), give a --config file "
             "that names it, or a --train-dir whose run.yaml does.")
     if args.train_dir is None:
         args.train_dir = f"/tmp/{args.model}_train"

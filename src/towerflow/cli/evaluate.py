@@ -1,4 +1,4 @@
-"""``towerflow eval cifar10|digits|click``: the latest checkpoint's precision @ 1 (or AUC).
+"""``towerflow eval MODEL``: the latest checkpoint's precision @ 1 (or AUC and logloss).
 
 ::
 
@@ -9,7 +9,8 @@ Prints ``precision @ 1 = 0.861`` (article 001's ``cifar10_eval.py``) of the
 moving averages when the run kept them; for the click model, ``AUC =
 0.7850`` on held-out click logs and the planted truth's AUC on the same
 examples (a sparse table the ps tasks held is read from the checkpoint's
-parts). Exits non-zero with a message naming the directory when it holds no
+parts); for movielens and criteo, ``AUC = 0.781`` and ``logloss = 0.5312``
+on the test split (the latest ratings or lines). Exits non-zero with a message naming the directory when it holds no
 checkpoint.
 
 The model and the test split come from the run's record: ``towerflow
@@ -29,6 +30,7 @@ __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("towerflow.training")
 
+_MODELS = ("cifar10", "digits", "click", "movielens", "criteo")  # towerflow.training.tasks.TASKS
 _AS_TRAINED = "default: as the run was trained (run.yaml in --train-dir), else "
 
 
@@ -37,7 +39,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "eval", help="evaluate the latest checkpoint on the test split",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", choices=("cifar10", "digits", "click"), default=None,
+    parser.add_argument("model", nargs="?", choices=_MODELS, default=None,
                         help="which built-in model; default: the one run.yaml in --train-dir "
                         "names")
     parser.add_argument("--train-dir", "--train_dir", default=None, metavar="DIR",
@@ -45,7 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None,
                         help="e.g. /cpu:0 or /gpu:0; default: the first GPU, else the CPU")
     parser.add_argument("--data-dir", "--data_dir", default=None, metavar="DIR",
-                        help="CIFAR-10 binary files; " + _AS_TRAINED + "/tmp/cifar10_data")
+                        help="the data set's files (CIFAR-10's, MovieLens', Criteo's); " + _AS_TRAINED
+                        + "/tmp/cifar10_data")
     parser.add_argument("--data", choices=("real", "synthetic"), default=None,
                         help="'synthetic': random CIFAR-10-shaped images; " + _AS_TRAINED + "real")
     parser.add_argument("--synthetic-examples", type=int, default=None, metavar="N",
@@ -92,7 +95,8 @@ def _model(args: argparse.Namespace, train_dir: str | None,
     if args.model is None and recorded is None:
         where = f" ({train_dir!r} has none)" if train_dir else ""
         raise InvalidArgumentError(
-            "towerflow eval needs a model: name it (cifar10, digits or click), or pass the "
+            f"towerflow eval needs a model: name it ({', '.join(_MODELS[:-1])} or {_MODELS[-1]}), "
+            "or pass the "
             f"--train-dir of a run whose run.yaml names it{where}.")
     return args.model or recorded
 
@@ -118,4 +122,6 @@ def run(args: argparse.Namespace) -> int:
     else:  # a planted truth: four digits, the gap to it
         print(f"{result.metric} = {result.precision:.4f} (the truth's {result.reference:.4f} on "
               f"the same examples, gap {result.reference - result.precision:.4f})", flush=True)
+    for name, value in result.others.items():
+        print(f"{name} = {value:.4f}", flush=True)
     return 0

@@ -7,6 +7,10 @@ cluster secret (held in memory only); output lines are prefixed with
 ``[job:index]``; Ctrl-C stops the workers and the chief first (the chief
 writes its final checkpoint), then the ps tasks; the exit status is the
 workers' worst.
+
+Each child runs ``max(1, cores // tasks)`` PyTorch threads (``OMP_NUM_THREADS``),
+unless ``OMP_NUM_THREADS`` is set (then every child keeps it); one line says
+which (:mod:`towerflow.cluster.threads`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="run a command as every task of a local cluster (ps, workers, chief)",
         description="Start one process per task on this machine, each with TF_CONFIG and "
         "TOWERFLOW_SECRET_FILE set; when the workers finish, or on Ctrl-C, stop the workers "
-        "and the chief first, then the ps tasks.",
+        "and the chief first, then the ps tasks. Each child gets its share of the cores "
+        "(OMP_NUM_THREADS = cores // tasks) unless OMP_NUM_THREADS is set.",
     )
     parser.add_argument("--ps", type=int, default=1, help="number of ps tasks (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")

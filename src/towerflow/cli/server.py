@@ -22,6 +22,10 @@ The server listens on the address its cluster spec names (``--bind 0.0.0.0``,
 or ``TOWERFLOW_BIND=0.0.0.0``, to listen on every interface), refuses a non-loopback address without a
 cluster secret and TLS unless ``--insecure``, and refuses a stream past
 ``--max-streams`` in all or ``--max-streams-per-peer`` on one connection.
+
+The task runs its share of this host's cores in PyTorch threads: the cores
+over the tasks of its cluster spec on this host, unless ``OMP_NUM_THREADS`` is
+set (:mod:`towerflow.cluster.threads`).
 """
 
 from __future__ import annotations
@@ -140,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         UnavailableError: a ps task's workers stayed away past ``--idle-timeout``.
     """
     from towerflow.cluster import Server, ServerOptions, resolve_cluster
+    from towerflow.cluster.server import stop_on_signals_from_now
+    from towerflow.cluster.threads import apply_thread_share
     from towerflow.errors import InvalidArgumentError
 
     cluster, task = resolve_cluster(args.cluster, args.job, args.task)
@@ -148,16 +154,19 @@ def run(args: argparse.Namespace) -> int:
             "no cluster and task given; pass --cluster cluster.json --job ps --task 0 or set "
             "TF_CONFIG."
         )
+    apply_thread_share("towerflow server", cluster, task)
     options = ServerOptions(heartbeat=heartbeat_from_args(args), bind_host=bind_host(args),
                             max_streams=args.max_streams,
                             max_streams_per_peer=args.max_streams_per_peer,
                             serve_forever=args.serve_forever,
                             idle_timeout=idle_timeout_from_args(args))
-    server = Server(cluster, task.job_name, task.task_index,
-                    credentials=credentials_from_args(args), options=options)
-    print(f"serving {task.device_name} at {server.target}", flush=True)
-    try:
-        server.join()  # SIGTERM / Ctrl-C end it
-    finally:
-        server.stop(grace=1.0)
+    with stop_on_signals_from_now() as bind:  # SIGTERM / Ctrl-C end it, from the start
+        server = Server(cluster, task.job_name, task.task_index,
+                        credentials=credentials_from_args(args), options=options)
+        bind(server)
+        print(f"serving {task.device_name} at {server.target}", flush=True)
+        try:
+            server.join(handle_signals=False)
+        finally:
+            server.stop(grace=1.0)
     return 0

@@ -1,4 +1,4 @@
-"""``towerflow train cifar10|digits|click``: article 001's cifar10_multi_gpu_train.py as one command.
+"""``towerflow train cifar10|digits|click|movielens|criteo``: article 001's cifar10_multi_gpu_train.py as one command.
 
 One process::
 
@@ -24,6 +24,16 @@ row-sharded and a worker pulls and pushes only a batch's rows
 (``--sparse-threshold off``: none is)::
 
     towerflow train click --ps 2 --workers 2 --train-dir runs/click
+
+``movielens`` and ``criteo`` train DeepFM (an ``nn.Embedding`` per field, FM
++ MLP) on the publishers' files in ``--data-dir``: MovieLens
+(``--movielens-variant ml-100k``, downloaded from GroupLens when absent)
+rated 4+ or not, Criteo's display-advertising TSV (``train.txt`` or
+``train.txt.gz``); ``towerflow eval`` prints AUC and logloss on the test
+split, the latest ratings or lines::
+
+    towerflow train movielens --data-dir data --train-dir runs/ml --max-steps 2000
+    towerflow train movielens --ps 2 --workers 2 --data-dir data --train-dir runs/ml-ps
 
 Settings from a file: ``--config run.yaml`` (or ``.json``) names any of the
 options below by its name (``batch_size: 64`` or ``batch-size: 64``); flags
@@ -70,7 +80,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"Settings a resumed run may change: {', '.join(sorted(MAY_CHANGE))}; and, never taken "
         f"from the record: {', '.join(sorted(PER_RUN))}.", width=78)
     parser = subparsers.add_parser(
-        "train", help="train a built-in model (cifar10, digits, click)", description=__doc__,
+        "train", help="train a built-in model (cifar10, digits, click, movielens, criteo)", description=__doc__,
         epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_train_arguments(parser)
 
@@ -190,7 +200,8 @@ def _launch_local(args: argparse.Namespace, count: int) -> int:
         from towerflow.training.tasks import get_task
 
         get_task(args.model).load("train", build_data_options(args))  # once, for every worker
-    return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count)
+    return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count,
+                          who="towerflow train")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
     cluster, task = resolve_cluster()
     if cluster is None and (args.ps or count > 1):
         return _launch_local(args, count)
+    if cluster is not None:  # a task of a cluster: its share of this host's cores
+        from towerflow.cluster.threads import apply_thread_share
+
+        apply_thread_share("towerflow train", cluster, task)
     if cluster is None and args.num_gpus:
         require_gpus(args.num_gpus)
     from towerflow.training.ps_train import serve_task

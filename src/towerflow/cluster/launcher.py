@@ -46,6 +46,7 @@ from typing import IO
 
 from towerflow._children import spawn_group, stop_groups
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
+from towerflow.cluster.threads import OMP_ENV, available_cores, share_line, thread_share
 from towerflow.cluster.transport import new_secret
 from towerflow.errors import InvalidArgumentError, NotFoundError
 
@@ -221,6 +222,15 @@ def _secret_fd(env: dict[str, str]) -> list[int]:
     return [fd]
 
 
+def _share_threads(env: dict[str, str], processes: int, who: str) -> None:
+    """Give each of ``processes`` children its share of the cores (``OMP_NUM_THREADS`` in
+    ``env``, kept when set) and log the line that says so."""
+    cores = available_cores()
+    threads, source = thread_share(cores, processes, env)
+    env[OMP_ENV] = str(threads)
+    logger.info("%s", share_line(who, processes, cores, threads, source))
+
+
 def launch_cluster(
     command: list[str],
     *,
@@ -234,6 +244,7 @@ def launch_cluster(
     grace: float = 10.0,
     host: str = "localhost",
     output: IO[str] | None = None,
+    who: str = "towerflow launch",
 ) -> int:
     """Run ``command`` once per task of a local cluster and return the workers' worst status.
 
@@ -249,9 +260,12 @@ def launch_cluster(
         grace: seconds between SIGTERM and SIGKILL when stopping children.
         host: loopback host name used in the cluster addresses.
         output: where prefixed lines go (default ``sys.stdout``).
+        who: the command named in the line that reports each child's share of the cores
+            (``OMP_NUM_THREADS``: ``cores // tasks``, or the value already set).
 
     Raises:
-        InvalidArgumentError: no command, no worker, or no room for the ports.
+        InvalidArgumentError: no command, no worker, no room for the ports, or an
+            ``OMP_NUM_THREADS`` that is not a positive integer.
         NotFoundError: the command's program does not exist.
     """
     _check_command(command)
@@ -260,6 +274,7 @@ def launch_cluster(
     for name in ("TOWERFLOW_SECRET", "TOWERFLOW_SECRET_FILE"):
         base_env.pop(name, None)
     base_env["PYTHONUNBUFFERED"] = "1"
+    _share_threads(base_env, len(tasks), who)
     fds = _secret_fd(base_env)
     children = [
         _Child(str(task), {**base_env, "TF_CONFIG": cluster.tf_config(task)},
@@ -285,6 +300,9 @@ def replica_env(rank: int, world_size: int, master_port: int,
                 base: Mapping[str, str] | None = None) -> dict[str, str]:
     """torchrun's environment for local replica ``rank`` of ``world_size``.
 
+    ``OMP_NUM_THREADS`` is kept when ``base`` sets it, else each replica's share
+    of the cores (:func:`~towerflow.cluster.threads.thread_share`).
+
     Example:
         >>> env = replica_env(1, 2, 29500, base={})
         >>> env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]
@@ -295,7 +313,7 @@ def replica_env(rank: int, world_size: int, master_port: int,
                LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), PYTHONUNBUFFERED="1")
     env.pop("TF_CONFIG", None)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    env[OMP_ENV] = str(thread_share(available_cores(), world_size, env)[0])
     return env
 
 
@@ -320,7 +338,9 @@ def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
         raise InvalidArgumentError(f"Need at least one replica, got {num_replicas}.")
     _check_command(argv)
     port = master_port or free_ports(1)[0]
-    children = [_Child(f"replica {rank}", replica_env(rank, num_replicas, port, env),
+    base = dict(os.environ if env is None else env)
+    _share_threads(base, num_replicas, "towerflow train")
+    children = [_Child(f"replica {rank}", replica_env(rank, num_replicas, port, base),
                        None if rank == 0 else f"[replica {rank}] ")
                 for rank in range(num_replicas)]
     return _run(argv, children, grace=grace_s, fail_fast=True, output=output)

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 
 import grpc
@@ -503,16 +503,55 @@ def stop_on_signals(
 
     Must be entered in the main thread; the previous handlers are restored on exit.
     """
-    previous = {sig: signal.getsignal(sig) for sig in signals}
+    with stop_on_signals_from_now(signals) as bind:
+        bind(server)
+        yield server
 
-    def handle(signum: int, frame: object) -> None:
-        logger.info("%s received signal %d; stopping", server.task.device_name, signum)
+
+@contextlib.contextmanager
+def stop_on_signals_from_now(
+    signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+) -> Iterator[Callable[[Server], None]]:
+    """SIGTERM / SIGINT from the start of the block stop the server given to ``bind``.
+
+    Enter it before building the server: a server listens as soon as it is
+    built, so a signal that comes before :meth:`Server.join` would otherwise
+    end the process with the signal's default action. A signal that arrives
+    before ``bind`` stops the server as soon as it is bound. Outside the main
+    thread no handler is installed (Python allows none there) and ``bind``
+    does nothing. The previous handlers are restored on exit.
+
+    Example:
+        >>> with stop_on_signals_from_now() as bind:   # doctest: +SKIP
+        ...     server = Server(cluster, "ps", 0)
+        ...     bind(server)
+        ...     server.join(handle_signals=False)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda server: None
+        return
+    requested = threading.Event()
+    bound: list[Server] = []
+
+    def stop(server: Server) -> None:
         threading.Thread(target=server.stop, name="towerflow-stop", daemon=True).start()
 
+    def handle(signum: int, frame: object) -> None:
+        requested.set()
+        for server in bound:
+            logger.info("%s received signal %d; stopping", server.task.device_name, signum)
+            stop(server)
+
+    def bind(server: Server) -> None:
+        bound.append(server)
+        if requested.is_set():
+            stop(server)
+
+    previous = {sig: signal.getsignal(sig) for sig in signals}
     try:
         for sig in signals:
             signal.signal(sig, handle)
-        yield server
+        yield bind
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1,5 +1,9 @@
 """Input data: CIFAR-10 (binary format, download, synthetic), digits, sharding, prefetch.
 
+Recommendation data (pandas, imported when used): :mod:`towerflow.data.movielens`
+(GroupLens' MovieLens files), :mod:`towerflow.data.criteo` (Criteo's
+display-advertising TSV), both as :class:`towerflow.data.recsys.FieldData`.
+
 - :func:`load_cifar10` / :func:`synthetic_cifar10` / :func:`load_digits` give
   an in-memory :class:`Dataset`.
 - :class:`ShardedBatches` cuts it into deterministic, resumable batches of

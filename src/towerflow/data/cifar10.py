@@ -17,11 +17,8 @@ refusing members that would land outside ``data_dir``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import tarfile
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
@@ -29,7 +26,8 @@ import numpy as np
 import torch
 
 from towerflow.data.dataset import Dataset
-from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError, UnavailableError
+from towerflow.data.fetch import fetch_url, md5_of
+from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError
 
 __all__ = [
     "ARCHIVE_NAME",
@@ -59,7 +57,6 @@ SPLIT_FILES: dict[str, tuple[str, ...]] = {
     "train": tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
     "test": ("test_batch.bin",),
 }
-_CHUNK = 1 << 20
 
 
 def read_batch_file(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,16 +127,8 @@ def _find_files(data_dir: Path, files: Sequence[str]) -> list[Path] | None:
     return None
 
 
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _check_md5(path: Path, md5: str) -> None:
-    actual = _md5(path)
+    actual = md5_of(path)
     if actual != md5:
         path.unlink(missing_ok=True)
         raise DataLossError(
@@ -191,20 +180,10 @@ def download_cifar10(
     data_dir.mkdir(parents=True, exist_ok=True)
     archive = data_dir / ARCHIVE_NAME
     if not archive.is_file():
-        partial = data_dir / f".{ARCHIVE_NAME}.part-{os.getpid()}"
-        logger.info("Downloading %s to %s", url, archive)
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as response, open(partial, "wb") as f:
-                while chunk := response.read(_CHUNK):
-                    f.write(chunk)
-        except OSError as exc:
-            partial.unlink(missing_ok=True)
-            raise UnavailableError(
-                f"Cannot download CIFAR-10 from {url} ({exc}); check the network, put the "
-                f"binary files in {str(data_dir)!r} yourself ({_NO_FETCH} then reads only "
-                f"them), or train on random images of the same shape ({_SYNTHETIC})."
-            ) from exc
-        os.replace(partial, archive)
+        fetch_url(url, archive, what="CIFAR-10", timeout=timeout, way_out=(
+            f"check the network, put the binary files in {str(data_dir)!r} yourself "
+            f"({_NO_FETCH} then reads only them), or train on random images of the same shape "
+            f"({_SYNTHETIC})."))
     _check_md5(archive, md5)
     _extract(archive, data_dir)
     return data_dir / SUBDIR

@@ -1,4 +1,4 @@
-"""Models: the article's CIFAR-10 network and a small net for 8x8 digits.
+"""Models: the article's CIFAR-10 network, a small net for 8x8 digits, DeepFM.
 
 Example:
     >>> from towerflow.models import Cifar10Net, weight_decay_loss
@@ -14,12 +14,15 @@ from towerflow.models.cifar10 import (
     cross_entropy_loss,
     weight_decay_loss,
 )
+from towerflow.models.deepfm import DeepFM, deepfm_loss
 from towerflow.models.digits import DigitsNet
 
 __all__ = [
     "Cifar10Net",
+    "DeepFM",
     "DigitsNet",
     "LocalResponseNorm",
     "cross_entropy_loss",
+    "deepfm_loss",
     "weight_decay_loss",
 ]

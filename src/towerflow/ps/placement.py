@@ -51,10 +51,16 @@ __all__ = [
     "placement_from_tasks",
     "PS_OPS",
     "STRATEGY_NAMES",
+    "DEFAULT_PS_STRATEGY",
 ]
 
 #: chooser names accepted by ``ps_strategy`` (besides a callable)
 STRATEGY_NAMES = ("round_robin", "greedy")
+
+#: the ``ParameterServer`` strategy's (and ``--ps-strategy``'s) chooser: bytes, not counts, so
+#: that one large variable and many small ones still load the ps tasks evenly.
+#: ``replica_device_setter`` itself keeps TensorFlow's default, round robin.
+DEFAULT_PS_STRATEGY = "greedy"
 
 _FLOAT32_BYTES = 4
 

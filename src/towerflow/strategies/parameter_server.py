@@ -55,6 +55,7 @@ from towerflow.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
+from towerflow.ps.placement import DEFAULT_PS_STRATEGY
 from towerflow.ps.protocol import DEFAULT_MAX_ELASTIC
 from towerflow.ps.worker.dense.variables import (
     DenseRestore,
@@ -90,7 +91,9 @@ class ParameterServer(Strategy):
         staleness: ssp: how many pushes a worker may run ahead of the slowest.
         device: where this worker computes (default: its GPU when it has one).
         credentials: the cluster credentials (default: from the environment).
-        ps_strategy: ``round_robin`` or ``greedy`` placement of variables.
+        ps_strategy: placement of variables: ``greedy`` (default: each on the ps task
+            holding the fewest bytes so far) or ``round_robin`` (in turn). A
+            ``device_setter`` given instead places them by its own rule.
         partition_threshold_bytes: variables above this are split across ps tasks.
         timeout: deadline of each call to a ps task, seconds.
         step_timeout: how long a sync / ssp push may wait for the other workers,
@@ -180,7 +183,8 @@ class ParameterServer(Strategy):
                 device = device_setter.worker_device  # no device type: this task's default
         self._device = resolve_device(device)
         self._credentials = credentials
-        self._ps_strategy = ps_strategy
+        self._ps_strategy = ps_strategy or (None if device_setter is not None
+                                            else DEFAULT_PS_STRATEGY)
         self._threshold = partition_threshold_bytes
         self._timeout, self._init_timeout = timeout, init_timeout
         self._policy, self._prefetch = on_bad_gradient, prefetch

@@ -12,7 +12,7 @@ A classifier's precision @ 1 is :func:`towerflow.training.precision.evaluate`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,8 @@ class EvalResult:
         metric: what ``precision`` measures (the task's :attr:`~Task.metric`).
         reference: the best value a model can reach on the same examples when
             the task knows it (the click task's planted truth), else None.
+        others: the task's other measures by name (the recommendation tasks'
+            logloss), in the order it gives them.
     """
 
     precision: float
@@ -84,6 +86,7 @@ class EvalResult:
     averaged: bool
     metric: str = "precision @ 1"
     reference: float | None = None
+    others: Mapping[str, float] = field(default_factory=dict)
 
 
 def evaluate_checkpoint(task: str | Task, train_dir: str | Path, *,
@@ -121,9 +124,11 @@ def evaluate_checkpoint(task: str | Task, train_dir: str | Path, *,
     if data is None:
         data = data_options_from(settings) if settings is not None else DataOptions()
     dataset = task.load("test", data)
-    value = task.score(model, dataset, device=target, batch_size=batch_size)
-    return EvalResult(value, ckpt.step, ckpt.path, task.num_test_examples(dataset), averaged,
-                      task.metric, task.reference_score(dataset))
+    values = task.scores(model, dataset, device=target, batch_size=batch_size)
+    others = {name: v for name, v in values.items() if name != task.metric}
+    return EvalResult(values[task.metric], ckpt.step, ckpt.path,
+                      task.num_test_examples(dataset), averaged, task.metric,
+                      task.reference_score(dataset), others)
 
 
 def table_weights(ckpt: Any, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The built-in tasks of ``towerflow train`` / ``towerflow eval``: CIFAR-10, digits, clicks.
+"""The built-in tasks of ``towerflow train`` / ``towerflow eval``: CIFAR-10, digits, clicks,
+MovieLens and Criteo.
 
 A task ties a model to its data, its loss and its input transforms, so the
 command line, the trainer and the evaluator agree on them:
@@ -11,6 +12,10 @@ cifar10    article 001's network (24x24 input)   CIFAR-10 binary files, or ``syn
 digits     a two-layer net (8x8 input)           scikit-learn's bundled digits (no network)
 click      an embedding bag of hashed ids,       synthetic click logs with a planted truth
            a linear and an MLP head (BCE)        (Zipf ids); scored by AUC against the truth's
+movielens  DeepFM: an ``nn.Embedding`` per       MovieLens (GroupLens' files: ml-100k, ml-1m,
+           field, FM + MLP (BCE)                 ml-20m, ml-25m): rated 4+?; AUC, logloss
+criteo     DeepFM with 13 dense features         Criteo's display-advertising TSV (gzipped
+                                                 or not); AUC, logloss
 =========  ====================================  ==========================================
 
 A task may read settings of its own from the run's (``towerflow train``'s
@@ -37,7 +42,8 @@ from towerflow.errors import InvalidArgumentError
 from towerflow.training.pipeline import Transform
 from towerflow.training.precision import evaluate
 
-__all__ = ["DataOptions", "Task", "Cifar10Task", "DigitsTask", "ClickTask", "TASKS", "get_task"]
+__all__ = ["DataOptions", "Task", "Cifar10Task", "DigitsTask", "ClickTask", "MovieLensTask",
+           "CriteoTask", "TASKS", "get_task"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +51,11 @@ class DataOptions:
     """Where a task's data comes from.
 
     Attributes:
-        data_dir: CIFAR-10's binary files (downloaded there when absent).
+        data_dir: the data set's files: CIFAR-10's binary files or MovieLens' (downloaded
+            there when absent), Criteo's logs.
         synthetic: random images with the real shapes instead of real data.
         synthetic_examples: how many synthetic examples per split.
-        download: fetch CIFAR-10 when the files are absent.
+        download: fetch CIFAR-10 or MovieLens when the files are absent.
     """
 
     data_dir: str | Path = "/tmp/cifar10_data"
@@ -117,6 +124,11 @@ class Task(abc.ABC):
     def reference_score(self, data: Any) -> float | None:
         """The best :attr:`metric` a model can reach on ``data`` when known, else None."""
         return None
+
+    def scores(self, model: nn.Module, data: Any, *, device: torch.device,
+               batch_size: int) -> dict[str, float]:
+        """:meth:`score` and any other measures of ``model`` on ``data``, :attr:`metric` first."""
+        return {self.metric: self.score(model, data, device=device, batch_size=batch_size)}
 
     def num_test_examples(self, data: Any) -> int:
         """How many examples :meth:`score` scores."""
@@ -290,8 +302,176 @@ class ClickTask(Task):
         return len(data[1])
 
 
+class _FieldTask(Task):
+    """DeepFM on recommendation data read from files (:class:`towerflow.data.recsys.FieldData`).
+
+    Trains on replica-sharded batches of the training split, scored by AUC
+    and logloss (scikit-learn's) on the test split.
+    """
+
+    metric = "AUC"
+    default_lr = 0.05
+    default_epochs_per_decay = 1000.0
+    hidden = (128, 64)
+    dense_features = 0
+    #: Adagrad (sparse rows), batches of 256, no moving averages of the tables
+    option_defaults = {"optimizer": "adagrad", "initial_accumulator_value": 1e-4,
+                       "batch_size": 256, "ema_decay": 0.0, "embedding_dim": 16}
+
+    def __init__(self, *, embedding_dim: int = 16, seed: int = 0,
+                 sparse_gradients: bool = True) -> None:
+        if embedding_dim < 1:
+            raise InvalidArgumentError(f"The {self.name} model's embedding_dim must be at least "
+                                       f"1, got {embedding_dim}; pass --embedding-dim N >= 1.")
+        self.embedding_dim, self.seed, self.sparse_gradients = embedding_dim, seed, sparse_gradients
+
+    @staticmethod
+    def _common(settings: Mapping[str, Any], cls: type[_FieldTask]) -> dict[str, Any]:
+        get = {**cls.options, **cls.option_defaults, **settings}.get
+        sparse = get("optimizer") in ("sgd", "momentum", "adagrad") and not get("weight_decay")
+        return {"embedding_dim": int(get("embedding_dim")), "seed": int(get("seed") or 0),
+                "sparse_gradients": sparse}
+
+    def field_rows(self) -> list[int]:
+        """Each field's table rows (known without reading the data)."""
+        raise NotImplementedError
+
+    def read(self, split: str, options: DataOptions):  # noqa: ANN201
+        """The split as :class:`towerflow.data.recsys.FieldData`."""
+        raise NotImplementedError
+
+    def build_model(self) -> nn.Module:
+        from towerflow.models.deepfm import DeepFM
+
+        return DeepFM(self.field_rows(), self.embedding_dim, dense_features=self.dense_features,
+                      hidden=self.hidden, sparse=self.sparse_gradients)
+
+    def loss_fn(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        from towerflow.models.deepfm import deepfm_loss
+
+        return deepfm_loss(model, batch)
+
+    def load(self, split: str, options: DataOptions):  # noqa: ANN201
+        """``train``: batches of the training split (every replica's); ``test``: the split."""
+        from towerflow.data.recsys import FieldBatches
+
+        data = self.read(split, options)
+        if split == "test":
+            return data
+        return FieldBatches(data, batch_size=min(len(data),
+                                                 int(self.option_defaults["batch_size"])),
+                            seed=self.seed)
+
+    def replica_data(self, data: Any, *, rank: int, world_size: int, batch_size: int) -> Any:
+        """The replica's share of the training split, ``batch_size`` examples per batch."""
+        return data.for_replica(rank, world_size, batch_size=batch_size)
+
+    @torch.no_grad()
+    def scores(self, model: nn.Module, data: Any, *, device: torch.device,
+               batch_size: int) -> dict[str, float]:
+        """AUC and logloss (scikit-learn's) of the predicted click probabilities."""
+        from sklearn.metrics import log_loss, roc_auc_score
+
+        model.eval()
+        probs = []
+        for start in range(0, len(data), batch_size):
+            fields, dense, _ = data.batch(slice(start, start + batch_size))
+            logits = model([f.to(device) for f in fields], dense.to(device))
+            probs.append(torch.sigmoid(logits).double().cpu())
+        labels, p = data.labels.numpy(), torch.cat(probs).numpy()
+        if labels.min() == labels.max():
+            raise InvalidArgumentError(f"The {self.name} test split holds one class only "
+                                       f"({int(labels[0])}); AUC needs both: test on more data.")
+        return {"AUC": float(roc_auc_score(labels, p)),
+                "logloss": float(log_loss(labels, p, labels=[0, 1]))}
+
+    def score(self, model: nn.Module, data: Any, *, device: torch.device,
+              batch_size: int) -> float:
+        return self.scores(model, data, device=device, batch_size=batch_size)[self.metric]
+
+    def num_test_examples(self, data: Any) -> int:
+        return len(data)
+
+
+class MovieLensTask(_FieldTask):
+    """DeepFM on MovieLens as GroupLens publishes it: will the user rate the movie 4 or more?
+
+    Settings: ``movielens_variant`` (ml-100k, ml-1m, ml-20m, ml-25m; its folder
+    in ``--data-dir``) and ``embedding_dim``; the latest 20% of the ratings
+    are the test split.
+    """
+
+    name = "movielens"
+    num_examples_per_epoch = 80_000  # ml-100k's training split
+    options = {"movielens_variant": "ml-100k", "embedding_dim": 32}
+    option_defaults = {**_FieldTask.option_defaults, "data_dir": "/tmp/movielens_data"}
+    test_fraction = 0.2
+
+    def __init__(self, movielens_variant: str = "ml-100k", **kwargs: Any) -> None:
+        from towerflow.data.movielens import movielens_rows
+
+        super().__init__(**kwargs)
+        self.movielens_variant = movielens_variant
+        self._rows = list(movielens_rows(movielens_variant).values())
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> MovieLensTask:
+        variant = settings.get("movielens_variant") or cls.options["movielens_variant"]
+        return cls(str(variant), **cls._common(settings, cls))
+
+    def field_rows(self) -> list[int]:
+        return self._rows
+
+    def read(self, split: str, options: DataOptions):  # noqa: ANN201
+        from towerflow.data.movielens import load_movielens
+
+        return load_movielens(options.data_dir, split, variant=self.movielens_variant,
+                              test_fraction=self.test_fraction, download=options.download)
+
+
+class CriteoTask(_FieldTask):
+    """DeepFM on Criteo's display-advertising logs (``train.txt`` or ``train.txt.gz``).
+
+    Settings: ``criteo_buckets`` (rows per categorical field: the hashed
+    values' range) and ``embedding_dim``; the last 10% of the lines (the
+    latest) are the test split.
+    """
+
+    name = "criteo"
+    num_examples_per_epoch = 41_000_000  # about 90% of the challenge's 45.8M lines
+    options = {"criteo_buckets": 100_000, "embedding_dim": 32}
+    option_defaults = {**_FieldTask.option_defaults, "data_dir": "/tmp/criteo_data",
+                       "batch_size": 1024}
+    dense_features = 13
+    test_fraction = 0.1
+
+    def __init__(self, criteo_buckets: int = 100_000, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if criteo_buckets < 1:
+            raise InvalidArgumentError(f"The criteo model's criteo_buckets must be at least 1, "
+                                       f"got {criteo_buckets}; pass --criteo-buckets N >= 1.")
+        self.criteo_buckets = criteo_buckets
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> CriteoTask:
+        buckets = settings.get("criteo_buckets") or cls.options["criteo_buckets"]
+        return cls(int(buckets), **cls._common(settings, cls))
+
+    def field_rows(self) -> list[int]:
+        from towerflow.data.criteo import NUM_CATEGORICAL
+
+        return [self.criteo_buckets + 1] * NUM_CATEGORICAL
+
+    def read(self, split: str, options: DataOptions):  # noqa: ANN201
+        from towerflow.data.criteo import load_criteo
+
+        return load_criteo(options.data_dir, split, buckets=self.criteo_buckets,
+                           test_fraction=self.test_fraction)
+
+
 TASKS: dict[str, type[Task]] = {"cifar10": Cifar10Task, "digits": DigitsTask,
-                                "click": ClickTask}
+                                "click": ClickTask, "movielens": MovieLensTask,
+                                "criteo": CriteoTask}
 
 
 def get_task(name: str, settings: Mapping[str, Any] | None = None) -> Task:

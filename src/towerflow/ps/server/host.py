@@ -22,6 +22,7 @@ from typing import Any
 
 from towerflow.cluster import Server, ServerOptions
 from towerflow.cluster.heartbeat import HeartbeatMonitor
+from towerflow.cluster.server import stop_on_signals_from_now
 from towerflow.ps.server.dense.service import PSService, _worker_describer, replica_task
 from towerflow.ps.server.lifecycle import JobLifecycle, peer_describer
 
@@ -126,12 +127,14 @@ def run_ps_task(cluster: Any, task: Any, credentials: Any = None, *,
     Raises:
         UnavailableError: the replicas stayed away past ``idle_timeout``.
     """
-    server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
-                    options=ServerOptions(heartbeat=heartbeat, bind_host=bind_host,
-                                          serve_forever=serve_forever,
-                                          idle_timeout=idle_timeout))
-    try:
-        server.join()
-    finally:
-        server.stop(grace=1.0)
+    with stop_on_signals_from_now() as bind:  # also a signal before join(): it listens now
+        server = Server(cluster, task.job_name, task.task_index, credentials=credentials,
+                        options=ServerOptions(heartbeat=heartbeat, bind_host=bind_host,
+                                              serve_forever=serve_forever,
+                                              idle_timeout=idle_timeout))
+        bind(server)
+        try:
+            server.join(handle_signals=False)
+        finally:
+            server.stop(grace=1.0)
     return 0
