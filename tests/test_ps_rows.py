@@ -330,7 +330,7 @@ def test_bad_import_is_refused_with_nothing_changed():
                                initializer=lambda ids, dim, dtype: None),
          r"initializer must be a RowInitializer"),
         (lambda: UniformRows(1.0, -1.0), r"need finite minval <= maxval"),
-        (lambda: initializer_from_dict({"kind": "normal"}), r"'kind' one of"),
+        (lambda: initializer_from_dict({"kind": "gaussian"}), r"'kind' one of"),
         (lambda: initializer_from_dict({"kind": "uniform", "mean": 0.0}),
          r"Bad 'uniform' initializer fields \['mean'\]"),
     ],

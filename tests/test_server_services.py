@@ -27,8 +27,11 @@ def spec(free_ports) -> ClusterSpec:
     return ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]})
 
 
-def _train_once(spec: ClusterSpec) -> np.ndarray:
-    """Initialise the ps shard through a real client, push one gradient, return the params."""
+def _train_once(spec: ClusterSpec, *, done: bool = True) -> np.ndarray:
+    """Initialise the ps shard through a real client, push one gradient, return the params.
+
+    ``done=False``: the worker leaves without saying it finished, so the ps task serves on.
+    """
     client = PSClient(spec, plan_placement({"w": (4,)}, 1), worker_id=0, credentials=SECRET)
     try:
         client.initialize([np.zeros(4, np.float32)], optimizer=pb.OptimizerSpec(name="sgd"),
@@ -37,7 +40,7 @@ def _train_once(spec: ClusterSpec) -> np.ndarray:
         client.push([np.ones(4, np.float32)], lr=0.5, pull_into=[params])
         return params
     finally:
-        client.close()
+        client.close(done=done)
 
 
 def _status(spec: ClusterSpec) -> pb.StatusReply:
@@ -199,7 +202,8 @@ def test_the_articles_ps_program_serves_until_a_signal_and_exits_cleanly(
         reader.start()
         reader.join(60)
         assert lines and lines[0].startswith("joined grpc://127.0.0.1:"), lines
-        np.testing.assert_allclose(_train_once(spec), np.full(4, -0.5, np.float32))
+        # the worker has not finished: the ps serves on, and only the signal ends its join
+        np.testing.assert_allclose(_train_once(spec, done=False), np.full(4, -0.5, np.float32))
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
