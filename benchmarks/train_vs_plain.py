@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,8 +77,6 @@ def plain(args: argparse.Namespace) -> None:
 
 
 def run_plain(args: argparse.Namespace) -> dict:
-    import subprocess
-
     command = [sys.executable, os.path.abspath(__file__), "--role", "plain", "--device",
                args.device, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--log-every", str(args.log_every), "--examples", str(args.examples)]

@@ -173,8 +173,8 @@ class DevicePrefetcher:
                             Transform | None] | None = None
         if self.device.type == "cuda":  # loaded in the consumer's thread, queued on its stream
             self._inline = (dataset, batches, iter(batches), transform)
-            self._finalizer = weakref.finalize(self, lambda: None)
             self._thread: threading.Thread | None = None
+            self._finalizer: weakref.finalize | None = None  # no thread to stop
             return
         self._thread = threading.Thread(
             target=_produce,
@@ -231,7 +231,8 @@ class DevicePrefetcher:
     def close(self) -> None:
         """Stop the background thread and drop the prefetched batches (idempotent)."""
         self._stop.set()
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
     @property
     def running(self) -> bool:
