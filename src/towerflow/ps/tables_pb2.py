@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from towerflow.ps import ps_pb2 as towerflow_dot_ps_dot_ps__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19towerflow/ps/tables.proto\x12\x0ctowerflow.ps\x1a\x15towerflow/ps/ps.proto\"\x93\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0bpartitioner\x18\x05 \x01(\t\x12\x11\n\toptimizer\x18\x06 \x01(\t\x12\x13\n\x0binitializer\x18\x07 \x01(\t\x12\r\n\x05shard\x18\x08 \x01(\x05\"N\n\x10InitTableRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x13\n\x0b\x61ggregation\x18\x02 \x01(\t\"?\n\x0eInitTableReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"M\n\x0fPullRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0f\n\x07num_ids\x18\x03 \x01(\x03\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\"J\n\rPullRowsReply\x12\x0f\n\x07num_ids\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x01(\x0c\"o\n\x13PushPullRowsRequest\x12+\n\x04pull\x18\x01 \x01(\x0b\x32\x1d.towerflow.ps.PullRowsRequest\x12+\n\x04push\x18\x02 \x01(\x0b\x32\x1d.towerflow.ps.PushRowsRequest\"i\n\x11PushPullRowsReply\x12)\n\x04pull\x18\x01 \x01(\x0b\x32\x1b.towerflow.ps.PullRowsReply\x12)\n\x04push\x18\x02 \x01(\x0b\x32\x1b.towerflow.ps.PushRowsReply\"\xba\x01\n\x0fPushRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x0f\n\x07num_ids\x18\x08 \x01(\x03\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0b\n\x03ids\x18\n \x01(\x0c\x12\r\n\x05grads\x18\x0b \x01(\x0c\"T\n\rPushRowsReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\"E\n\x11\x45xportRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nchunk_rows\x18\x03 \x01(\x03\"\xb9\x01\n\x08RowChunk\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\r\n\x05total\x18\x02 \x01(\x03\x12(\n\x06pushes\x18\x03 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x0f\n\x07num_ids\x18\x04 \x01(\x03\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x12\n\nslot_names\x18\x07 \x03(\t\x12\r\n\x05slots\x18\x08 \x03(\x0c\"\x1f\n\x0fImportRowsReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"2\n\x12TableStatusRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\"\xcc\x01\n\x10TableStatusReply\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\x12\x13\n\x0bpulled_rows\x18\x05 \x01(\x03\x12(\n\x06pushes\x18\x06 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x11\n\tsync_step\x18\x07 \x01(\x03\x12\x10\n\x08max_lead\x18\x08 \x01(\x03\"&\n\x11TablesDoneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x11\n\x0fTablesDoneReply2\xbe\x05\n\x06Tables\x12I\n\tInitTable\x12\x1e.towerflow.ps.InitTableRequest\x1a\x1c.towerflow.ps.InitTableReply\x12\x46\n\x08PullRows\x12\x1d.towerflow.ps.PullRowsRequest\x1a\x1b.towerflow.ps.PullRowsReply\x12\x46\n\x08PushRows\x12\x1d.towerflow.ps.PushRowsRequest\x1a\x1b.towerflow.ps.PushRowsReply\x12R\n\x0cPushPullRows\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply\x12G\n\nExportRows\x12\x1f.towerflow.ps.ExportRowsRequest\x1a\x16.towerflow.ps.RowChunk0\x01\x12\x45\n\nImportRows\x12\x16.towerflow.ps.RowChunk\x1a\x1d.towerflow.ps.ImportRowsReply(\x01\x12O\n\x0bTableStatus\x12 .towerflow.ps.TableStatusRequest\x1a\x1e.towerflow.ps.TableStatusReply\x12\\\n\x12PushPullRowsStream\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply(\x01\x30\x01\x12\x46\n\x04\x44one\x12\x1f.towerflow.ps.TablesDoneRequest\x1a\x1d.towerflow.ps.TablesDoneReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19towerflow/ps/tables.proto\x12\x0ctowerflow.ps\x1a\x15towerflow/ps/ps.proto\"\x93\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0bpartitioner\x18\x05 \x01(\t\x12\x11\n\toptimizer\x18\x06 \x01(\t\x12\x13\n\x0binitializer\x18\x07 \x01(\t\x12\r\n\x05shard\x18\x08 \x01(\x05\"N\n\x10InitTableRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x13\n\x0b\x61ggregation\x18\x02 \x01(\t\"?\n\x0eInitTableReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"M\n\x0fPullRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0f\n\x07num_ids\x18\x03 \x01(\x03\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\"J\n\rPullRowsReply\x12\x0f\n\x07num_ids\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x01(\x0c\"o\n\x13PushPullRowsRequest\x12+\n\x04pull\x18\x01 \x01(\x0b\x32\x1d.towerflow.ps.PullRowsRequest\x12+\n\x04push\x18\x02 \x01(\x0b\x32\x1d.towerflow.ps.PushRowsRequest\"i\n\x11PushPullRowsReply\x12)\n\x04pull\x18\x01 \x01(\x0b\x32\x1b.towerflow.ps.PullRowsReply\x12)\n\x04push\x18\x02 \x01(\x0b\x32\x1b.towerflow.ps.PushRowsReply\"C\n\x0fRowBatchRequest\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.towerflow.ps.PushPullRowsRequest\"?\n\rRowBatchReply\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.towerflow.ps.PushPullRowsReply\"\xba\x01\n\x0fPushRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x0f\n\x07num_ids\x18\x08 \x01(\x03\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0b\n\x03ids\x18\n \x01(\x0c\x12\r\n\x05grads\x18\x0b \x01(\x0c\"T\n\rPushRowsReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\"E\n\x11\x45xportRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nchunk_rows\x18\x03 \x01(\x03\"\xb9\x01\n\x08RowChunk\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\r\n\x05total\x18\x02 \x01(\x03\x12(\n\x06pushes\x18\x03 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x0f\n\x07num_ids\x18\x04 \x01(\x03\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x12\n\nslot_names\x18\x07 \x03(\t\x12\r\n\x05slots\x18\x08 \x03(\x0c\"\x1f\n\x0fImportRowsReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"2\n\x12TableStatusRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\"\xcc\x01\n\x10TableStatusReply\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\x12\x13\n\x0bpulled_rows\x18\x05 \x01(\x03\x12(\n\x06pushes\x18\x06 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x11\n\tsync_step\x18\x07 \x01(\x03\x12\x10\n\x08max_lead\x18\x08 \x01(\x03\"&\n\x11TablesDoneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x11\n\x0fTablesDoneReply2\xd8\x06\n\x06Tables\x12I\n\tInitTable\x12\x1e.towerflow.ps.InitTableRequest\x1a\x1c.towerflow.ps.InitTableReply\x12\x46\n\x08PullRows\x12\x1d.towerflow.ps.PullRowsRequest\x1a\x1b.towerflow.ps.PullRowsReply\x12\x46\n\x08PushRows\x12\x1d.towerflow.ps.PushRowsRequest\x1a\x1b.towerflow.ps.PushRowsReply\x12R\n\x0cPushPullRows\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply\x12G\n\nExportRows\x12\x1f.towerflow.ps.ExportRowsRequest\x1a\x16.towerflow.ps.RowChunk0\x01\x12\x45\n\nImportRows\x12\x16.towerflow.ps.RowChunk\x1a\x1d.towerflow.ps.ImportRowsReply(\x01\x12O\n\x0bTableStatus\x12 .towerflow.ps.TableStatusRequest\x1a\x1e.towerflow.ps.TableStatusReply\x12\\\n\x12PushPullRowsStream\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply(\x01\x30\x01\x12\x46\n\x08RowBatch\x12\x1d.towerflow.ps.RowBatchRequest\x1a\x1b.towerflow.ps.RowBatchReply\x12P\n\x0eRowBatchStream\x12\x1d.towerflow.ps.RowBatchRequest\x1a\x1b.towerflow.ps.RowBatchReply(\x01\x30\x01\x12\x46\n\x04\x44one\x12\x1f.towerflow.ps.TablesDoneRequest\x1a\x1d.towerflow.ps.TablesDoneReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,24 +46,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHPULLROWSREQUEST']._serialized_end=627
   _globals['_PUSHPULLROWSREPLY']._serialized_start=629
   _globals['_PUSHPULLROWSREPLY']._serialized_end=734
-  _globals['_PUSHROWSREQUEST']._serialized_start=737
-  _globals['_PUSHROWSREQUEST']._serialized_end=923
-  _globals['_PUSHROWSREPLY']._serialized_start=925
-  _globals['_PUSHROWSREPLY']._serialized_end=1009
-  _globals['_EXPORTROWSREQUEST']._serialized_start=1011
-  _globals['_EXPORTROWSREQUEST']._serialized_end=1080
-  _globals['_ROWCHUNK']._serialized_start=1083
-  _globals['_ROWCHUNK']._serialized_end=1268
-  _globals['_IMPORTROWSREPLY']._serialized_start=1270
-  _globals['_IMPORTROWSREPLY']._serialized_end=1301
-  _globals['_TABLESTATUSREQUEST']._serialized_start=1303
-  _globals['_TABLESTATUSREQUEST']._serialized_end=1353
-  _globals['_TABLESTATUSREPLY']._serialized_start=1356
-  _globals['_TABLESTATUSREPLY']._serialized_end=1560
-  _globals['_TABLESDONEREQUEST']._serialized_start=1562
-  _globals['_TABLESDONEREQUEST']._serialized_end=1600
-  _globals['_TABLESDONEREPLY']._serialized_start=1602
-  _globals['_TABLESDONEREPLY']._serialized_end=1619
-  _globals['_TABLES']._serialized_start=1622
-  _globals['_TABLES']._serialized_end=2324
+  _globals['_ROWBATCHREQUEST']._serialized_start=736
+  _globals['_ROWBATCHREQUEST']._serialized_end=803
+  _globals['_ROWBATCHREPLY']._serialized_start=805
+  _globals['_ROWBATCHREPLY']._serialized_end=868
+  _globals['_PUSHROWSREQUEST']._serialized_start=871
+  _globals['_PUSHROWSREQUEST']._serialized_end=1057
+  _globals['_PUSHROWSREPLY']._serialized_start=1059
+  _globals['_PUSHROWSREPLY']._serialized_end=1143
+  _globals['_EXPORTROWSREQUEST']._serialized_start=1145
+  _globals['_EXPORTROWSREQUEST']._serialized_end=1214
+  _globals['_ROWCHUNK']._serialized_start=1217
+  _globals['_ROWCHUNK']._serialized_end=1402
+  _globals['_IMPORTROWSREPLY']._serialized_start=1404
+  _globals['_IMPORTROWSREPLY']._serialized_end=1435
+  _globals['_TABLESTATUSREQUEST']._serialized_start=1437
+  _globals['_TABLESTATUSREQUEST']._serialized_end=1487
+  _globals['_TABLESTATUSREPLY']._serialized_start=1490
+  _globals['_TABLESTATUSREPLY']._serialized_end=1694
+  _globals['_TABLESDONEREQUEST']._serialized_start=1696
+  _globals['_TABLESDONEREQUEST']._serialized_end=1734
+  _globals['_TABLESDONEREPLY']._serialized_start=1736
+  _globals['_TABLESDONEREPLY']._serialized_end=1753
+  _globals['_TABLES']._serialized_start=1756
+  _globals['_TABLES']._serialized_end=2612
 # @@protoc_insertion_point(module_scope)

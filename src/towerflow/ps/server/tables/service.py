@@ -19,9 +19,16 @@ method                  kind             messages
                                          table shard under one hold of its lock
 ``PushPullRowsStream``  stream-stream    many ``PushPullRows`` on one
                                          long-lived call, one reply per
-                                         request in order (a worker's hot
-                                         path: one stream per ps task, each
-                                         request naming its table)
+                                         request in order
+``RowBatch``            unary            ``RowBatchRequest`` ->
+                                         ``RowBatchReply``: the
+                                         ``PushPullRows`` of many table
+                                         shards, all checked before any
+                                         is applied, then applied in order
+``RowBatchStream``      stream-stream    many ``RowBatch`` on one long-lived
+                                         call (a worker's hot path: one
+                                         stream per ps task, one request
+                                         per step for all its tables)
 ``ExportRows``          unary -> stream  ``ExportRowsRequest`` -> ``RowChunk`` ...
 ``ImportRows``          stream -> unary  ``RowChunk`` ... -> ``ImportRowsReply``
 ``TableStatus``         unary            ``TableStatusRequest`` ->
@@ -59,7 +66,7 @@ from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotF
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.protocol import AggregationConfig, parse_message, push_records
 
-__all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS"]
+__all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS", "MAX_BATCH_ITEMS"]
 
 logger = logging.getLogger("towerflow.ps")
 
@@ -67,6 +74,8 @@ SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["Tables"].full_name
 #: rows per export chunk when the caller gives none
 DEFAULT_CHUNK_ROWS = 1 << 14
 _MAX_CHUNK_ROWS = 1 << 20
+#: most items one ``RowBatch`` may carry (a model's tables x pieces per table)
+MAX_BATCH_ITEMS = 1 << 16
 
 
 def _aggregation(text: str) -> Any:
@@ -109,6 +118,8 @@ class TableService:
             "PushRows": ("unary_unary", self.push_rows),
             "PushPullRows": ("unary_unary", self.push_pull_rows),
             "PushPullRowsStream": ("stream_stream", self.push_pull_rows_stream),
+            "RowBatch": ("unary_unary", self.row_batch),
+            "RowBatchStream": ("stream_stream", self.row_batch_stream),
             "ExportRows": ("unary_stream", self.export_rows),
             "ImportRows": ("stream_unary", self.import_rows),
             "TableStatus": ("unary_unary", self.table_status),
@@ -194,6 +205,12 @@ class TableService:
 
     def push_pull_rows(self, data: bytes, context: grpc.ServicerContext | None = None) -> bytes:
         request = parse_message(tpb.PushPullRowsRequest, data, "PushPullRows")
+        shard, checked = self._check_item(request)
+        return self._item_reply(shard, request.pull, shard.run(checked, _active(context))
+                                ).SerializeToString()
+
+    def _check_item(self, request: Any) -> tuple[Any, Any]:
+        """The table shard of a ``PushPullRowsRequest`` and its checked push and pull."""
         pull = request.pull
         push = request.push if request.HasField("push") else None
         if push is not None and (push.table, push.shard) != (pull.table, pull.shard):
@@ -202,14 +219,18 @@ class TableService:
                 f"table {pull.table!r} shard {pull.shard}; one call serves one table shard."
             )
         shard = self.table(pull.table, pull.shard)
-        outcome, applied, rows = shard.push_pull(push, pull.ids, pull.num_ids, _active(context))
+        return shard, shard.check(push, pull.ids, pull.num_ids)
+
+    @staticmethod
+    def _item_reply(shard: Any, pull: Any, ran: tuple[Any, int, bytes]) -> Any:
+        outcome, applied, rows = ran
         reply = tpb.PushPullRowsReply(pull=tpb.PullRowsReply(
             num_ids=pull.num_ids, dim=shard.store.dim,
             dtype=str(shard.dtype).removeprefix("torch."), rows=rows))
         if outcome is not None:
             reply.push.CopyFrom(tpb.PushRowsReply(status=outcome.status, message=outcome.message,
                                                   duplicate=outcome.duplicate, applied=applied))
-        return reply.SerializeToString()
+        return reply
 
     def push_pull_rows_stream(self, requests: Iterator[bytes],
                               context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
@@ -220,6 +241,36 @@ class TableService:
         """
         for request in requests_until_closed(iter(requests)):
             yield self.push_pull_rows(request, context)
+
+    def row_batch(self, data: bytes, context: grpc.ServicerContext | None = None) -> bytes:
+        """The ``PushPullRows`` of many table shards: every item checked, then each applied.
+
+        A refused item (an unknown table, bad ids or values) refuses the call
+        before anything is applied or read; a push refused when it is applied
+        (a superseded incarnation) ends the call there (``tables.proto``).
+        """
+        request = parse_message(tpb.RowBatchRequest, data, "RowBatch")
+        if len(request.items) > MAX_BATCH_ITEMS:
+            raise InvalidArgumentError(
+                f"A RowBatch carries {len(request.items)} items, more than {MAX_BATCH_ITEMS}; "
+                "send the tables in several calls."
+            )
+        checked = [self._check_item(item) for item in request.items]
+        active = _active(context)
+        reply = tpb.RowBatchReply()
+        for item, (shard, ready) in zip(request.items, checked, strict=True):
+            reply.items.append(self._item_reply(shard, item.pull, shard.run(ready, active)))
+        return reply.SerializeToString()
+
+    def row_batch_stream(self, requests: Iterator[bytes],
+                         context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
+        """Many ``RowBatch`` on one long-lived call, one reply per request, in order.
+
+        A refused request ends the call with its status, as it ends a unary
+        call; the worker then opens another stream.
+        """
+        for request in requests_until_closed(iter(requests)):
+            yield self.row_batch(request, context)
 
     def export_rows(self, data: bytes) -> Iterator[bytes]:
         from towerflow.ps.server.tables.shard import encode

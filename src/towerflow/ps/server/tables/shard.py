@@ -210,11 +210,23 @@ class TableShard:
         Returns the push's outcome (None without a push), the updates
         applied, the rows' bytes.
         """
-        checked = None if push is None else self._check_push(push)
-        ids = self._ids(data, count)
+        return self.run(self.check(push, data, count), active)
+
+    def check(self, push: Any | None, data: bytes, count: int) -> tuple[Any, torch.Tensor]:
+        """:meth:`push_pull`'s checks, outside the lock: what :meth:`run` then applies and reads.
+
+        A batch of many table shards (``RowBatch``) checks every item before it
+        runs any.
+        """
+        return (None if push is None else self._check_push(push)), self._ids(data, count)
+
+    def run(self, checked: tuple[Any, torch.Tensor], active: Callable[[], bool] | None = None
+            ) -> tuple[PushOutcome | None, int, bytes]:
+        """Apply a :meth:`check`-ed push once, then read its pull's rows (one hold of the lock)."""
+        push, ids = checked
         with self.cond:
-            outcome, applied = (None, self._applied) if checked is None else \
-                self._apply_once(*checked, active)
+            outcome, applied = (None, self._applied) if push is None else \
+                self._apply_once(*push, active)
             rows = self.store.lookup(ids, checked=True)
             self._pulled_rows += ids.numel()
         return outcome, applied, encode(rows)

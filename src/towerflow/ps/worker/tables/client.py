@@ -4,8 +4,9 @@
 (name, partitioner, dim, dtype, row-wise optimizer, initializer);
 :class:`TableClient` makes the calls of
 ``tables.proto`` to every ps task: ``InitTable`` (chief); pulls, pushes and
-push-and-pulls (one request per owning shard, the shards in parallel, on one
-long-lived ``PushPullRowsStream`` per ps task, :mod:`towerflow.ps.worker.tables.stream`;
+push-and-pulls of every table of a step in one ``RowBatch`` request per ps task,
+the ps tasks in parallel, on one long-lived ``RowBatchStream`` per ps task
+(:mod:`towerflow.ps.worker.tables.stream`;
 a pushed ``(worker_id, incarnation, seq)`` makes a retried push apply once);
 ``ExportRows`` / ``ImportRows`` (checkpoints, streamed in chunks) and
 ``TableStatus``. Ids and rows travel as raw little-endian buffers.
@@ -86,22 +87,59 @@ with warnings.catch_warnings():  # torch warns once per process about read-only 
     torch.frombuffer(bytes(8), dtype=torch.int64)
 
 
-def _rows_of(config: TableConfig, data: bytes, count: int) -> torch.Tensor:
-    """The rows of a ``PushPullRowsReply`` (a read-only view of its bytes)."""
-    rows = tpb.PushPullRowsReply.FromString(data).pull.rows
-    return _decode(rows, config.dtype, (count, config.dim))
+class _Item:
+    """One ``PushPullRowsRequest`` of a batch: a pull of ``count`` ids of one table shard
+    (``count`` 0: a push alone), maybe with a push, and where its rows go (``out`` at
+    ``positions``, rows of ``dim`` values of ``dtype``)."""
+
+    __slots__ = ("table", "shard", "ids", "count", "push", "out", "positions")
+
+    def __init__(self, table: str, shard: int, *, ids: bytes = b"", count: int = 0,
+                 push: Any = None, out: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> None:
+        self.table, self.shard, self.ids, self.count, self.push = table, shard, ids, count, push
+        self.out, self.positions = out, positions
+
+    def nbytes(self) -> int:
+        """Bytes of the ids and rows it asks for or pushes (what a call's size counts)."""
+        pulled = 0 if self.out is None else self.count * (8 + self.out[0:0].element_size()
+                                                          * self.out.shape[1])
+        pushed = 0 if self.push is None else len(self.push.ids) + len(self.push.grads)
+        return pulled + pushed
 
 
-def _push_call(push: Any) -> _Call:
-    """A push alone (a ``PushRowsRequest``) as a ``PushPullRowsRequest`` pulling no rows."""
-    pull = tpb.PullRowsRequest(table=push.table, shard=push.shard)
-    return _Call(push.shard, "PushRows",
-                 tpb.PushPullRowsRequest(pull=pull, push=push).SerializeToString(), True)
+def _batch_call(shard: int, items: list[_Item]) -> _Call:
+    """The ``RowBatchRequest`` of ``items`` (all of ``shard``) as one call."""
+    request = tpb.RowBatchRequest()
+    pulls = pushes = False
+    for item in items:
+        entry = request.items.add()
+        entry.pull.table, entry.pull.shard = item.table, item.shard
+        if item.count:
+            entry.pull.num_ids, entry.pull.ids = item.count, item.ids
+            pulls = True
+        if item.push is not None:
+            entry.push.CopyFrom(item.push)
+            pushes = True
+    kind = "PushPullRows" if pulls and pushes else "PullRows" if pulls else "PushRows"
+    return _Call(shard, kind, request.SerializeToString(), True, items)
 
 
-def _push_reply(data: bytes) -> Any:
-    """The ``PushRowsReply`` of a push's ``PushPullRowsReply``."""
-    return tpb.PushPullRowsReply.FromString(data).push
+def _group(shard: int, items: list[_Item], limit: int) -> list[_Call]:
+    """``items`` of one shard in calls of at most ``limit`` bytes of rows (in order)."""
+    calls: list[_Call] = []
+    batch: list[_Item] = []
+    size = 0
+    for item in items:
+        n = item.nbytes()
+        if batch and size + n > limit:
+            calls.append(_batch_call(shard, batch))
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        calls.append(_batch_call(shard, batch))
+    return calls
 
 
 def _aggregation_json(config: Any) -> str:
@@ -118,30 +156,37 @@ def _aggregation_json(config: Any) -> str:
 
 
 class _Call:
-    """One request to one shard: its kind (``PullRows``, ``PushRows``, ``PushPullRows``: the
-    ``wire`` counters' key), its ``PushPullRowsRequest`` bytes, whether it may be sent again."""
+    """One request to one ps task: its kind (``PullRows``, ``PushRows``, ``PushPullRows``: the
+    ``wire`` counters' key), its ``RowBatchRequest`` bytes, whether it may be sent again, and
+    the items it carries."""
 
-    __slots__ = ("shard", "method", "payload", "retry")
+    __slots__ = ("shard", "method", "payload", "retry", "items")
 
-    def __init__(self, shard: int, method: str, payload: bytes, retry: bool) -> None:
+    def __init__(self, shard: int, method: str, payload: bytes, retry: bool,
+                 items: list[_Item]) -> None:
         self.shard, self.method, self.payload, self.retry = shard, method, payload, retry
+        self.items = items
 
 
 class TableClient:
     """A worker's calls to the ``towerflow.ps.Tables`` service of every ps task.
 
-    Requests to different shards are in flight together; the requests to
-    one shard travel in order on its row stream
+    Whatever the number of tables, a step costs one request per ps task:
+    :meth:`pull_many` sends the pulls of every table (each with its deferred
+    push) and :meth:`push_many` the pushes of every table as one
+    ``RowBatchRequest`` per ps task (cut in several only past
+    ``max_call_bytes``). Requests to different ps tasks are in flight
+    together; the requests to one travel in order on its row stream
     (:class:`~towerflow.ps.worker.tables.stream.RowStream`), so its pushes arrive in
     ``seq`` order. A request whose stream fails ``UNAVAILABLE`` /
     ``DEADLINE_EXCEEDED`` / ``DATA_LOSS`` is sent again as a unary
-    ``PushPullRows`` call (the same bytes: a push's ``seq`` makes it apply at
+    ``RowBatch`` call (the same bytes: a push's ``seq`` makes it apply at
     most once; a pull reads again), as is a request of a thread that finds
     another thread using the shard's stream.
 
     A push may be deferred (``push(..., defer=True)``): its requests are kept
-    and travel with the table's next pull of each shard in one
-    ``PushPullRows`` round trip (the ps applies the push, then reads the rows,
+    and travel with the table's next pull of each shard in the same round
+    trip (the ps applies the push, then reads the rows,
     so that pull sees it), or are sent by :meth:`flush`, which
     :meth:`export_shard`, :meth:`import_rows`, :meth:`status` and
     :meth:`close` call first. Until then the other workers do not see it.
@@ -166,8 +211,10 @@ class TableClient:
             replica once per step), within the channel's message limit.
 
     Attributes:
-        wire: per kind of request (``PullRows``, ``PushRows``,
-            ``PushPullRows``), ``[requests, request bytes, reply bytes]`` so far.
+        wire: per kind of request (``PullRows``: pulls only, ``PushRows``:
+            pushes only, ``PushPullRows``: both), ``[requests, request bytes,
+            reply bytes]`` so far; a request is one ``RowBatchRequest`` to one
+            ps task, whatever the tables it carries.
     """
 
     def __init__(self, addresses: Sequence[str], *, credentials: Credentials | None = None,
@@ -305,7 +352,7 @@ class TableClient:
         for call in queue:
             for attempt in itertools.count():
                 try:
-                    replies.append(unary(self._channels[call.shard], _method("PushPullRows"),
+                    replies.append(unary(self._channels[call.shard], _method("RowBatch"),
                                          call.payload, timeout=self.timeout))
                     break
                 except (UnavailableError, DeadlineExceededError) as exc:
@@ -318,10 +365,6 @@ class TableClient:
                                        "applies it once)", call.shard, attempt + 1)
                     time.sleep(min(2.0, 0.1 * 2**attempt))
         return replies
-
-    def _pieces(self, config: TableConfig, ids: torch.Tensor) -> list[tuple[int, slice]]:
-        step = max(1, self.max_call_bytes // config.row_bytes)
-        return [(start, slice(start, start + step)) for start in range(0, ids.numel(), step)]
 
     def init_table(self, config: TableConfig, *, wait: float = 300.0) -> list[Any]:
         """Create the table's shard on every ps task (idempotent); the ``InitTableReply``s.
@@ -358,43 +401,68 @@ class TableClient:
             )
 
     def pull(self, config: TableConfig, ids: torch.Tensor) -> torch.Tensor:
-        """The ``(len(ids), dim)`` rows of ``ids``, one call per owning shard, in parallel.
+        """The ``(len(ids), dim)`` rows of ``ids``, one request per owning shard, in parallel.
 
-        A deferred push of this table goes with the pull of its shard (one
-        ``PushPullRows`` call; the rows answered include it), or alone
-        (``PushRows``) to a shard this pull does not ask.
+        A deferred push of this table goes with the pull of its shard (the
+        rows answered include it), or alone to a shard this pull does not ask.
         """
-        ids = config.partitioner.check(check_ids(ids))
-        out = torch.empty((ids.numel(), config.dim), dtype=config.dtype)
+        return self.pull_many([(config, ids)])[0]
+
+    def pull_many(self, lookups: Sequence[tuple[TableConfig, torch.Tensor]]
+                  ) -> list[torch.Tensor]:
+        """The rows of every ``(table, ids)``: one request per ps task for all of them.
+
+        Each table's deferred pushes travel in the same request (the first
+        pull of the table's shard carries its push; a shard the pulls do not
+        ask gets it alone), applied before the rows are read. A request larger
+        than ``max_call_bytes`` is cut into several, in order. The tables may
+        repeat (two lookups of one table).
+        """
+        checked = [(config, config.partitioner.check(check_ids(ids))) for config, ids in lookups]
         with self._deferred_lock:
-            deferred = {s: self._deferred.pop((config.name, s))
-                        for s in range(self.num_shards) if (config.name, s) in self._deferred}
-        queues: list[list[_Call]] = []
-        places: list[list[tuple[torch.Tensor, int] | None]] = []
-        for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
-            push = deferred.get(shard)
-            queue: list[_Call] = []
-            place: list[tuple[torch.Tensor, int] | None] = []
-            for _, piece in self._pieces(config, shard_ids):
-                chunk = shard_ids[piece]
-                pull = tpb.PullRowsRequest(table=config.name, shard=shard,
-                                           num_ids=chunk.numel(), ids=_encode(chunk))
-                request = tpb.PushPullRowsRequest(pull=pull, push=push)
-                queue.append(_Call(shard, "PullRows" if push is None else "PushPullRows",
-                                   request.SerializeToString(), True))
-                push = None
-                place.append((positions[piece], chunk.numel()))
-            if push is not None:  # nothing to pull from this shard: the push goes alone
-                queue.append(_push_call(push))
-                place.append(None)
-            if queue:
-                queues.append(queue)
-                places.append(place)
-        for replies, place in zip(self._run(queues), places, strict=True):
-            for data, where in zip(replies, place, strict=True):
-                if where is not None:
-                    out.index_copy_(0, where[0], _rows_of(config, data, where[1]))
-        return out
+            deferred = {key: self._deferred.pop(key)
+                        for key in [k for k in self._deferred
+                                    if any(k[0] == c.name for c, _ in checked)]}
+        per_shard: list[list[_Item]] = [[] for _ in range(self.num_shards)]
+        outs = []
+        for config, ids in checked:
+            out = torch.empty((ids.numel(), config.dim), dtype=config.dtype)
+            outs.append(out)
+            step = max(1, self.max_call_bytes // config.row_bytes)
+            for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
+                for start in range(0, shard_ids.numel(), step):
+                    chunk = shard_ids[start:start + step]
+                    per_shard[shard].append(_Item(
+                        config.name, shard, ids=_encode(chunk), count=chunk.numel(),
+                        push=deferred.pop((config.name, shard), None), out=out,
+                        positions=positions[start:start + step]))
+        for (name, shard), push in sorted(deferred.items()):  # not pulled: the push alone
+            per_shard[shard].append(_Item(name, shard, push=push))
+        self._exchange(per_shard)
+        return outs
+
+    def _exchange(self, per_shard: list[list[_Item]]) -> list[Any]:
+        """Send each shard's items (one request, or more past ``max_call_bytes``), the shards
+        side by side; copy the rows into their outputs; the ``PushRowsReply``s of the pushes."""
+        queues = [_group(shard, items, self.max_call_bytes)
+                  for shard, items in enumerate(per_shard) if items]
+        pushed = []
+        for queue, replies in zip(queues, self._run(queues), strict=True):
+            for call, data in zip(queue, replies, strict=True):
+                answers = tpb.RowBatchReply.FromString(data).items
+                if len(answers) != len(call.items):
+                    raise DataLossError(
+                        f"ps task {call.shard} answered {len(answers)} of {len(call.items)} "
+                        "table requests; client and ps must run the same towerflow version."
+                    )
+                for item, answer in zip(call.items, answers, strict=True):
+                    out = item.out
+                    if out is not None and item.count:
+                        rows = _decode(answer.pull.rows, out.dtype, (item.count, out.shape[1]))
+                        out.index_copy_(0, item.positions, rows)  # type: ignore[arg-type]
+                    if item.push is not None:
+                        pushed.append(answer.push)
+        return pushed
 
     def next_seq(self) -> int:
         """A fresh push sequence number of this client's incarnation."""
@@ -405,51 +473,71 @@ class TableClient:
              step: int, defer: bool = False) -> list[Any]:
         """Push row gradients (duplicates are summed on the ps); the ``PushRowsReply``s.
 
-        Each owning shard gets one call (more when larger than
-        ``max_call_bytes``), the shards in parallel, each applied at most once.
-        ``defer=True``: a shard's push that fits one call is kept and sent
-        with this table's next pull of that shard (see the class docstring);
-        no reply is returned for it. A push deferred before and not sent yet
-        is sent first.
+        :meth:`push_many` of one table.
         """
-        ids = config.partitioner.check(check_ids(ids))
-        grads = grads.detach().to("cpu", config.dtype)
-        dtype = _DTYPE_NAMES[config.dtype]
-        self.flush(config)  # pushes of one shard reach it in seq order
-        queues = []
-        for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
-            if not shard_ids.numel() and not self.every_shard:
-                continue
-            shard_grads = grads.index_select(0, positions)
-            queue = []
-            # sync / ssp count one push per replica, shard and step: never cut in pieces
-            pieces = [(0, slice(None))] if self.every_shard else self._pieces(config, shard_ids)
-            for _, piece in pieces:
-                chunk = shard_ids[piece]
-                queue.append(tpb.PushRowsRequest(
-                    table=config.name, shard=shard, worker_id=self.worker_id,
-                    incarnation=self.incarnation, seq=self.next_seq(), lr=lr, step=step,
-                    num_ids=chunk.numel(), dtype=dtype, ids=_encode(chunk),
-                    grads=_encode(shard_grads[piece])))
-            if defer and len(queue) == 1:
-                with self._deferred_lock:
-                    self._deferred[(config.name, shard)] = queue[0]
-            else:
-                queues.append([_push_call(push) for push in queue])
-        return [_push_reply(data) for replies in self._run(queues) for data in replies]
+        return self.push_many([(config, ids, grads, defer)], lr=lr, step=step)
+
+    def push_many(self, pushes: Sequence[tuple[TableConfig, torch.Tensor, torch.Tensor, bool]],
+                  *, lr: float, step: int) -> list[Any]:
+        """Push the row gradients of every ``(table, ids, grads, defer)``; the ``PushRowsReply``s.
+
+        One request per owning ps task carries every table's push (more when
+        larger than ``max_call_bytes``), the ps tasks in parallel, each push
+        applied at most once. ``defer=True``: a table's push to a shard that
+        fits one call is kept and sent with that table's next pull of the
+        shard (see the class docstring); no reply is returned for it. A push
+        deferred before and not sent yet is sent first, in the same request.
+        """
+        per_shard: list[list[_Item]] = [[] for _ in range(self.num_shards)]
+        names = {config.name for config, *_ in pushes}
+        with self._deferred_lock:  # earlier deferred pushes of these tables go first
+            for key in sorted(k for k in self._deferred if k[0] in names):
+                push = self._deferred.pop(key)
+                per_shard[key[1]].append(_Item(key[0], key[1], push=push))
+        keep: dict[tuple[str, int], Any] = {}
+        for config, ids, grads, defer in pushes:
+            ids = config.partitioner.check(check_ids(ids))
+            grads = grads.detach().to("cpu", config.dtype)
+            dtype = _DTYPE_NAMES[config.dtype]
+            step_rows = max(1, self.max_call_bytes // config.row_bytes)
+            for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
+                if not shard_ids.numel() and not self.every_shard:
+                    continue
+                shard_grads = grads.index_select(0, positions)
+                # sync / ssp count one push per replica, shard and step: never cut in pieces
+                cuts = [slice(None)] if self.every_shard else \
+                    [slice(i, i + step_rows) for i in range(0, shard_ids.numel(), step_rows)]
+                requests = []
+                for cut in cuts:
+                    chunk = shard_ids[cut]
+                    requests.append(tpb.PushRowsRequest(
+                        table=config.name, shard=shard, worker_id=self.worker_id,
+                        incarnation=self.incarnation, seq=self.next_seq(), lr=lr, step=step,
+                        num_ids=chunk.numel(), dtype=dtype, ids=_encode(chunk),
+                        grads=_encode(shard_grads[cut])))
+                if defer and len(requests) == 1 and (config.name, shard) not in keep:
+                    keep[(config.name, shard)] = requests[0]
+                else:
+                    per_shard[shard].extend(_Item(config.name, shard, push=r) for r in requests)
+        if keep:
+            with self._deferred_lock:
+                self._deferred.update(keep)
+        return self._exchange(per_shard)
 
     def flush(self, config: TableConfig | None = None) -> list[Any]:
-        """Send the deferred pushes (of ``config``'s table, or of every table); their replies."""
+        """Send the deferred pushes (of ``config``'s table, or of every table); their replies.
+
+        One request per ps task carries them all.
+        """
         with self._deferred_lock:
-            keys = [k for k in self._deferred if config is None or k[0] == config.name]
-            taken = [(k[1], self._deferred.pop(k)) for k in keys]
+            keys = sorted(k for k in self._deferred if config is None or k[0] == config.name)
+            taken = [(k, self._deferred.pop(k)) for k in keys]
         if not taken:
             return []
-        by_shard: dict[int, list[_Call]] = {}
-        for shard, push in taken:
-            by_shard.setdefault(shard, []).append(_push_call(push))
-        return [_push_reply(data)
-                for replies in self._run(list(by_shard.values())) for data in replies]
+        per_shard: list[list[_Item]] = [[] for _ in range(self.num_shards)]
+        for (name, shard), push in taken:
+            per_shard[shard].append(_Item(name, shard, push=push))
+        return self._exchange(per_shard)
 
     def deferred(self) -> int:
         """Number of deferred pushes not sent yet (one per table shard at most)."""

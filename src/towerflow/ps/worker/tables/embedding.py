@@ -68,6 +68,7 @@ from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
 from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
+from towerflow.ps.worker.tables.prefetch import Prefetcher, recording
 
 __all__ = ["ShardedEmbedding", "SparseTables", "sparse_optimizer_for", "unique_ids",
            "seeded_initializer"]
@@ -183,6 +184,10 @@ class ShardedEmbedding(nn.Module):
         self._client: TableClient | None = None
         self.config: TableConfig | None = None
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: rows pulled ahead for this forward's lookups: (ids, unique, inverse, rows) in order
+        self.prefetched: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        #: called when a lookup's ids were not those pulled ahead for it
+        self.on_miss: Callable[[], None] | None = None
 
     def start_from(self, rows: torch.Tensor, ids: torch.Tensor | None = None) -> None:
         """Rows the table starts from, shipped once when the chief creates it.
@@ -250,8 +255,40 @@ class ShardedEmbedding(nn.Module):
                 "offsets and per_sample_weights need a bag mode; build "
                 "ShardedEmbedding(..., mode='sum'|'mean'|'max')."
             )
-        unique, inverse = unique_ids(input.reshape(-1).to("cpu", torch.int64))
-        rows = self._client.pull(self.config, unique).to(input.device)
+        recorder = recording()
+        if recorder is None:
+            return self._lookup(input, offsets, per_sample_weights)
+        recorder.site(self, input)
+        recorder.suspended += 1
+        try:
+            out = self._lookup(input, offsets, per_sample_weights)
+        finally:
+            recorder.suspended -= 1
+        recorder.table_output(out)
+        return out
+
+    def _ahead(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # noqa: A002
+        """The (unique, inverse, rows) pulled ahead for this lookup, when its ids are those."""
+        if not self.prefetched:
+            return None
+        ids, unique, inverse, rows = self.prefetched.pop(0)
+        if ids is input or (ids.shape == input.shape and ids.device == input.device
+                            and torch.equal(ids, input)):
+            return unique, inverse, rows
+        self.prefetched.clear()
+        if self.on_miss is not None:
+            self.on_miss()
+        return None
+
+    def _lookup(self, input: torch.Tensor, offsets: torch.Tensor | None,  # noqa: A002
+                per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        ahead = self._ahead(input)
+        if ahead is None:
+            unique, inverse = unique_ids(input.reshape(-1).to("cpu", torch.int64))
+            rows = self._client.pull(self.config, unique)  # type: ignore[union-attr, arg-type]
+        else:
+            unique, inverse, rows = ahead
+        rows = rows.to(input.device)
         if torch.is_grad_enabled() and self.trainable:
             rows.requires_grad_(True)
             self._touched.append((unique, rows))
@@ -364,9 +401,32 @@ class SparseTables:
                 )
             names[config.name] = path
             module.bind(self.client, config)
+            module.on_miss = self._missed
+        #: pulls every table of a forward in one request per ps task (two tables and more)
+        self.prefetcher = Prefetcher(model, self._prefetch) if len(self.modules) > 1 else None
 
     def __bool__(self) -> bool:
         return self.client is not None
+
+    def _missed(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.missed()
+
+    def _prefetch(self, lookups: list[tuple[nn.Module, torch.Tensor]]) -> None:
+        """Pull the rows of every lookup of a forward in one request per ps task."""
+        for _, module in self.modules:
+            module.prefetched.clear()
+        wanted = []
+        for module, ids in lookups:
+            if isinstance(module, ShardedEmbedding) and isinstance(ids, torch.Tensor) and \
+                    ids.dtype in (torch.int64, torch.int32):  # else the lookup itself refuses
+                wanted.append((module, ids, *unique_ids(ids.reshape(-1).to("cpu", torch.int64))))
+        if not wanted:
+            return
+        rows = self.client.pull_many(  # type: ignore[union-attr]
+            [(module.config, unique) for module, _, unique, _ in wanted])
+        for (module, ids, unique, inverse), got in zip(wanted, rows, strict=True):
+            module.prefetched.append((ids, unique, inverse, got))
 
     def initialize(self) -> None:
         """Create every table on every ps task (the chief; idempotent).
@@ -415,13 +475,13 @@ class SparseTables:
 
     def push(self, taken: list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]], *,
              lr: float, step: int) -> None:
-        """Push each table's row gradients to the owning shards (in parallel).
+        """Push every table's row gradients: one request per owning ps task, in parallel.
 
         A table built with ``defer_push=True`` keeps them for its next pull.
         """
-        for module, ids, grads in taken:
-            self.client.push(module.config, ids, grads, lr=lr, step=step,  # type: ignore[union-attr, arg-type]
-                             defer=module.defer_push)
+        self.client.push_many(  # type: ignore[union-attr]
+            [(module.config, ids, grads, module.defer_push) for module, ids, grads in taken],
+            lr=lr, step=step)
 
     def flush(self) -> None:
         """Send the deferred pushes of every table (before the strategy says it is done)."""

@@ -1,0 +1,255 @@
+"""Every table of a model pulled in one request per ps task, as the model is written.
+
+A model with many tables (one per field: DeepFM, wide-and-deep) looks them
+up one after the other in its ``forward``; each lookup would be a request to
+every ps task it touches, waited for before the next. Here the ids of every
+lookup are known before the forward runs, so that all the tables' rows (and
+their deferred pushes) travel in one ``RowBatch`` request per ps task
+(:meth:`~towerflow.ps.worker.tables.client.TableClient.pull_many`).
+
+How the ids are known: the first forward runs as written, and a
+``TorchFunctionMode`` records the torch operations that produce each
+table's ids from the forward's input tensors (``fields[3]``, ``x[:, 2]``,
+``ids.long()``, ...): a *recipe*, which Python's control flow, lists and
+shapes have already been decided for, since it is recorded from a real run.
+Each later forward replays the recipe on its own inputs (a few indexing
+operations) before the model's code runs, pulls every table's rows at once
+and leaves them with the tables; a table's lookup takes them only when its
+ids equal the predicted ones (``torch.equal``), else it pulls its own rows
+as without prefetching. So a recipe that does not hold any more (a forward
+whose control flow depends on the data) costs a wasted pull, never a wrong
+row: the recipe is then recorded again, and after :data:`MAX_RECORDINGS`
+recordings that do not hold, the model's tables are pulled one by one
+with one log line that says so.
+
+A recipe is refused (one line, tables pulled one by one) when the ids come
+from an operation that draws random numbers (replaying it would change the
+model's random stream) or writes into a tensor in place, or from the output
+of a table.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = ["Prefetcher", "MAX_RECORDINGS", "recording"]
+
+log = logging.getLogger("towerflow.ps")
+
+#: recordings of a recipe that did not hold before the tables are pulled one by one
+MAX_RECORDINGS = 3
+#: operations that draw random numbers: a recipe holding one is not replayed
+_RANDOM = ("rand", "randn", "randint", "randperm", "bernoulli", "multinomial", "normal",
+           "uniform", "dropout", "poisson", "exponential", "geometric", "cauchy", "log_normal",
+           "random", "shuffle")
+
+_local = threading.local()
+
+
+def recording() -> _Recorder | None:
+    """The recorder of the forward this thread runs, or None."""
+    return getattr(_local, "recorder", None)
+
+
+class _Ref:
+    """A value of a recipe: the forward's input tensor ``index``, or output ``index`` of step
+    ``step`` (a tensor the forward did not make and got from elsewhere is kept as it is)."""
+
+    __slots__ = ("step", "index")
+
+    def __init__(self, step: int, index: int) -> None:
+        self.step, self.index = step, index
+
+
+class _Recorder(TorchFunctionMode):
+    """Records the torch operations of one forward and where each table's ids come from."""
+
+    def __init__(self, inputs: Sequence[Any]) -> None:
+        super().__init__()
+        self.made: dict[int, _Ref] = {}      # id(tensor) -> where it comes from
+        self.keep: list[Any] = []            # every recorded tensor, alive (ids stay unique)
+        self.steps: list[tuple[Callable[..., Any], Any, bool]] = []
+        self.opaque: set[int] = set()        # ids of table outputs
+        self.sites: list[tuple[nn.Module, _Ref | None]] = []
+        self.suspended = 0
+        for index, value in enumerate(inputs):
+            if isinstance(value, torch.Tensor):
+                self.made[id(value)] = _Ref(-1, index)
+                self.keep.append(value)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.suspended:
+            return out
+        leaves, _ = pytree.tree_flatten(out)
+        made = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if not made:
+            return out
+        name = getattr(func, "__name__", "")
+        unsafe = (name.endswith("_") and not name.endswith("__")) or "out" in kwargs \
+            or any(word in name for word in _RANDOM)
+        refs = pytree.tree_map(self._ref, (args, kwargs))
+        step = len(self.steps)
+        self.steps.append((func, refs, unsafe))
+        for index, tensor in enumerate(leaves):
+            if isinstance(tensor, torch.Tensor):
+                self.made[id(tensor)] = _Ref(step, index)
+                self.keep.append(tensor)
+        return out
+
+    def _ref(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.made.get(id(value), value)
+        return value
+
+    def site(self, module: nn.Module, ids: torch.Tensor) -> None:
+        """A table's lookup of ``ids`` (called by the table's forward)."""
+        ref = self.made.get(id(ids))
+        self.sites.append((module, ref))
+
+    def table_output(self, tensor: torch.Tensor) -> None:
+        """A table's rows: ids made from them cannot be known before the forward."""
+        self.opaque.add(id(tensor))
+        self.keep.append(tensor)
+        self.made.pop(id(tensor), None)
+
+    def recipe(self) -> _Recipe | str:
+        """The recipe of the recorded forward, or why there is none."""
+        if len(self.sites) < 2:
+            return "one table lookup"
+        needed: set[int] = set()
+        stack = [ref.step for _, ref in self.sites if ref is not None and ref.step >= 0]
+        if any(ref is None for _, ref in self.sites):
+            return "a table's ids were not made by torch operations on the forward's inputs"
+        while stack:
+            step = stack.pop()
+            if step in needed:
+                continue
+            needed.add(step)
+            func, refs, unsafe = self.steps[step]
+            if unsafe:
+                return f"a table's ids come through {getattr(func, '__name__', func)!s}, " \
+                       "which draws random numbers or writes in place"
+            for leaf in pytree.tree_leaves(refs):
+                if isinstance(leaf, _Ref) and leaf.step >= 0:
+                    stack.append(leaf.step)
+                elif isinstance(leaf, torch.Tensor) and id(leaf) in self.opaque:
+                    return "a table's ids are made from another table's rows"
+        order = sorted(needed)
+        steps = [(self.steps[s][0], self.steps[s][1]) for s in order]
+        renumber = {s: i for i, s in enumerate(order)}
+        return _Recipe(steps, renumber, [(m, ref) for m, ref in self.sites])
+
+
+class _Recipe:
+    """The operations that make each table's ids from the forward's inputs."""
+
+    def __init__(self, steps: list[tuple[Callable[..., Any], Any]], renumber: dict[int, int],
+                 sites: list[tuple[nn.Module, _Ref]]) -> None:
+        def local(value: Any) -> Any:
+            if isinstance(value, _Ref) and value.step >= 0:
+                return _Ref(renumber[value.step], value.index)
+            return value
+
+        self.steps = [(func, pytree.tree_map(local, refs)) for func, refs in steps]
+        self.sites = [(module, local(ref)) for module, ref in sites]
+
+    def replay(self, inputs: Sequence[Any]) -> list[tuple[nn.Module, torch.Tensor]]:
+        """Each table's ids for a forward of ``inputs`` (flattened)."""
+        results: list[list[Any]] = []
+
+        def value(ref: Any) -> Any:
+            if not isinstance(ref, _Ref):
+                return ref
+            return inputs[ref.index] if ref.step < 0 else results[ref.step][ref.index]
+
+        for func, refs in self.steps:
+            args, kwargs = pytree.tree_map(value, refs)
+            results.append(pytree.tree_leaves(func(*args, **kwargs)))
+        return [(module, value(ref)) for module, ref in self.sites]
+
+
+class Prefetcher:
+    """Pulls all of a model's tables in one request per ps task before its forward.
+
+    Installed on the model's root module (forward hooks) by the strategy when
+    the model has at least two tables.
+
+    Args:
+        model: the model.
+        pull: ``pull_many([(table module, ids), ...])`` -> rows, one per lookup.
+    """
+
+    def __init__(self, model: nn.Module, pull: Callable[[list[tuple[nn.Module, torch.Tensor]]],
+                                                         None]) -> None:
+        self._pull = pull
+        self._recipe: _Recipe | None = None
+        self._spec: Any = None
+        self._recorder: _Recorder | None = None
+        self.recordings = 0
+        self.enabled = True
+        self._stale = False
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+
+    def missed(self) -> None:
+        """A table's ids were not the predicted ones: the recipe is recorded again."""
+        self._stale = True
+
+    def _before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not self.enabled or recording() is not None or self._recorder is not None:
+            return
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if self._recipe is not None and not self._stale and spec == self._spec:
+            try:
+                with torch.no_grad():
+                    lookups = self._recipe.replay(leaves)
+            except Exception as exc:  # noqa: BLE001 - a recipe that no longer applies
+                log.info("table ids not predicted for this batch (%s); pulled one by one",
+                         str(exc)[:200])
+                return
+            self._pull(lookups)
+            return
+        if self.recordings >= MAX_RECORDINGS:
+            self.enabled = False
+            log.warning("the model's tables are pulled with one request each per step: their "
+                        "ids did not follow the same torch operations from the forward's "
+                        "inputs in %d recorded steps", self.recordings)
+            return
+        self.recordings += 1
+        self._stale, self._recipe, self._spec = False, None, spec
+        self._recorder = _Recorder(leaves)
+        _local.recorder = self._recorder
+        self._recorder.__enter__()
+
+    def _after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return
+        recorder.__exit__(None, None, None)
+        _local.recorder = None
+        recipe = recorder.recipe()
+        if isinstance(recipe, str):
+            self.enabled = False
+            if len(recorder.sites) >= 2:
+                log.warning("the model's %d table lookups are pulled with one request each per "
+                            "step: %s", len(recorder.sites), recipe)
+            return
+        self._recipe = recipe
