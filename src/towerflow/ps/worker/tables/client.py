@@ -428,7 +428,7 @@ class TableClient:
         for config, ids in checked:
             out = torch.empty((ids.numel(), config.dim), dtype=config.dtype)
             outs.append(out)
-            step = max(1, self.max_call_bytes // config.row_bytes)
+            step = max(1, self.max_call_bytes // (config.row_bytes + 8))
             for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
                 for start in range(0, shard_ids.numel(), step):
                     chunk = shard_ids[start:start + step]
@@ -499,7 +499,7 @@ class TableClient:
             ids = config.partitioner.check(check_ids(ids))
             grads = grads.detach().to("cpu", config.dtype)
             dtype = _DTYPE_NAMES[config.dtype]
-            step_rows = max(1, self.max_call_bytes // config.row_bytes)
+            step_rows = max(1, self.max_call_bytes // (config.row_bytes + 8))
             for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
                 if not shard_ids.numel() and not self.every_shard:
                     continue
