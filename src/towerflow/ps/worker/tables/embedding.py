@@ -122,8 +122,8 @@ class ShardedEmbedding(nn.Module):
         name: the table's name on the ps (default: the module's path in the model).
         dtype: ``torch.float32`` (default) or ``torch.float64``.
         defer_push: send a step's row gradients with the next pull of this
-            table (one ``PushPullRows`` round trip per ps shard and step
-            instead of a pull and a push). The ps applies them before it reads
+            table (one round trip per ps task and step instead of a pull and
+            a push). The ps applies them before it reads
             the rows of that pull, so this worker's next lookup sees its own
             update as without deferral; the other workers see it one step
             later (when this worker's next step starts, not when its step
@@ -132,8 +132,10 @@ class ShardedEmbedding(nn.Module):
             export or import of the table (checkpoints hold it) and when the
             strategy shuts down (before it tells the ps tasks it is done);
             an error of a deferred push is raised by the call that sends it.
-            False (default): each step's push is sent and answered within the
-            step.
+            False: each step's push is sent and answered within the step.
+            None (default): the strategy's mode decides: deferred in async
+            mode (where no worker waits for another's update), not in sync
+            and ssp (whose steps count each push).
         padding_idx: an id whose row keeps its value (no update reaches it),
             as ``nn.Embedding(padding_idx=)``.
         trainable: False: the rows are served and never updated (no row
@@ -153,7 +155,7 @@ class ShardedEmbedding(nn.Module):
     def __init__(self, num_rows: int, dim: int, *, mode: str | None = None,
                  optimizer: Any = None, initializer: Any = None, partitioner: str = "mod",
                  name: str | None = None, dtype: torch.dtype = torch.float32,
-                 defer_push: bool = False, padding_idx: int | None = None,
+                 defer_push: bool | None = None, padding_idx: int | None = None,
                  trainable: bool = True) -> None:
         super().__init__()
         for what, value in (("num_rows", num_rows), ("dim", dim)):
@@ -178,7 +180,8 @@ class ShardedEmbedding(nn.Module):
         #: None: towerflow's initializer, seeded by the table's name (make_config)
         self.initializer = None if initializer is None else _describe(initializer, "initializer")
         self.partitioner_kind, self.table_name = partitioner, name
-        self.defer_push = bool(defer_push)
+        #: None until the strategy binds the table (its mode decides, see ``defer_push``)
+        self.defer_push = None if defer_push is None else bool(defer_push)
         self.padding_idx, self.trainable = padding_idx, bool(trainable)
         self._start: tuple[torch.Tensor | None, torch.Tensor] | None = None
         self._client: TableClient | None = None
@@ -211,7 +214,7 @@ class ShardedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         bag = "" if self.mode is None else f", mode={self.mode!r}"
-        defer = ", defer_push=True" if self.defer_push else ""
+        defer = "" if self.defer_push is None else f", defer_push={self.defer_push}"
         return f"{self.num_rows}, {self.dim}{bag}, partitioner={self.partitioner_kind!r}{defer}"
 
     @property
@@ -401,6 +404,8 @@ class SparseTables:
                 )
             names[config.name] = path
             module.bind(self.client, config)
+            if module.defer_push is None:  # async: with the next pull; sync / ssp: in the step
+                module.defer_push = not self.client.every_shard
             module.on_miss = self._missed
         #: pulls every table of a forward in one request per ps task (two tables and more)
         self.prefetcher = Prefetcher(model, self._prefetch) if len(self.modules) > 1 else None
