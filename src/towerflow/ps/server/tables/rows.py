@@ -354,8 +354,9 @@ class RowStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def export(self) -> RowExport:
-        """Copies of every row this shard holds, with their slots."""
+    def export(self, start: int = 0, stop: int | None = None) -> RowExport:
+        """Copies of every row this shard holds (of the global ids in ``[start, stop)``),
+        with their slots."""
 
     @abc.abstractmethod
     def import_(self, ids: torch.Tensor, rows: torch.Tensor,
@@ -491,9 +492,12 @@ class DenseRowStore(RowStore):
             local, grads = coalesce(local, grads)  # local ids keep the global ids' order
             self.optimizer.apply(self._rows, self._slots, local, grads, lr, step)
 
-    def export(self) -> RowExport:
-        return RowExport(self.partitioner.global_ids(self.shard), self._rows.clone(),
-                         {k: v.clone() for k, v in self._slots.items()})
+    def export(self, start: int = 0, stop: int | None = None) -> RowExport:
+        ids = self.partitioner.global_ids(self.shard)  # increasing: a range is a slice
+        first = int(torch.searchsorted(ids, start)) if start else 0
+        last = ids.numel() if stop is None else int(torch.searchsorted(ids, stop))
+        return RowExport(ids[first:last], self._rows[first:last].clone(),
+                         {k: v[first:last].clone() for k, v in self._slots.items()})
 
     def import_(self, ids: torch.Tensor, rows: torch.Tensor,
                 slots: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -282,9 +282,16 @@ class TableService:
             raise InvalidArgumentError(
                 f"ExportRows chunk_rows={chunk_rows}; use 1 .. {_MAX_CHUNK_ROWS} (0: default)."
             )
+        if request.id_start < 0 or request.id_stop < 0 or \
+                (request.id_stop and request.id_stop < request.id_start):
+            raise InvalidArgumentError(
+                f"ExportRows of ids [{request.id_start}, {request.id_stop}): give 0 <= id_start "
+                "<= id_stop (id_stop 0: every row)."
+            )
         spec = tpb.TableSpec.FromString(shard.spec_bytes)
         first = True
-        for piece, total, pushes in shard.chunks(chunk_rows):
+        for piece, total, pushes in shard.chunks(chunk_rows, request.id_start,
+                                                 request.id_stop or None):
             names = list(piece.slots)
             chunk = tpb.RowChunk(
                 num_ids=piece.ids.numel(), ids=encode(piece.ids), rows=encode(piece.rows),

@@ -296,14 +296,17 @@ class TableShard:
         with self.cond:
             self._mode.worker_done(worker_id)
 
-    def snapshot(self) -> tuple[RowExport, list[tuple[int, int, int, str]]]:
-        """Rows, slots and push table of one moment (copies)."""
+    def snapshot(self, start: int = 0, stop: int | None = None
+                 ) -> tuple[RowExport, list[tuple[int, int, int, str]]]:
+        """Rows, slots and push table of one moment (copies; the ids in ``[start, stop)``)."""
         with self._lock:
-            return self.store.export(), self._pushes.rows()
+            return self.store.export(start, stop), self._pushes.rows()
 
-    def chunks(self, chunk_rows: int) -> Iterator[tuple[RowExport, int, list]]:
-        """The export in pieces of ``chunk_rows`` rows: ``(piece, total, push rows)``."""
-        export, pushes = self.snapshot()
+    def chunks(self, chunk_rows: int, start: int = 0, stop: int | None = None
+               ) -> Iterator[tuple[RowExport, int, list]]:
+        """The export (of the ids in ``[start, stop)``) in pieces of ``chunk_rows`` rows:
+        ``(piece, total, push rows)``."""
+        export, pushes = self.snapshot(start, stop)
         total = export.ids.numel()
         for start in range(0, max(total, 1), chunk_rows):
             stop = min(start + chunk_rows, total)

@@ -42,7 +42,8 @@ import torch
 from towerflow.checkpoint import ChunkedGroup, ChunkedReader
 from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError
 from towerflow.ps.protocol import push_rows
-from towerflow.ps.worker.tables.client import TableClient, _decode
+from towerflow.ps.worker.tables.batch import decode as _decode
+from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import TableConfig
 
 __all__ = ["TABLES_GROUP", "TABLES_KEY", "PART_BYTES", "describe_tables", "export_tables",

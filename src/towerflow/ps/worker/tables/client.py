@@ -20,10 +20,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,7 +44,9 @@ from towerflow.errors import (
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import check_ids
 from towerflow.ps.protocol import push_records
+from towerflow.ps.worker.tables.batch import Call, Item, decode, encode, group_calls
 from towerflow.ps.worker.tables.config import _DTYPE_NAMES, TableConfig
+from towerflow.ps.worker.tables.fusion import TableView
 from towerflow.ps.worker.tables.stream import RowStream
 
 __all__ = ["TableClient"]
@@ -60,88 +60,6 @@ def _method(name: str) -> str:
     return f"/{_SERVICE}/{name}"
 
 
-def _encode(tensor: torch.Tensor) -> bytes:
-    if sys.byteorder != "little":  # pragma: no cover
-        tensor = tensor.byteswap()
-    return tensor.detach().contiguous().cpu().numpy().tobytes()
-
-
-def _decode(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    count = 1
-    for n in shape:
-        count *= n
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(data) != count * size:
-        raise InvalidArgumentError(
-            f"A ps answered {len(data)} bytes where {shape} {dtype} values need {count * size}; "
-            "client and ps must run the same towerflow version."
-        )
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    out = torch.frombuffer(data, dtype=dtype).view(shape)  # read only: copied by the caller
-    return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
-
-
-with warnings.catch_warnings():  # torch warns once per process about read-only buffers
-    warnings.simplefilter("ignore")
-    torch.frombuffer(bytes(8), dtype=torch.int64)
-
-
-class _Item:
-    """One ``PushPullRowsRequest`` of a batch: a pull of ``count`` ids of one table shard
-    (``count`` 0: a push alone), maybe with a push, and where its rows go (``out`` at
-    ``positions``, rows of ``dim`` values of ``dtype``)."""
-
-    __slots__ = ("table", "shard", "ids", "count", "push", "out", "positions")
-
-    def __init__(self, table: str, shard: int, *, ids: bytes = b"", count: int = 0,
-                 push: Any = None, out: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> None:
-        self.table, self.shard, self.ids, self.count, self.push = table, shard, ids, count, push
-        self.out, self.positions = out, positions
-
-    def nbytes(self) -> int:
-        """Bytes of the ids and rows it asks for or pushes (what a call's size counts)."""
-        pulled = 0 if self.out is None else self.count * (8 + self.out[0:0].element_size()
-                                                          * self.out.shape[1])
-        pushed = 0 if self.push is None else len(self.push.ids) + len(self.push.grads)
-        return pulled + pushed
-
-
-def _batch_call(shard: int, items: list[_Item]) -> _Call:
-    """The ``RowBatchRequest`` of ``items`` (all of ``shard``) as one call."""
-    request = tpb.RowBatchRequest()
-    pulls = pushes = False
-    for item in items:
-        entry = request.items.add()
-        entry.pull.table, entry.pull.shard = item.table, item.shard
-        if item.count:
-            entry.pull.num_ids, entry.pull.ids = item.count, item.ids
-            pulls = True
-        if item.push is not None:
-            entry.push.CopyFrom(item.push)
-            pushes = True
-    kind = "PushPullRows" if pulls and pushes else "PullRows" if pulls else "PushRows"
-    return _Call(shard, kind, request.SerializeToString(), True, items)
-
-
-def _group(shard: int, items: list[_Item], limit: int) -> list[_Call]:
-    """``items`` of one shard in calls of at most ``limit`` bytes of rows (in order)."""
-    calls: list[_Call] = []
-    batch: list[_Item] = []
-    size = 0
-    for item in items:
-        n = item.nbytes()
-        if batch and size + n > limit:
-            calls.append(_batch_call(shard, batch))
-            batch, size = [], 0
-        batch.append(item)
-        size += n
-    if batch:
-        calls.append(_batch_call(shard, batch))
-    return calls
-
-
 def _aggregation_json(config: Any) -> str:
     """The JSON of an ``AggregationConfig`` for ``InitTableRequest.aggregation``.
 
@@ -153,19 +71,6 @@ def _aggregation_json(config: Any) -> str:
                        "replicas_to_aggregate": config.replicas_to_aggregate,
                        "staleness": config.staleness, "timeout": config.timeout},
                       sort_keys=True)
-
-
-class _Call:
-    """One request to one ps task: its kind (``PullRows``, ``PushRows``, ``PushPullRows``: the
-    ``wire`` counters' key), its ``RowBatchRequest`` bytes, whether it may be sent again, and
-    the items it carries."""
-
-    __slots__ = ("shard", "method", "payload", "retry", "items")
-
-    def __init__(self, shard: int, method: str, payload: bytes, retry: bool,
-                 items: list[_Item]) -> None:
-        self.shard, self.method, self.payload, self.retry = shard, method, payload, retry
-        self.items = items
 
 
 class TableClient:
@@ -246,6 +151,17 @@ class TableClient:
         self._deferred_lock = threading.Lock()
         self.wire: dict[str, list[int]] = {}
         self._wire_lock = threading.Lock()
+        self._views: dict[str, TableView] = {}
+
+    def fuse(self, views: Mapping[str, TableView]) -> None:
+        """Serve the tables named in ``views`` from the fused tables they point to
+        (:mod:`towerflow.ps.worker.tables.fusion`); every call below translates."""
+        self._views.update(views)
+
+    def _on_ps(self, config: TableConfig) -> tuple[TableConfig, int]:
+        """The table on the ps that holds ``config``'s rows, and the first of them."""
+        view = self._views.get(config.name)
+        return (config, 0) if view is None else (view.table, view.offset)
 
     @property
     def num_shards(self) -> int:
@@ -264,7 +180,7 @@ class TableClient:
         futures = [self._pool.submit(fn, shard, job) for shard, job in jobs]
         return [f.result() for f in futures]
 
-    def _run(self, queues: list[list[_Call]]) -> list[list[bytes]]:
+    def _run(self, queues: list[list[Call]]) -> list[list[bytes]]:
         """Send each queue's calls in order, the queues (one per shard) side by side.
 
         Every queue's requests go out on its shard's row stream before any
@@ -295,7 +211,7 @@ class TableClient:
                     count[2] += len(data)
         return out
 
-    def _start(self, queue: list[_Call]) -> RowStream | None:
+    def _start(self, queue: list[Call]) -> RowStream | None:
         """Queue ``queue``'s requests on its shard's stream (its lock then held); None: busy."""
         shard = queue[0].shard
         lock = self._stream_locks[shard]
@@ -318,7 +234,7 @@ class TableClient:
             lock.release()
             raise
 
-    def _finish(self, queue: list[_Call], stream: RowStream | None) -> list[bytes]:
+    def _finish(self, queue: list[Call], stream: RowStream | None) -> list[bytes]:
         """The replies of ``queue``'s calls: read from ``stream``, or sent as unary calls.
 
         A stream that fails UNAVAILABLE / DEADLINE_EXCEEDED / DATA_LOSS is
@@ -346,7 +262,7 @@ class TableClient:
         if stream is not None:
             stream.close()
 
-    def _send(self, queue: list[_Call]) -> list[bytes]:
+    def _send(self, queue: list[Call]) -> list[bytes]:
         """The replies of ``queue``'s calls, sent one after the other as unary calls."""
         replies = []
         for call in queue:
@@ -373,6 +289,7 @@ class TableClient:
         to ``wait`` seconds, as the dense Init waits for its shards.
         """
         self._check_shards(config)
+        config = self._on_ps(config)[0]  # a fused table: created once, by its first member
         jobs = [(s, config.spec(s)) for s in range(self.num_shards)]
         deadline = time.monotonic() + wait
         aggregation = _aggregation_json(self.aggregation)
@@ -414,37 +331,46 @@ class TableClient:
 
         Each table's deferred pushes travel in the same request (the first
         pull of the table's shard carries its push; a shard the pulls do not
-        ask gets it alone), applied before the rows are read. A request larger
-        than ``max_call_bytes`` is cut into several, in order. The tables may
-        repeat (two lookups of one table).
+        ask gets it alone), applied before the rows are read. The lookups of
+        tables fused on the ps (and repeated lookups of one table) are one
+        item per ps task. A request larger than ``max_call_bytes`` is cut into
+        several, in order.
         """
-        checked = [(config, config.partitioner.check(check_ids(ids))) for config, ids in lookups]
+        on_ps: dict[str, tuple[TableConfig, list[tuple[int, torch.Tensor]]]] = {}
+        for index, (config, ids) in enumerate(lookups):
+            table, offset = self._on_ps(config)
+            ids = config.partitioner.check(check_ids(ids))
+            on_ps.setdefault(table.name, (table, []))[1].append(
+                (index, ids + offset if offset else ids))
         with self._deferred_lock:
             deferred = {key: self._deferred.pop(key)
-                        for key in [k for k in self._deferred
-                                    if any(k[0] == c.name for c, _ in checked)]}
-        per_shard: list[list[_Item]] = [[] for _ in range(self.num_shards)]
-        outs = []
-        for config, ids in checked:
-            out = torch.empty((ids.numel(), config.dim), dtype=config.dtype)
-            outs.append(out)
-            step = max(1, self.max_call_bytes // (config.row_bytes + 8))
-            for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
-                for start in range(0, shard_ids.numel(), step):
-                    chunk = shard_ids[start:start + step]
-                    per_shard[shard].append(_Item(
-                        config.name, shard, ids=_encode(chunk), count=chunk.numel(),
-                        push=deferred.pop((config.name, shard), None), out=out,
-                        positions=positions[start:start + step]))
+                        for key in [k for k in self._deferred if k[0] in on_ps]}
+        per_shard: list[list[Item]] = [[] for _ in range(self.num_shards)]
+        outs: list[torch.Tensor] = [torch.empty(0)] * len(lookups)
+        for table, parts in on_ps.values():
+            ids = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+            out = torch.empty((ids.numel(), table.dim), dtype=table.dtype)
+            start = 0
+            for index, part in parts:
+                outs[index] = out[start:start + part.numel()]
+                start += part.numel()
+            step = max(1, self.max_call_bytes // (table.row_bytes + 8))
+            for shard, (positions, shard_ids) in enumerate(table.partitioner.split(ids)):
+                for first in range(0, shard_ids.numel(), step):
+                    chunk = shard_ids[first:first + step]
+                    per_shard[shard].append(Item(
+                        table.name, shard, ids=encode(chunk), count=chunk.numel(),
+                        push=deferred.pop((table.name, shard), None), out=out,
+                        positions=positions[first:first + step]))
         for (name, shard), push in sorted(deferred.items()):  # not pulled: the push alone
-            per_shard[shard].append(_Item(name, shard, push=push))
+            per_shard[shard].append(Item(name, shard, push=push))
         self._exchange(per_shard)
         return outs
 
-    def _exchange(self, per_shard: list[list[_Item]]) -> list[Any]:
+    def _exchange(self, per_shard: list[list[Item]]) -> list[Any]:
         """Send each shard's items (one request, or more past ``max_call_bytes``), the shards
         side by side; copy the rows into their outputs; the ``PushRowsReply``s of the pushes."""
-        queues = [_group(shard, items, self.max_call_bytes)
+        queues = [group_calls(shard, items, self.max_call_bytes)
                   for shard, items in enumerate(per_shard) if items]
         pushed = []
         for queue, replies in zip(queues, self._run(queues), strict=True):
@@ -458,7 +384,7 @@ class TableClient:
                 for item, answer in zip(call.items, answers, strict=True):
                     out = item.out
                     if out is not None and item.count:
-                        rows = _decode(answer.pull.rows, out.dtype, (item.count, out.shape[1]))
+                        rows = decode(answer.pull.rows, out.dtype, (item.count, out.shape[1]))
                         out.index_copy_(0, item.positions, rows)  # type: ignore[arg-type]
                     if item.push is not None:
                         pushed.append(answer.push)
@@ -483,24 +409,30 @@ class TableClient:
 
         One request per owning ps task carries every table's push (more when
         larger than ``max_call_bytes``), the ps tasks in parallel, each push
-        applied at most once. ``defer=True``: a table's push to a shard that
-        fits one call is kept and sent with that table's next pull of the
-        shard (see the class docstring); no reply is returned for it. A push
-        deferred before and not sent yet is sent first, in the same request.
+        applied at most once; tables fused on the ps push as one.
+        ``defer=True``: a table's push to a shard that fits one call is kept
+        and sent with that table's next pull of the shard (see the class
+        docstring); no reply is returned for it. A push deferred before and
+        not sent yet is sent first, in the same request.
         """
-        per_shard: list[list[_Item]] = [[] for _ in range(self.num_shards)]
-        names = {config.name for config, *_ in pushes}
-        with self._deferred_lock:  # earlier deferred pushes of these tables go first
-            for key in sorted(k for k in self._deferred if k[0] in names):
-                push = self._deferred.pop(key)
-                per_shard[key[1]].append(_Item(key[0], key[1], push=push))
-        keep: dict[tuple[str, int], Any] = {}
+        on_ps: dict[str, tuple[TableConfig, bool, list[torch.Tensor], list[torch.Tensor]]] = {}
         for config, ids, grads, defer in pushes:
+            table, offset = self._on_ps(config)
             ids = config.partitioner.check(check_ids(ids))
-            grads = grads.detach().to("cpu", config.dtype)
-            dtype = _DTYPE_NAMES[config.dtype]
-            step_rows = max(1, self.max_call_bytes // (config.row_bytes + 8))
-            for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
+            entry = on_ps.setdefault(table.name, (table, defer, [], []))
+            entry[2].append(ids + offset if offset else ids)
+            entry[3].append(grads.detach().to("cpu", table.dtype))
+        per_shard: list[list[Item]] = [[] for _ in range(self.num_shards)]
+        with self._deferred_lock:  # earlier deferred pushes of these tables go first
+            for key in sorted(k for k in self._deferred if k[0] in on_ps):
+                per_shard[key[1]].append(Item(key[0], key[1], push=self._deferred.pop(key)))
+        keep: dict[tuple[str, int], Any] = {}
+        for table, defer, id_parts, grad_parts in on_ps.values():
+            ids = id_parts[0] if len(id_parts) == 1 else torch.cat(id_parts)
+            grads = grad_parts[0] if len(grad_parts) == 1 else torch.cat(grad_parts)
+            dtype = _DTYPE_NAMES[table.dtype]
+            step_rows = max(1, self.max_call_bytes // (table.row_bytes + 8))
+            for shard, (positions, shard_ids) in enumerate(table.partitioner.split(ids)):
                 if not shard_ids.numel() and not self.every_shard:
                     continue
                 shard_grads = grads.index_select(0, positions)
@@ -511,14 +443,14 @@ class TableClient:
                 for cut in cuts:
                     chunk = shard_ids[cut]
                     requests.append(tpb.PushRowsRequest(
-                        table=config.name, shard=shard, worker_id=self.worker_id,
+                        table=table.name, shard=shard, worker_id=self.worker_id,
                         incarnation=self.incarnation, seq=self.next_seq(), lr=lr, step=step,
-                        num_ids=chunk.numel(), dtype=dtype, ids=_encode(chunk),
-                        grads=_encode(shard_grads[cut])))
-                if defer and len(requests) == 1 and (config.name, shard) not in keep:
-                    keep[(config.name, shard)] = requests[0]
+                        num_ids=chunk.numel(), dtype=dtype, ids=encode(chunk),
+                        grads=encode(shard_grads[cut])))
+                if defer and len(requests) == 1:
+                    keep[(table.name, shard)] = requests[0]
                 else:
-                    per_shard[shard].extend(_Item(config.name, shard, push=r) for r in requests)
+                    per_shard[shard].extend(Item(table.name, shard, push=r) for r in requests)
         if keep:
             with self._deferred_lock:
                 self._deferred.update(keep)
@@ -529,14 +461,15 @@ class TableClient:
 
         One request per ps task carries them all.
         """
+        name = None if config is None else self._on_ps(config)[0].name
         with self._deferred_lock:
-            keys = sorted(k for k in self._deferred if config is None or k[0] == config.name)
+            keys = sorted(k for k in self._deferred if name is None or k[0] == name)
             taken = [(k, self._deferred.pop(k)) for k in keys]
         if not taken:
             return []
-        per_shard: list[list[_Item]] = [[] for _ in range(self.num_shards)]
-        for (name, shard), push in taken:
-            per_shard[shard].append(_Item(name, shard, push=push))
+        per_shard: list[list[Item]] = [[] for _ in range(self.num_shards)]
+        for (table, shard), push in taken:
+            per_shard[shard].append(Item(table, shard, push=push))
         return self._exchange(per_shard)
 
     def deferred(self) -> int:
@@ -548,7 +481,7 @@ class TableClient:
         """The ``TableStatusReply`` of one shard (deferred pushes of the table sent first)."""
         self.flush(config)
         return self._call(shard, "TableStatus",
-                          tpb.TableStatusRequest(table=config.name, shard=shard),
+                          tpb.TableStatusRequest(table=self._on_ps(config)[0].name, shard=shard),
                           tpb.TableStatusReply)
 
     def export_shard(self, config: TableConfig, shard: int, *, chunk_rows: int = 0
@@ -556,12 +489,21 @@ class TableClient:
         """The ``RowChunk``s of one shard (rows and slots of one moment), streamed.
 
         Deferred pushes of the table are sent first, so the export holds them.
+        A table fused on the ps is exported by its rows' range, its ids its own.
         """
         self.flush(config)
-        request = tpb.ExportRowsRequest(table=config.name, shard=shard, chunk_rows=chunk_rows)
+        table, offset = self._on_ps(config)
+        request = tpb.ExportRowsRequest(table=table.name, shard=shard, chunk_rows=chunk_rows)
+        if table is not config:
+            request.id_start, request.id_stop = offset, offset + config.num_rows
         for data in unary_stream(self._channels[shard], _method("ExportRows"),
                                  request.SerializeToString(), timeout=self.timeout * 10):
-            yield tpb.RowChunk.FromString(data)
+            chunk = tpb.RowChunk.FromString(data)
+            if table is not config:
+                chunk.ids = encode(decode(chunk.ids, torch.int64, (chunk.num_ids,)) - offset)
+                if chunk.HasField("spec"):
+                    chunk.spec.CopyFrom(config.spec(shard))
+            yield chunk
 
     def import_rows(self, config: TableConfig, shard: int,
                     pieces: Iterable[tuple[torch.Tensor, torch.Tensor,
@@ -573,15 +515,16 @@ class TableClient:
         Deferred pushes of the table are sent first (the import overwrites them).
         """
         self.flush(config)
-        spec = config.spec(shard)
+        table, offset = self._on_ps(config)
+        spec = table.spec(shard)
 
         def chunks() -> Iterator[bytes]:
             first = True
             for ids, rows, slots in pieces:
                 names = sorted(slots) if slots else []
-                chunk = tpb.RowChunk(num_ids=ids.numel(), ids=_encode(ids),
-                                     rows=_encode(rows.to(config.dtype)), slot_names=names,
-                                     slots=[_encode(slots[k].to(config.dtype)) for k in names])
+                chunk = tpb.RowChunk(num_ids=ids.numel(), ids=encode(ids + offset),
+                                     rows=encode(rows.to(config.dtype)), slot_names=names,
+                                     slots=[encode(slots[k].to(config.dtype)) for k in names])
                 if first:
                     chunk.spec.CopyFrom(spec)
                     chunk.pushes.extend(push_records(pushes))

@@ -55,6 +55,7 @@ no server module.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,10 +69,13 @@ from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
 from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
+from towerflow.ps.worker.tables.fusion import fuse_tables
 from towerflow.ps.worker.tables.prefetch import Prefetcher, recording
 
 __all__ = ["ShardedEmbedding", "SparseTables", "sparse_optimizer_for", "unique_ids",
            "seeded_initializer"]
+
+log = logging.getLogger("towerflow.ps")
 
 _BAG_MODES = ("sum", "mean", "max")
 #: a lookup of at most this many values gathers its rows with ``index_select`` (whose
@@ -389,6 +393,9 @@ class SparseTables:
         self.modules = [(path, m) for path, m in model.named_modules()
                         if isinstance(m, ShardedEmbedding)]
         self.client: TableClient | None = None
+        self.fused: list[TableConfig] = []
+        self.views: dict[str, Any] = {}
+        self.prefetcher: Prefetcher | None = None
         if not self.modules:
             return
         default: Callable[[], dict[str, Any]] = lambda: sparse_optimizer_for(optimizer)  # noqa: E731
@@ -404,9 +411,18 @@ class SparseTables:
                 )
             names[config.name] = path
             module.bind(self.client, config)
+            module.on_miss = self._missed
             if module.defer_push is None:  # async: with the next pull; sync / ssp: in the step
                 module.defer_push = not self.client.every_shard
-            module.on_miss = self._missed
+        configs = [m.config for _, m in self.modules]
+        #: tables laid end to end on the ps (:mod:`towerflow.ps.worker.tables.fusion`)
+        self.fused, self.views = fuse_tables(configs, [m.defer_push for _, m in self.modules])
+        self.client.fuse(self.views)
+        for table in self.fused:
+            members = [c.name for c in configs if self.views.get(c.name, (None,))[0] is table]
+            log.info("tables %s share one %d-row table %r on the ps tasks (one item per ps task "
+                     "and step for all of them)", ", ".join(map(repr, members)), table.num_rows,
+                     table.name)
         #: pulls every table of a forward in one request per ps task (two tables and more)
         self.prefetcher = Prefetcher(model, self._prefetch) if len(self.modules) > 1 else None
 
@@ -440,10 +456,16 @@ class SparseTables:
         the shards this call created (a shard that existed keeps its rows),
         then forgets them.
         """
+        fused = {t.name: [s for s, reply in enumerate(self.client.init_table(t))  # type: ignore[union-attr]
+                          if reply.created] for t in self.fused}
         for _, module in self.modules:
-            replies = self.client.init_table(module.config)  # type: ignore[union-attr, arg-type]
+            view = self.views.get(module.config.name)  # type: ignore[union-attr]
+            if view is None:
+                replies = self.client.init_table(module.config)  # type: ignore[union-attr, arg-type]
+                created = [s for s, reply in enumerate(replies) if reply.created]
+            else:
+                created = fused[view.table.name]
             start = module.take_start()
-            created = [s for s, reply in enumerate(replies) if reply.created]
             if start is not None and created:
                 ship_rows(self.client, module.config, *start, shards=created)  # type: ignore[arg-type]
 

@@ -1,0 +1,115 @@
+"""The wire pieces of a worker's table requests: raw buffers, items and batched calls.
+
+A step's table traffic to one ps task is one ``RowBatchRequest`` (``tables.proto``):
+one :class:`Item` per table shard pulled and / or pushed, gathered into
+:class:`Call`s of at most ``max_call_bytes`` (:func:`group_calls`). Ids and rows
+travel as raw little-endian buffers (:func:`encode`, :func:`decode`).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from towerflow.errors import InvalidArgumentError
+from towerflow.ps import tables_pb2 as tpb
+
+__all__ = ["Call", "Item", "batch_call", "decode", "encode", "group_calls"]
+
+
+def encode(tensor: torch.Tensor) -> bytes:
+    if sys.byteorder != "little":  # pragma: no cover
+        tensor = tensor.byteswap()
+    return tensor.detach().contiguous().cpu().numpy().tobytes()
+
+
+def decode(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    count = 1
+    for n in shape:
+        count *= n
+    size = torch.empty((), dtype=dtype).element_size()
+    if len(data) != count * size:
+        raise InvalidArgumentError(
+            f"A ps answered {len(data)} bytes where {shape} {dtype} values need {count * size}; "
+            "client and ps must run the same towerflow version."
+        )
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    out = torch.frombuffer(data, dtype=dtype).view(shape)  # read only: copied by the caller
+    return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
+
+
+with warnings.catch_warnings():  # torch warns once per process about read-only buffers
+    warnings.simplefilter("ignore")
+    torch.frombuffer(bytes(8), dtype=torch.int64)
+
+
+class Item:
+    """One ``PushPullRowsRequest`` of a batch: a pull of ``count`` ids of one table shard
+    (``count`` 0: a push alone), maybe with a push, and where its rows go (``out`` at
+    ``positions``, rows of ``dim`` values of ``dtype``)."""
+
+    __slots__ = ("table", "shard", "ids", "count", "push", "out", "positions")
+
+    def __init__(self, table: str, shard: int, *, ids: bytes = b"", count: int = 0,
+                 push: Any = None, out: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> None:
+        self.table, self.shard, self.ids, self.count, self.push = table, shard, ids, count, push
+        self.out, self.positions = out, positions
+
+    def nbytes(self) -> int:
+        """Bytes of the ids and rows it asks for or pushes (what a call's size counts)."""
+        pulled = 0 if self.out is None else self.count * (8 + self.out[0:0].element_size()
+                                                          * self.out.shape[1])
+        pushed = 0 if self.push is None else len(self.push.ids) + len(self.push.grads)
+        return pulled + pushed
+
+
+def batch_call(shard: int, items: list[Item]) -> Call:
+    """The ``RowBatchRequest`` of ``items`` (all of ``shard``) as one call."""
+    request = tpb.RowBatchRequest()
+    pulls = pushes = False
+    for item in items:
+        entry = request.items.add()
+        entry.pull.table, entry.pull.shard = item.table, item.shard
+        if item.count:
+            entry.pull.num_ids, entry.pull.ids = item.count, item.ids
+            pulls = True
+        if item.push is not None:
+            entry.push.CopyFrom(item.push)
+            pushes = True
+    kind = "PushPullRows" if pulls and pushes else "PullRows" if pulls else "PushRows"
+    return Call(shard, kind, request.SerializeToString(), True, items)
+
+
+def group_calls(shard: int, items: list[Item], limit: int) -> list[Call]:
+    """``items`` of one shard in calls of at most ``limit`` bytes of rows (in order)."""
+    calls: list[Call] = []
+    batch: list[Item] = []
+    size = 0
+    for item in items:
+        n = item.nbytes()
+        if batch and size + n > limit:
+            calls.append(batch_call(shard, batch))
+            batch, size = [], 0
+        batch.append(item)
+        size += n
+    if batch:
+        calls.append(batch_call(shard, batch))
+    return calls
+
+
+class Call:
+    """One request to one ps task: its kind (``PullRows``, ``PushRows``, ``PushPullRows``: the
+    ``wire`` counters' key), its ``RowBatchRequest`` bytes, whether it may be sent again, and
+    the items it carries."""
+
+    __slots__ = ("shard", "method", "payload", "retry", "items")
+
+    def __init__(self, shard: int, method: str, payload: bytes, retry: bool,
+                 items: list[Item]) -> None:
+        self.shard, self.method, self.payload, self.retry = shard, method, payload, retry
+        self.items = items
