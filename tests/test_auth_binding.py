@@ -13,10 +13,10 @@ import threading
 import time
 
 import grpc
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from towerflow.cluster.auth import AUTH_METADATA_KEY, ClientAuth
 from towerflow.cluster.transport import Credentials

@@ -10,9 +10,9 @@ from __future__ import annotations
 import datetime
 
 import pytest
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.distributed as dist
 
 from towerflow.cluster import TaskInfo, resolve_cluster
 from towerflow.cluster.rendezvous import address_key, exchange_addresses
