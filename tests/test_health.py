@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from towerflow.cluster import ClusterSpec, Server, ServerOptions
-from towerflow.cluster.server import PING_METHOD
 from towerflow.cluster.health import CHECK_METHOD
+from towerflow.cluster.server import PING_METHOD
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
 from towerflow.ps import ps_pb2 as pb
