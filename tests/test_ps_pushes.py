@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.placement import plan_placement
@@ -14,7 +18,7 @@ from towerflow.ps.protocol import APPLIED, MESSAGE_LIMIT, REFUSED, PushHeader
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
-from towerflow.ps.server.pushes import PushTable
+from towerflow.ps.server.pushes import INCARNATION_AHEAD_NS, PushTable
 
 NUMEL = 4
 
@@ -111,6 +115,29 @@ def test_push_table_rows_restore_into_a_fresh_table() -> None:
     assert table.lookup(head).kind == "done" and table.lookup(head).outcome.applied
     assert table.lookup(PushHeader(0, 6, 0, 1.0, NUMEL, incarnation=500)).kind == "new"
     assert table.lookup(PushHeader(0, 1, 0, 1.0, NUMEL, incarnation=400)).kind == "superseded"
+
+
+@settings(max_examples=40, deadline=None)
+@given(ahead=st.integers(INCARNATION_AHEAD_NS + 10**9, (1 << 64) - 1 - time.time_ns()))
+def test_an_incarnation_ahead_of_the_clock_never_locks_the_replica_out(ahead: int) -> None:
+    state, agg = make()
+    forged = push(state, agg, 0, time.time_ns() + ahead, 1, value=100.0)
+    assert forged.status == REFUSED and not forged.duplicate
+    assert re.search(r"comes from incarnation \d+, more than 300 s ahead of this ps's clock",
+                     forged.message)
+    np.testing.assert_array_equal(state.params, 0.0)  # nothing applied, nothing remembered
+    assert state.push_rows() == []
+    honest = push(state, agg, 0, time.time_ns(), 1)
+    assert honest.status == APPLIED
+    np.testing.assert_array_equal(state.params, -1.0)
+
+
+def test_a_checkpointed_row_ahead_of_the_clock_is_dropped_on_restore() -> None:
+    table = PushTable()
+    table.merge([(0, (1 << 64) - 1, 9, "applied"), (1, 700, 3, "applied")], step=3)
+    assert table.rows() == [(1, 700, 3, "applied")]
+    restarted = PushHeader(0, 1, 0, 1.0, NUMEL, incarnation=time.time_ns())
+    assert table.lookup(restarted).kind == "new"
 
 
 @pytest.mark.parametrize("mode", ["async", "sync", "ssp"])

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,12 @@ def test_a_retried_push_is_applied_once(cluster):
         raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=0, seq=2)
     later = raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=2)
     assert later.status == "applied" and not later.duplicate  # a restarted worker's seq 1
+    # an incarnation no honest start can reach is refused and remembered nowhere
+    with pytest.raises(FailedPreconditionError, match=r"incarnation 18446744073709551615, more "
+                                                      r"than 300 s ahead of this ps's clock"):
+        raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=(1 << 64) - 1)
+    restarted = raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=time.time_ns())
+    assert restarted.status == "applied" and not restarted.duplicate
 
 
 @pytest.mark.parametrize(("shard", "fields", "pattern"), [

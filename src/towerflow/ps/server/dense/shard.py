@@ -289,7 +289,7 @@ class ShardState:
         with self._cond:
             while True:
                 found = self._table.lookup(header, self._step)
-                if found.kind == "superseded":
+                if found.kind in ("superseded", "refused"):
                     raise InvalidArgumentError(found.message)
                 if found.kind == "done":
                     self._stats.duplicates += 1

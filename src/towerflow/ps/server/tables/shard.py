@@ -246,7 +246,7 @@ class TableShard:
         sync push still waiting for its step waits for the same answer.
         """
         look = self._pushes.lookup(header, self._applied)
-        if look.kind == "superseded":
+        if look.kind in ("superseded", "refused"):
             raise FailedPreconditionError(f"Table {self.name!r}: {look.message}")
         if look.kind in ("done", "pending"):
             outcome = look.outcome if look.kind == "done" else \
