@@ -140,6 +140,51 @@ def test_a_checkpointed_row_ahead_of_the_clock_is_dropped_on_restore() -> None:
     assert table.lookup(restarted).kind == "new"
 
 
+def _with_optimizer(name: str, mode: str, **options):
+    layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
+    state = ShardState(layout, np.ones(NUMEL, np.float32), make_optimizer(name, NUMEL, **options))
+    return state, make_aggregator(state, AggregationConfig(mode, total_num_replicas=1))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize(("name", "options"), [("sgd", {}), ("momentum", {"momentum": 0.9}),
+                                               ("adam", {}), ("adagrad", {})])
+def test_an_update_that_would_overflow_is_refused_and_changes_nothing(mode, name, options):
+    state, agg = _with_optimizer(name, mode, **options)
+    head = PushHeader(0, 1, 0, 1e38, NUMEL, incarnation=1, segments=state.layout.signature)
+    outcome = agg.push(head, [np.full(NUMEL, 10.0, np.float32).tobytes()])
+    assert outcome.status == ("refused" if mode == "async" else "voided")
+    assert re.search(r"learning rate 1e\+38, largest gradient 10\) could take a parameter or "
+                     r"optimizer slot of \w+ to [\d.e+]+, past 8\.51e\+37 .*nothing was applied",
+                     outcome.message)
+    np.testing.assert_array_equal(state.params, 1.0)
+    assert all(np.isfinite(buf).all() for buf in state.optimizer.slots.values())
+    # the same replica's next, sane push is applied
+    sane = PushHeader(0, 2, state.step, 0.1, NUMEL, incarnation=1, segments=state.layout.signature)
+    assert agg.push(sane, [np.full(NUMEL, 1.0, np.float32).tobytes()]).status == APPLIED
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["sgd", "momentum", "adam", "adagrad"]),
+       lr=st.floats(1e-6, 3e38), grad=st.floats(-3e38, 3e38), streamed=st.booleans())
+def test_no_finite_push_leaves_a_non_finite_parameter_or_slot(name, lr, grad, streamed):
+    options = {"momentum": 0.9} if name == "momentum" else {}
+    state, agg = _with_optimizer(name, "async", **options)
+    for seq in (1, 2):
+        head = PushHeader(0, seq, state.step, lr, NUMEL, incarnation=1,
+                          segments=state.layout.signature)
+        chunks = [np.full(NUMEL, grad, np.float32).tobytes()]
+        if streamed:
+            outcome, reply = agg.push_pull(head, chunks)
+            for _ in reply:
+                pass
+        else:
+            outcome = agg.push(head, chunks)
+        assert outcome.status in ("applied", "refused")
+        assert np.isfinite(state.params).all()
+        assert all(np.isfinite(buf).all() for buf in state.optimizer.slots.values())
+
+
 @pytest.mark.parametrize("mode", ["async", "sync", "ssp"])
 def test_a_push_from_a_worker_outside_the_replica_set_is_refused(mode) -> None:
     state, agg = make(mode)

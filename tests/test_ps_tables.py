@@ -163,6 +163,18 @@ def test_a_retried_push_is_applied_once(cluster):
     assert restarted.status == "applied" and not restarted.duplicate
 
 
+def test_a_push_whose_result_would_overflow_is_refused_with_nothing_applied(cluster):
+    spec, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    with pytest.raises(InvalidArgumentError, match=r"learning rate 1e\+38 would make the rows of "
+                                                   r"storage row 2 non-finite .*nothing was applied"):
+        raw_push(spec, 0, ids=[2, 4], grads=[[1.0] * 3, [10.0] * 3], lr=1e38)
+    torch.testing.assert_close(table_rows(client, cfg), before)
+    assert raw_push(spec, 0, ids=[4], grads=[[1.0] * 3], seq=2).status == "applied"
+
+
 @pytest.mark.parametrize(("shard", "fields", "pattern"), [
     (0, {"ids": [-2], "grads": [[1.0] * 3]}, r"ids\[0\] = -2 is not in \[0, 20\)"),
     (0, {"ids": [20], "grads": [[1.0] * 3]}, r"ids\[0\] = 20 is not in \[0, 20\)"),

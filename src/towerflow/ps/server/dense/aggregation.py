@@ -230,6 +230,7 @@ class _AsyncAggregator(Aggregator):
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
                 active: Callable[[], bool] | None) -> PushOutcome:
         with self._staged(header, chunks) as parts:
+            self.state.check_update(parts, header.lr, f"push {header.seq} of {self._who(header)}")
             self._before_apply(header)
             step = self.state.apply_parts(parts, header.lr)
         return PushOutcome(APPLIED, step)
@@ -261,6 +262,13 @@ class _AsyncAggregator(Aggregator):
         except BaseException:
             state.drop_push(header)
             raise
+        try:
+            state.check_update(parts, header.lr, f"push {header.seq} of {self._who(header)}")
+        except InvalidArgumentError as exc:  # nothing was applied
+            parts.clear()
+            state.release(held)
+            state.drop_push(header)
+            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc)))), ()
 
         def done(step: int) -> None:
             state.release(held)
@@ -357,6 +365,12 @@ class _SyncAggregator(Aggregator):
     def _complete(self) -> None:
         """Average and apply the step's sum; answer its pushes (caller holds the shard's lock)."""
         self._acc *= np.float32(1.0 / len(self._counted))
+        try:
+            self.state.check_update([(0, self._acc)], self._lr, "the step's averaged gradient")
+        except InvalidArgumentError as exc:  # the step is not applied; its pushes are answered
+            self._answer(PushOutcome(VOIDED, self.state.step,
+                                     bounded(f"step {self.state.step} was not applied: {exc}")))
+            return
         step = self.state.apply(self._acc, self._lr)
         self._answer(PushOutcome(APPLIED, step))
 

@@ -53,7 +53,7 @@ from towerflow.ps.protocol import (
     bounded,
 )
 from towerflow.ps.server.dense import checks
-from towerflow.ps.server.dense.optimizers import ServerOptimizer
+from towerflow.ps.server.dense.optimizers import RESULT_LIMIT, ServerOptimizer, absmax
 from towerflow.ps.server.dense.records import LedgerRecord, ShardFigures, ShardStats
 from towerflow.ps.server.pushes import LIVENESS_SECONDS, Pending, PushTable
 
@@ -416,6 +416,25 @@ class ShardState:
         """
         bad = first_nonfinite(values, self._zeros)
         return None if bad is None else base + bad
+
+    def check_update(self, parts: Sequence[tuple[int, np.ndarray]], lr: float, who: str) -> None:
+        """Raise unless applying ``parts`` with ``lr`` keeps every parameter and slot finite.
+
+        Raises:
+            InvalidArgumentError: the update could overflow float32 (finite
+                inputs, non-finite result); nothing was applied.
+        """
+        grad_max = max((absmax(values) for _, values in parts), default=0.0)
+        with self._apply_lock:
+            bound = self.optimizer.check_result(self.params, grad_max, lr)
+        if bound is not None:
+            raise InvalidArgumentError(
+                f"The update of {who} to ps shard {self.layout.index} (learning rate {lr:g}, "
+                f"largest gradient {grad_max:.3g}) could take a parameter or optimizer slot of "
+                f"{self.optimizer.name} to {bound:.3g}, past {RESULT_LIMIT:.3g} (float32 ends at "
+                "3.4e38); it was refused and nothing was applied. Lower the learning rate or "
+                "clip the gradients."
+            )
 
     def nonfinite_message(self, header: PushHeader, index: int) -> str:
         """The refusal message for a NaN / inf at buffer ``index``."""
