@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from towerflow.errors import DataLossError
+from towerflow.errors import DataLossError, ResourceExhaustedError
 
 __all__ = ["all_finite", "first_nonfinite", "receive_into", "PayloadCutOff", "tune_malloc",
-           "keep_free_heap", "release_free_memory", "CHECK_BLOCK", "ITEM"]
+           "keep_free_heap", "release_free_memory", "check_free_memory", "CHECK_BLOCK", "ITEM"]
 
 #: bytes of one element: every buffer on the ps wire is float32
 ITEM = 4
@@ -153,3 +153,19 @@ def release_free_memory() -> None:
     """Return malloc's free heap to the system (``malloc_trim``; after :func:`tune_malloc`)."""
     if _tuned:
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def check_free_memory(nbytes: int, what: str) -> None:
+    """Raise before ``what`` allocates ``nbytes`` when the machine has not that much available.
+
+    Raises:
+        ResourceExhaustedError: naming both sizes and the way out.
+    """
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise ResourceExhaustedError(
+            f"{what} needs {nbytes / 2**20:.0f} MiB but only {available / 2**20:.0f} MiB are "
+            "available; add ps tasks or use a larger machine."
+        )

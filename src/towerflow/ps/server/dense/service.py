@@ -29,10 +29,9 @@ from towerflow.errors import (
     AbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
-    ResourceExhaustedError,
 )
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.buffers import receive_into, release_free_memory, tune_malloc
+from towerflow.ps.buffers import check_free_memory, receive_into, release_free_memory, tune_malloc
 from towerflow.ps.protocol import (
     APPLIED,
     CHUNK_BYTES,
@@ -57,17 +56,6 @@ __all__ = ["PSService", "replica_task"]
 logger = logging.getLogger("towerflow.ps")
 
 
-def _check_memory(nbytes: int, index: int) -> None:
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if nbytes > available:
-        raise ResourceExhaustedError(
-            f"Initialising ps shard {index} needs {nbytes / 2**20:.0f} MiB but only "
-            f"{available / 2**20:.0f} MiB are available; add ps tasks or use a larger machine."
-        )
-
-
 def _receive_buffers(plan: InitPlan, chunks: Iterator[bytes], index: int
                      ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The params and slot buffers of ``plan``, filled from the Init payload.
@@ -76,8 +64,9 @@ def _receive_buffers(plan: InitPlan, chunks: Iterator[bytes], index: int
     payload's bytes arrive and are written, never on the header's word.
     """
     numel = plan.layout.numel
-    _check_memory(plan.layout.nbytes * (2 + len(SLOT_NAMES[
-        canonical_name(plan.optimizer["name"], plan.optimizer["momentum"])])), index)
+    check_free_memory(plan.layout.nbytes * (2 + len(SLOT_NAMES[
+        canonical_name(plan.optimizer["name"], plan.optimizer["momentum"])])),
+        f"Initialising ps shard {index}")
     buffers = [np.empty(numel, np.float32) for _ in range(1 + len(plan.slots))]
     receive_into(None, chunks, plan.payload_elements, who="the chief's Init",
                  on_chunk=lambda first, values: _scatter(buffers, first, values))
