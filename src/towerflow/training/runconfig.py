@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from towerflow.checkpoint.files import json_depth_exceeds
 from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError
 
 __all__ = ["RUN_FILE", "MAY_CHANGE", "PER_RUN", "read_settings_file", "normalize_settings",
@@ -107,17 +108,6 @@ def _strict_loader() -> type:
     return Strict
 
 
-def _depth(value: Any, limit: int = MAX_DEPTH) -> int:
-    """How deep lists and mappings nest in ``value`` (counting stops past ``limit``)."""
-    level, layer = 0, [value]
-    while True:
-        containers = [item for item in layer if isinstance(item, list | dict)]
-        if not containers or level > limit:
-            return level
-        level += 1
-        layer = [v for c in containers for v in (c.values() if isinstance(c, dict) else c)]
-
-
 def read_settings_file(path: str | Path) -> dict[str, Any]:
     """The mapping a YAML (``.yaml``, ``.yml``) or JSON (``.json``) settings file holds.
 
@@ -138,9 +128,9 @@ def read_settings_file(path: str | Path) -> dict[str, Any]:
     kind = "JSON" if path.suffix == ".json" else "YAML"
     try:
         if kind == "JSON":
-            raw = json.loads(text)
-            if _depth(raw) > MAX_DEPTH:
+            if json_depth_exceeds(text.encode(), MAX_DEPTH):
                 raise ValueError(f"values are nested more than {MAX_DEPTH} levels deep")
+            raw = json.loads(text)
         else:
             raw = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a safe loader
     except RecursionError:
