@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import APPLIED, MESSAGE_LIMIT, REFUSED, PushHeader
+from towerflow.ps.protocol import APPLIED, MESSAGE_LIMIT, REFUSED, PushHeader, PushOutcome
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
@@ -271,3 +271,19 @@ def test_payload_bytes_held_are_bounded_by_the_staging_limit() -> None:
         push(state, agg, 0, 1, 1, chunks=[np.ones(2, np.float32).tobytes()] * 2)
     assert state.staged == 0 and state.step == 0 and state.ledger == []
     np.testing.assert_array_equal(state.params, 0.0)
+
+
+def test_the_push_table_keeps_a_bounded_number_of_worker_ids() -> None:
+    from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED
+
+    table = PushTable()
+    for worker in range(MAX_REPLICAS_TRACKED):
+        head = PushHeader(worker, 1, 0, 1.0, NUMEL, incarnation=1)
+        table.register(head)
+        table.settle(head, PushOutcome(APPLIED, 1))
+    stranger = table.lookup(PushHeader(MAX_REPLICAS_TRACKED, 1, 0, 1.0, NUMEL, incarnation=1))
+    assert stranger.kind == "refused"
+    assert "already keeps the pushes of 4096 worker ids, its bound" in stranger.message
+    assert table.lookup(PushHeader(7, 2, 0, 1.0, NUMEL, incarnation=1)).kind == "new"
+    table.merge([(MAX_REPLICAS_TRACKED + 5, 1, 1, "applied")], step=1)
+    assert len(table) == MAX_REPLICAS_TRACKED

@@ -19,7 +19,12 @@ from torch import nn
 
 from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from towerflow.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.server.tables.rows import UniformRows
@@ -644,3 +649,43 @@ def test_a_ps_task_that_cannot_be_reached_is_an_unavailable_error(free_ports):
             client.pull(config(num_shards=1), torch.tensor([1, 2]))
     finally:
         client.close()
+
+
+# -- bounds checked before the work ------------------------------------------------------------
+def test_a_pull_whose_reply_would_be_too_large_is_refused_before_any_row_is_read() -> None:
+    import psutil
+
+    from towerflow.ps.server.tables.shard import ROWS_REPLY_LIMIT, TableShard
+
+    shard = TableShard(config(num_rows=1 << 21, dim=32, num_shards=1).spec(0))
+    count = 1 << 20
+    ids = torch.arange(count, dtype=torch.int64).numpy().tobytes()
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(ResourceExhaustedError, match=r"a pull of 1,048,576 rows x 32 needs a 128 "
+                                                     r"MiB reply, more than 63 MiB; pull fewer"):
+        shard.pull(ids, count)
+    assert psutil.Process().memory_info().rss - rss < 32 << 20
+    fits = ROWS_REPLY_LIMIT // (32 * 4)
+    assert len(shard.pull(ids[:fits * 8], fits)) == fits * 32 * 4
+
+
+def test_an_import_carrying_too_many_push_records_imports_nothing() -> None:
+    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED
+    from towerflow.ps.server.tables.shard import TableShard
+
+    cfg = config(num_shards=1)
+    shard = TableShard(cfg.spec(0))
+    before = shard.store.export().rows.clone()
+    records = [pb.PushRecord(worker_id=w, incarnation=1, seq=1, status="applied")
+               for w in range(MAX_REPLICAS_TRACKED + 1)]
+    chunk = tpb.RowChunk(pushes=records, num_ids=1, ids=torch.tensor([3]).numpy().tobytes(),
+                         rows=torch.ones(1, 3).numpy().tobytes())
+    with pytest.raises(InvalidArgumentError, match=r"an import carries 4,097 push records, more "
+                                                   r"than the 4096 worker ids a shard keeps; "
+                                                   r"nothing was imported"):
+        shard.import_chunks([chunk])
+    torch.testing.assert_close(shard.store.export().rows, before)
+    del chunk.pushes[MAX_REPLICAS_TRACKED:]
+    assert shard.import_chunks([chunk]) == 1
+    assert len(shard.status()["pushes"]) == MAX_REPLICAS_TRACKED

@@ -22,7 +22,8 @@ start time in nanoseconds) and the push's number within the incarnation. A
   with the cluster secret, can claim an incarnation that no honest restart
   would ever exceed. A row with such an incarnation in a checkpoint is
   dropped when it is read back;
-- the table is small (one row per replica) and travels with the checkpoint
+- the table is small (one row per replica, at most :data:`MAX_REPLICAS_TRACKED`:
+  a push from one more worker id is refused) and travels with the checkpoint
   (:meth:`PushTable.rows` / :meth:`PushTable.merge`), so a ps restarted from
   a checkpoint still refuses the retries of the pushes it had applied.
 
@@ -69,7 +70,11 @@ __all__ = [
     "Lookup",
     "LIVENESS_SECONDS",
     "INCARNATION_AHEAD_NS",
+    "MAX_REPLICAS_TRACKED",
 ]
+
+#: most worker ids a push table keeps a row for (the replicas and elastic workers of a job)
+MAX_REPLICAS_TRACKED = 4096
 
 #: how far (ns) a push's incarnation (its worker's start time) may be ahead of this ps's clock:
 #: the same bound as the clock skew a call's credentials tolerate (300 s)
@@ -132,6 +137,11 @@ class PushTable:
                     f"this ps's clock ({self._clock()} ns): an incarnation is the worker's start "
                     "time; it was refused and not applied. Synchronise the clocks (NTP), or let "
                     "the worker take its default incarnation."))
+            if rec is None and len(self._replicas) >= MAX_REPLICAS_TRACKED:
+                return Lookup("refused", message=(
+                    f"Push {header.seq} of worker {header.worker_id} was refused: this shard "
+                    f"already keeps the pushes of {MAX_REPLICAS_TRACKED} worker ids, its bound; "
+                    "push with the id of one of the job's replicas (or an elastic worker's)."))
             return Lookup("new")
         if header.incarnation < rec.incarnation:
             return Lookup("superseded", message=(
@@ -196,6 +206,8 @@ class PushTable:
             if incarnation > latest:
                 continue
             rec = self._replicas.get(worker)
+            if rec is None and len(self._replicas) >= MAX_REPLICAS_TRACKED:
+                continue
             if rec is not None and (rec.incarnation, rec.done_seq) >= (incarnation, seq):
                 continue
             if rec is None or incarnation > rec.incarnation:
