@@ -7,6 +7,7 @@ real processes and ``towerflow train --join`` is in test_elastic_cluster.py.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -189,12 +190,22 @@ def test_an_elastic_worker_gets_a_clear_error_once_the_job_has_ended(job) -> Non
         first.shutdown()
 
 
-def test_the_live_view_lists_elastic_workers_after_the_replicas(job) -> None:
-    first = chief(job.cluster)
-    extra = joiner(job.cluster)
+@contextlib.contextmanager
+def _joined(cluster):  # type: ignore[no-untyped-def]
+    """The chief and an elastic worker that has trained one step; both shut down after."""
+    first = chief(cluster)
+    extra = joiner(cluster)
     try:
         extra.prepare(LinearRegression(), SGD)
         extra.run_step(mse_loss, DATA)
+        yield extra
+    finally:
+        extra.shutdown()
+        first.shutdown()
+
+
+def test_the_live_view_lists_elastic_workers_after_the_replicas(job) -> None:
+    with _joined(job.cluster) as extra:
         with ClusterObserver(job.cluster, SECRET, probe_tasks=False) as observer:
             observer.snapshot()
             extra.run_step(mse_loss, DATA)
@@ -213,9 +224,6 @@ def test_the_live_view_lists_elastic_workers_after_the_replicas(job) -> None:
             assert view["left"] and view["state"] == "left"
             assert re.search(rf"{ELASTIC_BASE} .+│ left +│ 2 ", _table(snap)), _table(snap)
             json.dumps(snap)
-    finally:
-        extra.shutdown()
-        first.shutdown()
 
 
 def _table(snapshot: dict) -> str:
@@ -404,11 +412,7 @@ def test_the_ps_task_ends_with_its_replicas_not_waiting_for_an_elastic_worker(fr
 
 
 def test_over_the_wire_a_forged_join_or_done_changes_no_membership(job) -> None:
-    first = chief(job.cluster)
-    extra = joiner(job.cluster)
-    try:
-        extra.prepare(LinearRegression(), SGD)
-        extra.run_step(mse_loss, DATA)
+    with _joined(job.cluster) as extra:
         mine = extra.client.worker_id
 
         def call(task: int, method: str, request) -> bytes:  # type: ignore[no-untyped-def]
@@ -426,9 +430,6 @@ def test_over_the_wire_a_forged_join_or_done_changes_no_membership(job) -> None:
         assert all(mine in service.elastic for service in job.services)
         reply = pb.JoinReply.FromString(call(0, "Join", pb.JoinRequest(name="next:1")))
         assert reply.worker_id == mine + 1  # the forged ids moved no count
-    finally:
-        extra.shutdown()
-        first.shutdown()
 
 
 def test_the_live_view_shows_a_name_holding_markup_as_it_is() -> None:
