@@ -24,7 +24,7 @@ import numpy as np
 
 from towerflow.errors import DataLossError, ResourceExhaustedError
 
-__all__ = ["all_finite", "first_nonfinite", "receive_into", "PayloadCutOff", "tune_malloc",
+__all__ = ["all_finite", "first_nonfinite", "scan_gradient", "receive_into", "PayloadCutOff", "tune_malloc",
            "keep_free_heap", "release_free_memory", "check_free_memory", "CHECK_BLOCK", "ITEM"]
 
 #: bytes of one element: every buffer on the ps wire is float32
@@ -102,6 +102,29 @@ def first_nonfinite(values: np.ndarray, zeros: np.ndarray | None = None) -> int 
             if not math.isfinite(float(np.dot(block, zeros[: block.size]))):
                 return start + int(np.argmin(np.isfinite(block)))
     return None
+
+
+def scan_gradient(values: np.ndarray, zeros: np.ndarray) -> tuple[int | None, float]:
+    """``(index of the first NaN / inf of values or None, sum of their squares)`` in one pass.
+
+    Each block's dot product with itself is finite when the block is, so it
+    gives the squares' sum (``sqrt`` of it bounds every ``|value|``) at the
+    cost of :func:`first_nonfinite`'s scan; a block whose squares overflow is
+    scanned again to tell a NaN / inf from large finite values (the sum is
+    then ``inf``: no bound).
+    """
+    total = 0.0
+    for start in range(0, values.size, zeros.size):
+        block = values[start:start + zeros.size]
+        with np.errstate(invalid="ignore", over="ignore"):
+            squares = float(np.dot(block, block))
+        if not math.isfinite(squares):
+            bad = first_nonfinite(block, zeros)
+            if bad is not None:
+                return start + bad, math.inf
+            squares = math.inf
+        total += squares
+    return None, total
 
 
 def tune_malloc(*, one_arena: bool = False) -> bool:
