@@ -664,6 +664,8 @@ def test_a_pull_whose_reply_would_be_too_large_is_refused_before_any_row_is_read
     with pytest.raises(ResourceExhaustedError, match=r"a pull of 1,048,576 rows x 32 needs a 128 "
                                                      r"MiB reply, more than 63 MiB; pull fewer"):
         shard.pull(ids, count)
+    with pytest.raises(ResourceExhaustedError, match=r"a pull of 1,048,576 rows x 32"):
+        shard.push_pull(None, ids, count)  # the pull of a push-and-pull too
     assert psutil.Process().memory_info().rss - rss < 32 << 20
     fits = ROWS_REPLY_LIMIT // (32 * 4)
     assert len(shard.pull(ids[:fits * 8], fits)) == fits * 32 * 4

@@ -167,6 +167,22 @@ class TableShard:
             raise InvalidArgumentError(f"Table {self.name!r} shard {self.shard}: {exc}") from None
         return ids
 
+    def _pull_ids(self, data: bytes, count: int) -> torch.Tensor:
+        """The ids of a pull, once its reply is known to fit a message.
+
+        Raises:
+            ResourceExhaustedError: the reply would exceed :data:`ROWS_REPLY_LIMIT`
+                (checked before any id is decoded or row read).
+        """
+        nbytes = count * self.store.dim * self.dtype.itemsize
+        if nbytes > ROWS_REPLY_LIMIT:
+            raise ResourceExhaustedError(
+                f"Table {self.name!r}: a pull of {count:,} rows x {self.store.dim} needs a "
+                f"{nbytes / 2**20:,.0f} MiB reply, more than {ROWS_REPLY_LIMIT >> 20} MiB; pull "
+                "fewer ids per call (smaller batches)."
+            )
+        return self._ids(data, count)
+
     def _values(self, data: bytes, dtype: str, ids: torch.Tensor, what: str) -> torch.Tensor:
         if _DTYPES.get(dtype) != self.dtype:
             raise InvalidArgumentError(
@@ -189,20 +205,8 @@ class TableShard:
 
     # -- calls -----------------------------------------------------------------------------
     def pull(self, data: bytes, count: int) -> bytes:
-        """The rows of the ids in ``data``, as raw bytes in the order asked.
-
-        Raises:
-            ResourceExhaustedError: the reply would exceed :data:`ROWS_REPLY_LIMIT`
-                (checked before any row is read).
-        """
-        nbytes = count * self.store.dim * self.dtype.itemsize
-        if nbytes > ROWS_REPLY_LIMIT:
-            raise ResourceExhaustedError(
-                f"Table {self.name!r}: a pull of {count:,} rows x {self.store.dim} needs a "
-                f"{nbytes / 2**20:,.0f} MiB reply, more than {ROWS_REPLY_LIMIT >> 20} MiB; pull "
-                "fewer ids per call (smaller batches)."
-            )
-        ids = self._ids(data, count)
+        """The rows of the ids in ``data``, as raw bytes in the order asked."""
+        ids = self._pull_ids(data, count)
         with self._lock:
             rows = self.store.lookup(ids, checked=True)
             self._pulled_rows += ids.numel()
@@ -231,7 +235,7 @@ class TableShard:
         applied, the rows' bytes.
         """
         checked = None if push is None else self._check_push(push)
-        ids = self._ids(data, count)
+        ids = self._pull_ids(data, count)
         with self.cond:
             outcome, applied = (None, self._applied) if checked is None else \
                 self._apply_once(*checked, active)
