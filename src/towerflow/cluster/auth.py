@@ -32,10 +32,10 @@ is refused with ``UNAVAILABLE`` ("restarted"), as a call to a task that went
 away; the client re-runs the handshake and its retry goes to the new
 incarnation.
 
-The standard health check (``/grpc.health.v1.Health/Check`` and ``Watch``,
-see :mod:`~towerflow.cluster.health`) is the one exception: it needs no token,
-so that Kubernetes probes work, and it tells nothing but ``SERVING`` or
-``NOT_SERVING``.
+The standard health check (``/grpc.health.v1.Health/Check``, see
+:mod:`~towerflow.cluster.health`, which bounds it) is the one exception: it
+needs no token, so that Kubernetes probes work, and it tells nothing but
+``SERVING`` or ``NOT_SERVING``.
 
 Messages of a stream after its first are covered by the connection: TLS, which
 a server on a non-loopback address requires by default (see ``docs/security.md``).
