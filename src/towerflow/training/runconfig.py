@@ -132,7 +132,11 @@ def read_settings_file(path: str | Path) -> dict[str, Any]:
                 raise ValueError(f"values are nested more than {MAX_DEPTH} levels deep")
             raw = json.loads(text)
         else:
-            raw = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a safe loader
+            loader = _strict_loader()(text)  # YAML's safe loader, stricter
+            try:
+                raw = loader.get_single_data()
+            finally:
+                loader.dispose()
     except RecursionError:
         raise InvalidArgumentError(
             f"{str(path)!r} is not valid {kind}: values are nested more than {MAX_DEPTH} levels "
