@@ -15,6 +15,8 @@ import time
 import grpc
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from towerflow.cluster.auth import AUTH_METADATA_KEY, ClientAuth
 from towerflow.cluster.transport import Credentials
@@ -190,3 +192,78 @@ def test_the_client_learns_the_server_identity_once_and_again_after_a_restart(fr
     finally:
         channel.close()
         server.stop(0)
+
+
+# --------------------------------------------------------------------------- downgrade
+def test_a_client_with_a_secret_refuses_a_server_without_one_and_sends_it_nothing(free_ports):
+    from towerflow.cluster import Server
+    from towerflow.cluster.transport import make_channel, raw_handlers, unary
+    from towerflow.errors import UnauthenticatedError
+
+    calls: list[bytes] = []
+    rogue_service = raw_handlers("towerflow.ps.PS", {"Status": ("unary_unary", calls.append)})
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    rogue = Server({"ps": [address]}, "ps", 0, credentials=Credentials(), services=None,
+                   handlers=[rogue_service])
+    channel = make_channel(address, Credentials(secret=b"cluster-secret"))
+    try:
+        with pytest.raises(UnauthenticatedError,
+                           match=r"refusing the task at 127\.0\.0\.1:\d+: it answered the "
+                                 r"handshake with UNIMPLEMENTED, so it holds no cluster secret"):
+            unary(channel, STATUS, b"gradients", timeout=10)
+        assert calls == []
+    finally:
+        channel.close()
+        rogue.stop(0)
+
+
+@pytest.fixture
+def secret_server(free_ports):
+    from towerflow.cluster import Server
+
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    server = Server({"ps": [address]}, "ps", 0, credentials=Credentials(secret=b"s3"),
+                    services=None)
+    try:
+        yield address, server
+    finally:
+        server.stop(0)
+
+
+def _hello(address: str, metadata: tuple[tuple[str, str], ...]) -> tuple[grpc.StatusCode, bytes]:
+    from towerflow.cluster.auth import HELLO_METHOD
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return grpc.StatusCode.OK, channel.unary_unary(HELLO_METHOD)(b"", timeout=10,
+                                                                         metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.code(), (exc.details() or "").encode()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(proof=st.text(alphabet="0123456789abcdef:", max_size=90))
+def test_the_handshake_tells_nothing_to_a_caller_without_the_secret(secret_server, proof):
+    address, server = secret_server
+    challenge = "ab" * 16
+    code, said = _hello(address, (("x-towerflow-challenge", challenge),
+                                  ("x-towerflow-hello", proof)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert b"handshake refused" in said
+    assert server._auth.identity.incarnation.encode() not in said
+    assert b"/job:ps" not in said
+
+
+def test_a_handshake_proof_works_once_and_only_with_the_secret(secret_server):
+    from towerflow.cluster.auth import _mac
+
+    address, server = secret_server
+    challenge, stamp = "cd" * 16, str(int(time.time()))
+    wrong = f"{stamp}:{_mac(b'other', 'hello-client', challenge, stamp)}"
+    right = f"{stamp}:{_mac(b's3', 'hello-client', challenge, stamp)}"
+    meta = (("x-towerflow-challenge", challenge),)
+    assert _hello(address, (*meta, ("x-towerflow-hello", wrong)))[0] == grpc.StatusCode.UNAUTHENTICATED
+    code, said = _hello(address, (*meta, ("x-towerflow-hello", right)))
+    assert code == grpc.StatusCode.OK and server._auth.identity.incarnation.encode() in said
+    code, said = _hello(address, (*meta, ("x-towerflow-hello", right)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and b"replayed" in said

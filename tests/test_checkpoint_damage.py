@@ -313,3 +313,35 @@ def test_pruning_a_symlinked_checkpoint_removes_the_link_not_what_it_points_to(
     mgr.save(20, {"model": {"w": torch.ones(3)}})
     assert sorted(os.listdir(run)) == ["ckpt-00000010", "ckpt-00000020", "latest"]
     assert sorted(os.listdir(victim)) == ["manifest.json", "manifest.sha256", "model.safetensors"]
+
+
+def test_a_bool_tensor_holding_another_byte_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save
+
+    from towerflow.checkpoint.data_file import to_tensors
+
+    data = bytearray(save({"mask": torch.tensor([True, False, True])}))
+    assert data[-3:] == b"\x01\x00\x01"
+    to_tensors(tmp_path / "m.safetensors", bytes(data), torch.device("cpu"))
+    data[-2] = 2
+    with pytest.raises(CheckpointError, match=r"bool tensor 'mask' holds a byte other than 0 or "
+                                              r"1; it is corrupt, restore an earlier checkpoint"):
+        to_tensors(tmp_path / "m.safetensors", bytes(data), torch.device("cpu"))
+
+
+def test_a_file_of_too_many_tensors_is_refused_before_they_are_built(tmp_path: Path) -> None:
+    from towerflow.checkpoint.data_file import MAX_TENSORS, check_file, entry_problem
+
+    count = MAX_TENSORS + 10
+    header = json.dumps({f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+                         for i in range(count)}).encode()
+    data = len(header).to_bytes(8, "little") + header
+    entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+             "tensors": {f"t{i}": {"dtype": "float32", "shape": [0]} for i in range(count)}}
+    assert entry_problem("model.safetensors", entry) == (
+        f"its entry for 'model.safetensors' lists {count:,} tensors, more than {MAX_TENSORS:,}")
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"holds {count:,} tensors, more than "
+                                              rf"{MAX_TENSORS:,}; it is corrupt"):
+        check_file(tmp_path / "model.safetensors", data, entry, verify=True)
+    assert time.monotonic() - started < 5

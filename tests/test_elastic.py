@@ -7,6 +7,7 @@ real processes and ``towerflow train --join`` is in test_elastic_cluster.py.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -14,9 +15,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from towerflow.cluster import ClusterSpec, Server, TaskInfo
-from towerflow.cluster.transport import Credentials
+from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -26,8 +29,14 @@ from towerflow.errors import (
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
 from towerflow.ps import PSClient, PSService
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.protocol import ELASTIC_BASE, REFUSED, AggregationConfig
-from towerflow.ps.server.elastic import ElasticMembers
+from towerflow.ps.protocol import (
+    ELASTIC_BASE,
+    ELASTIC_LIMIT,
+    REFUSED,
+    AggregationConfig,
+    method_path,
+)
+from towerflow.ps.server.elastic import ElasticMembers, confirm_with_task0
 from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
@@ -43,7 +52,16 @@ def job(free_ports):
     ports = free_ports(3)
     spec = ClusterSpec({"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
                         "worker": [f"127.0.0.1:{ports[2]}"]})
-    services = [PSService(i, replicas=1) for i in range(2)]
+    channels: list = []
+
+    def to_task0():  # type: ignore[no-untyped-def]
+        if not channels:
+            channels.append(make_channel(spec.task_address("ps", 0), SECRET))
+        return channels[0]
+
+    services = [PSService(i, replicas=1,
+                          confirm_join=None if i == 0 else confirm_with_task0(to_task0))
+                for i in range(2)]
     servers = []
     for i, service in enumerate(services):
         server = Server(spec, "ps", i, credentials=SECRET, start=False)
@@ -56,6 +74,8 @@ def job(free_ports):
 
         @staticmethod
         def stop() -> None:
+            for channel in channels:
+                channel.close()
             for server in servers:
                 server.stop()
 
@@ -170,12 +190,22 @@ def test_an_elastic_worker_gets_a_clear_error_once_the_job_has_ended(job) -> Non
         first.shutdown()
 
 
-def test_the_live_view_lists_elastic_workers_after_the_replicas(job) -> None:
-    first = chief(job.cluster)
-    extra = joiner(job.cluster)
+@contextlib.contextmanager
+def _joined(cluster):  # type: ignore[no-untyped-def]
+    """The chief and an elastic worker that has trained one step; both shut down after."""
+    first = chief(cluster)
+    extra = joiner(cluster)
     try:
         extra.prepare(LinearRegression(), SGD)
         extra.run_step(mse_loss, DATA)
+        yield extra
+    finally:
+        extra.shutdown()
+        first.shutdown()
+
+
+def test_the_live_view_lists_elastic_workers_after_the_replicas(job) -> None:
+    with _joined(job.cluster) as extra:
         with ClusterObserver(job.cluster, SECRET, probe_tasks=False) as observer:
             observer.snapshot()
             extra.run_step(mse_loss, DATA)
@@ -194,9 +224,6 @@ def test_the_live_view_lists_elastic_workers_after_the_replicas(job) -> None:
             assert view["left"] and view["state"] == "left"
             assert re.search(rf"{ELASTIC_BASE} .+│ left +│ 2 ", _table(snap)), _table(snap)
             json.dumps(snap)
-    finally:
-        extra.shutdown()
-        first.shutdown()
 
 
 def _table(snapshot: dict) -> str:
@@ -212,30 +239,69 @@ def _table(snapshot: dict) -> str:
 
 # -- one shard's members --------------------------------------------------------------------
 def _join(members: ElasticMembers, worker_id: int = 0, name: str = "spare:1",
-          incarnation: int = 1, **config):
-    return members.join(pb.JoinRequest(worker_id=worker_id, name=name, incarnation=incarnation),
-                        AggregationConfig(**config))
+          incarnation: int = 1, ticket: bytes = b"", **config):
+    return members.join(pb.JoinRequest(worker_id=worker_id, name=name, incarnation=incarnation,
+                                       ticket=ticket), AggregationConfig(**config))
+
+
+def _pair() -> tuple[ElasticMembers, ElasticMembers]:
+    """Ps task 0's members and ps task 1's, which asks task 0 to confirm an id."""
+    zero = ElasticMembers(0)
+
+    def confirm(request) -> None:  # type: ignore[no-untyped-def]
+        assert zero.join(request, AggregationConfig())[0].worker_id == request.worker_id
+
+    return zero, ElasticMembers(1, confirm=confirm)
 
 
 def test_ids_come_from_ps_task_0_and_a_repeated_join_gets_the_same_id() -> None:
-    zero, one = ElasticMembers(0), ElasticMembers(1)
+    zero, one = _pair()
     member, _ = _join(zero)
     assert _join(zero)[0] is member and len(zero) == 1  # its reply was lost: asked again
     with pytest.raises(InvalidArgumentError, match=r"ps task 1 admits an elastic worker under "
                        r"the id ps task 0 gave it; call Join on ps task 0 first"):
         _join(one)
-    assert _join(one, member.worker_id)[0].worker_id == member.worker_id
+    assert _join(one, member.worker_id, ticket=member.ticket)[0].worker_id == member.worker_id
     with pytest.raises(InvalidArgumentError, match=r"that id is held by elastic worker "
-                       r"'spare:1'; ask ps task 0"):
-        _join(one, member.worker_id, name="other:2")
+                       r"'spare:1' \(its name, incarnation and ticket must match\); ask ps task 0"):
+        _join(one, member.worker_id, name="other:2", ticket=member.ticket)
     for bad in (5, ELASTIC_BASE - 1, -3):  # a replica's id is never an elastic worker's
         with pytest.raises(InvalidArgumentError, match=rf"as {bad} was refused: elastic worker "
                            rf"ids are {ELASTIC_BASE} \.\. "):
             _join(one, bad)
-    assert one.leave(member.worker_id) and not one.leave(member.worker_id)
+    assert one.leave(member.worker_id, member.ticket)
+    assert not one.leave(member.worker_id, member.ticket)
     with pytest.raises(InvalidArgumentError, match=rf"worker {member.worker_id} has left the "
                        r"job; a worker that joins again asks ps task 0 for a new id"):
-        _join(one, member.worker_id)
+        _join(one, member.worker_id, ticket=member.ticket)
+
+
+@settings(max_examples=40, deadline=None)
+@given(worker_id=st.integers(ELASTIC_BASE, ELASTIC_LIMIT - 1), ticket=st.binary(max_size=32),
+       name=st.text(min_size=1, max_size=40).filter(str.isprintable))
+def test_no_join_names_an_id_ps_task_0_did_not_give_nor_uses_the_ids_up(worker_id, ticket, name):
+    zero, one = _pair()
+    given_ = _join(zero)[0]
+    for members in (zero, one):
+        if worker_id == given_.worker_id and ticket == given_.ticket and name == given_.name:
+            continue  # the worker itself
+        with pytest.raises(InvalidArgumentError, match=r"was refused"):
+            _join(members, worker_id, name=name, ticket=ticket)
+    assert _join(zero, name="next:1")[0].worker_id == given_.worker_id + 1  # the count moved once
+    assert given_.worker_id not in one or one.known(given_.worker_id).ticket == given_.ticket
+
+
+def test_a_done_without_the_ids_ticket_stops_no_one() -> None:
+    zero, one = _pair()
+    member, _ = _join(zero)
+    _join(one, member.worker_id, ticket=member.ticket)
+    for members in (zero, one):
+        with pytest.raises(InvalidArgumentError, match=rf"Done for elastic worker "
+                           rf"{member.worker_id} \('spare:1'\) was refused: it does not carry the "
+                           r"ticket ps task 0 gave that worker"):
+            members.leave(member.worker_id, b"forged")
+        assert member.worker_id in members
+    assert zero.leave(member.worker_id, member.ticket) and member.worker_id not in zero
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
@@ -343,3 +409,32 @@ def test_the_ps_task_ends_with_its_replicas_not_waiting_for_an_elastic_worker(fr
         finally:
             for strategy in (extra, gone, first):
                 strategy.shutdown()
+
+
+def test_over_the_wire_a_forged_join_or_done_changes_no_membership(job) -> None:
+    with _joined(job.cluster) as extra:
+        mine = extra.client.worker_id
+
+        def call(task: int, method: str, request) -> bytes:  # type: ignore[no-untyped-def]
+            with make_channel(job.cluster.task_address("ps", task), SECRET) as channel:
+                return unary(channel, method_path(method), request.SerializeToString(), timeout=10)
+
+        with pytest.raises(InvalidArgumentError, match=r"ps task 0 did not confirm that it gave"):
+            call(1, "Join", pb.JoinRequest(worker_id=mine + 7, name="rogue:1", incarnation=1))
+        with pytest.raises(InvalidArgumentError, match=r"ps task 0 did not give that id"):
+            call(0, "Join", pb.JoinRequest(worker_id=ELASTIC_LIMIT - 1, name="rogue:1"))
+        for task in (0, 1):
+            with pytest.raises(InvalidArgumentError, match=r"does not carry the ticket"):
+                call(task, "Done", pb.DoneRequest(worker_id=mine))
+        extra.run_step(mse_loss, DATA)  # still a member everywhere: its push is applied
+        assert all(mine in service.elastic for service in job.services)
+        reply = pb.JoinReply.FromString(call(0, "Join", pb.JoinRequest(name="next:1")))
+        assert reply.worker_id == mine + 1  # the forged ids moved no count
+
+
+def test_the_live_view_shows_a_name_holding_markup_as_it_is() -> None:
+    snapshot = {"time": 0.0, "tasks": [], "ps": [{"shard": 0, "error": "[/]bad[bold"}],
+                "workers": [{"replica": ELASTIC_BASE, "task": "elastic worker 1 ([/]x[red])",
+                             "state": "joined", "heartbeat": "[/]"}]}
+    text = _table(snapshot)
+    assert "elastic worker 1 ([/]x[red])" in text and "[/]bad[bold" in text

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import APPLIED, MESSAGE_LIMIT, REFUSED, PushHeader
+from towerflow.ps.protocol import APPLIED, MESSAGE_LIMIT, REFUSED, PushHeader, PushOutcome
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
-from towerflow.ps.server.pushes import PushTable
+from towerflow.ps.server.pushes import INCARNATION_AHEAD_NS, PushTable
 
 NUMEL = 4
 
@@ -113,6 +117,74 @@ def test_push_table_rows_restore_into_a_fresh_table() -> None:
     assert table.lookup(PushHeader(0, 1, 0, 1.0, NUMEL, incarnation=400)).kind == "superseded"
 
 
+@settings(max_examples=40, deadline=None)
+@given(ahead=st.integers(INCARNATION_AHEAD_NS + 10**9, (1 << 64) - 1 - time.time_ns()))
+def test_an_incarnation_ahead_of_the_clock_never_locks_the_replica_out(ahead: int) -> None:
+    state, agg = make()
+    forged = push(state, agg, 0, time.time_ns() + ahead, 1, value=100.0)
+    assert forged.status == REFUSED and not forged.duplicate
+    assert re.search(r"comes from incarnation \d+, more than 300 s ahead of this ps's clock",
+                     forged.message)
+    np.testing.assert_array_equal(state.params, 0.0)  # nothing applied, nothing remembered
+    assert state.push_rows() == []
+    honest = push(state, agg, 0, time.time_ns(), 1)
+    assert honest.status == APPLIED
+    np.testing.assert_array_equal(state.params, -1.0)
+
+
+def test_a_checkpointed_row_ahead_of_the_clock_is_dropped_on_restore() -> None:
+    table = PushTable()
+    table.merge([(0, (1 << 64) - 1, 9, "applied"), (1, 700, 3, "applied")], step=3)
+    assert table.rows() == [(1, 700, 3, "applied")]
+    restarted = PushHeader(0, 1, 0, 1.0, NUMEL, incarnation=time.time_ns())
+    assert table.lookup(restarted).kind == "new"
+
+
+def _with_optimizer(name: str, mode: str, **options):
+    layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
+    state = ShardState(layout, np.ones(NUMEL, np.float32), make_optimizer(name, NUMEL, **options))
+    return state, make_aggregator(state, AggregationConfig(mode, total_num_replicas=1))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize(("name", "options"), [("sgd", {}), ("momentum", {"momentum": 0.9}),
+                                               ("adam", {}), ("adagrad", {})])
+def test_an_update_that_would_overflow_is_refused_and_changes_nothing(mode, name, options):
+    state, agg = _with_optimizer(name, mode, **options)
+    head = PushHeader(0, 1, 0, 1e38, NUMEL, incarnation=1, segments=state.layout.signature)
+    outcome = agg.push(head, [np.full(NUMEL, 10.0, np.float32).tobytes()])
+    assert outcome.status == ("refused" if mode == "async" else "voided")
+    assert re.search(r"learning rate 1e\+38, largest gradient 10\) could take a parameter or "
+                     r"optimizer slot of \w+ to [\d.e+]+, past 8\.51e\+37 .*nothing was applied",
+                     outcome.message)
+    np.testing.assert_array_equal(state.params, 1.0)
+    assert all(np.isfinite(buf).all() for buf in state.optimizer.slots.values())
+    # the same replica's next, sane push is applied
+    sane = PushHeader(0, 2, state.step, 0.1, NUMEL, incarnation=1, segments=state.layout.signature)
+    assert agg.push(sane, [np.full(NUMEL, 1.0, np.float32).tobytes()]).status == APPLIED
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["sgd", "momentum", "adam", "adagrad"]),
+       lr=st.floats(1e-6, 3e38), grad=st.floats(-3e38, 3e38), streamed=st.booleans())
+def test_no_finite_push_leaves_a_non_finite_parameter_or_slot(name, lr, grad, streamed):
+    options = {"momentum": 0.9} if name == "momentum" else {}
+    state, agg = _with_optimizer(name, "async", **options)
+    for seq in (1, 2):
+        head = PushHeader(0, seq, state.step, lr, NUMEL, incarnation=1,
+                          segments=state.layout.signature)
+        chunks = [np.full(NUMEL, grad, np.float32).tobytes()]
+        if streamed:
+            outcome, reply = agg.push_pull(head, chunks)
+            for _ in reply:
+                pass
+        else:
+            outcome = agg.push(head, chunks)
+        assert outcome.status in ("applied", "refused")
+        assert np.isfinite(state.params).all()
+        assert all(np.isfinite(buf).all() for buf in state.optimizer.slots.values())
+
+
 @pytest.mark.parametrize("mode", ["async", "sync", "ssp"])
 def test_a_push_from_a_worker_outside_the_replica_set_is_refused(mode) -> None:
     state, agg = make(mode)
@@ -199,3 +271,19 @@ def test_payload_bytes_held_are_bounded_by_the_staging_limit() -> None:
         push(state, agg, 0, 1, 1, chunks=[np.ones(2, np.float32).tobytes()] * 2)
     assert state.staged == 0 and state.step == 0 and state.ledger == []
     np.testing.assert_array_equal(state.params, 0.0)
+
+
+def test_the_push_table_keeps_a_bounded_number_of_worker_ids() -> None:
+    from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED
+
+    table = PushTable()
+    for worker in range(MAX_REPLICAS_TRACKED):
+        head = PushHeader(worker, 1, 0, 1.0, NUMEL, incarnation=1)
+        table.register(head)
+        table.settle(head, PushOutcome(APPLIED, 1))
+    stranger = table.lookup(PushHeader(MAX_REPLICAS_TRACKED, 1, 0, 1.0, NUMEL, incarnation=1))
+    assert stranger.kind == "refused"
+    assert "already keeps the pushes of 4096 worker ids, its bound" in stranger.message
+    assert table.lookup(PushHeader(7, 2, 0, 1.0, NUMEL, incarnation=1)).kind == "new"
+    table.merge([(MAX_REPLICAS_TRACKED + 5, 1, 1, "applied")], step=1)
+    assert len(table) == MAX_REPLICAS_TRACKED

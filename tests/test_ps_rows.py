@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from towerflow.errors import InvalidArgumentError
+from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
 from towerflow.ps.server.tables.optimizers import (
     SparseAdagrad,
@@ -353,3 +353,16 @@ def test_checked_lookups_and_updates_match_the_checking_ones():
     assert torch.equal(stores[0].lookup(ids), stores[1].lookup(ids, checked=True))
     assert torch.equal(part.local_index(ids, 1), part.local_index(ids, 1, checked=True))
     assert torch.equal(stores[0].export().rows, stores[1].export().rows)
+
+
+@pytest.mark.parametrize("num_rows", [1 << 31, 1 << 40])
+def test_a_table_larger_than_the_free_memory_is_refused_before_anything_is_allocated(num_rows):
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(ResourceExhaustedError,
+                       match=rf"Table shard 0 of {num_rows // 2:,} rows x 64 \(with 2 optimizer "
+                             r"slot\(s\)\) needs [\d,]+ MiB but only [\d,]+ MiB are available; add "
+                             r"ps tasks"):
+        DenseRowStore(ModPartitioner(2, num_rows=num_rows), 0, 64, SparseLazyAdam())
+    assert psutil.Process().memory_info().rss - rss < 64 << 20

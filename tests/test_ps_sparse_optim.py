@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.server.tables.optimizers import (
@@ -253,3 +255,39 @@ def test_sgd_allows_a_zero_learning_rate():
     var = torch.ones(3, 2)
     SparseSGD().apply(var, {}, torch.tensor([0]), torch.ones(1, 2), lr=0.0, step=1)
     assert torch.equal(var, torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=repr)
+def test_an_update_whose_result_would_not_be_finite_changes_nothing(opt):
+    var = torch.ones(4, 3)
+    slots = opt.init_slots(4, 3)
+    before = var.clone(), {k: v.clone() for k, v in slots.items()}
+    grads = torch.full((2, 3), 10.0)
+    if isinstance(opt, SparseSGD):  # the others' steps are bounded by their accumulators
+        with pytest.raises(InvalidArgumentError,
+                           match=r"SparseSGD: the update with learning rate 1e\+38 would make the "
+                                 r"rows of storage row \d non-finite .*nothing was applied"):
+            opt.apply(var, slots, torch.tensor([0, 2]), grads, lr=1e38, step=1)
+    huge = torch.full((2, 3), 3e38)  # g * g overflows every accumulator
+    try:
+        opt.apply(var, slots, torch.tensor([0, 2]), huge, lr=1e38, step=1)
+    except InvalidArgumentError as exc:
+        assert "nothing was applied" in str(exc)
+        torch.testing.assert_close(var, before[0])
+        for key, value in slots.items():
+            torch.testing.assert_close(value, before[1][key])
+    assert torch.isfinite(var).all() and all(torch.isfinite(v).all() for v in slots.values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(opt=st.sampled_from(OPTIMIZERS), lr=st.floats(1e-6, 3e38),
+       grad=st.floats(-3e38, 3e38).map(lambda g: float(torch.tensor(g))), steps=st.integers(1, 3))
+def test_no_finite_update_leaves_a_non_finite_row_or_slot(opt, lr, grad, steps):
+    var = torch.ones(3, 2)
+    slots = opt.init_slots(3, 2)
+    for step in range(1, steps + 1):
+        try:
+            opt.apply(var, slots, torch.tensor([1]), torch.full((1, 2), grad), lr=lr, step=step)
+        except InvalidArgumentError as exc:
+            assert "non-finite" in str(exc)
+        assert torch.isfinite(var).all() and all(torch.isfinite(v).all() for v in slots.values())

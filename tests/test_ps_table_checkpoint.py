@@ -281,3 +281,136 @@ def test_the_chiefs_memory_stays_bounded_while_saving_and_restoring_a_large_tabl
     for phase in ("save", "read", "restore"):
         growth = report[f"peak_during_{phase}"] - report[f"rss_before_{phase}"]
         assert growth < table_bytes / 3, (phase, report)  # a few parts and buffers
+
+
+# -- damaged parts and descriptions: one CheckpointError each, at restore and at eval -------------
+class _Reader:
+    """A checkpoint's table parts as :class:`ChunkedReader` gives them (infos, then parts)."""
+
+    def __init__(self, parts) -> None:  # type: ignore[no-untyped-def]
+        self._parts = parts
+        self.infos = [info for info, _ in parts]
+
+    def parts(self):  # type: ignore[no-untyped-def]
+        yield from self._parts
+
+
+def _saved_table():  # type: ignore[no-untyped-def]
+    from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.worker.tables.checkpoint import describe_tables
+    from towerflow.ps.worker.tables.config import TableConfig
+
+    config = TableConfig("emb", ModPartitioner(2, num_rows=10), 3,
+                         {"name": "adagrad", "hyper": {}}, INIT)
+    saved = describe_tables([config])
+    parts = []
+    for shard in range(2):
+        ids = torch.arange(shard, 10, 2)
+        parts.append(({"table": "emb", "shard": shard, "part": 0, "rows": 5, "shard_rows": 5,
+                       "pushes": [[0, 1, 3, "applied"]]},
+                      {"ids": ids, "rows": torch.rand(5, 3), "slot.accumulator": torch.ones(5, 3)}))
+    return saved, parts
+
+
+def _split_repeating(saved, parts):  # type: ignore[no-untyped-def]
+    info, tensors = parts[0]
+    first = ({**info, "rows": 3, "shard_rows": 5},
+             {k: v[:3] for k, v in tensors.items()})
+    again = ({"table": "emb", "shard": 0, "part": 1, "rows": 2},
+             {k: v[:2] for k, v in tensors.items()})  # ids 0, 2 again: 6, 8 go missing
+    return saved, [first, again, parts[1]]
+
+
+def _edit(key, value, where="info"):  # type: ignore[no-untyped-def]
+    def edit(saved, parts):  # type: ignore[no-untyped-def]
+        info, tensors = parts[0]
+        if where == "info":
+            info = {**info, key: value}
+        else:
+            tensors = {**tensors, key: value}
+        return saved, [(info, tensors), *parts[1:]]
+    return edit
+
+
+def _describe(**changes):  # type: ignore[no-untyped-def]
+    def edit(saved, parts):  # type: ignore[no-untyped-def]
+        emb = json.loads(json.dumps(saved["emb"]))
+        for key, value in changes.items():
+            if key == "num_shards":
+                emb["partitioner"]["num_shards"] = value
+            else:
+                emb[key] = value
+        return {"emb": emb}, parts
+    return edit
+
+
+DAMAGE = [
+    ("a part repeating another's ids", _split_repeating, r"ids do not rise strictly"),
+    ("rows stored as int64", _edit("rows", torch.ones(5, 3, dtype=torch.int64), "tensors"),
+     r"shard 0 part 0: rows is torch\.int64 \[5, 3\], not float32 \[5, 3\]"),
+    ("rows holding NaN", _edit("rows", torch.full((5, 3), float("nan")), "tensors"),
+     r"rows holds NaN or infinity"),
+    ("a slot of the wrong shape", _edit("slot.accumulator", torch.ones(4, 3), "tensors"),
+     r"slot\.accumulator is torch\.float32 \[4, 3\], not float32 \[5, 3\]"),
+    ("rows of dim 9", _edit("rows", torch.ones(5, 9), "tensors"), r"not float32 \[5, 3\]"),
+    ("ids out of range", _edit("ids", torch.tensor([0, 2, 4, 6, 1 << 40]), "tensors"),
+     r"shard 0 part 0: .*1099511627776"),
+    ("shard 'abc'", _edit("shard", "abc"), r"a part whose shard is 'abc', not an integer"),
+    ("malformed push records", _edit("pushes", [[0, 1]]), r"push records \[\[0, 1\]\] are not"),
+    ("worker id 2**40", _edit("pushes", [[1 << 40, 1, 1, "applied"]]), r"push records"),
+    ("num_shards 10**12", _describe(num_shards=10**12), r"with 1 \.\. 65536 shards"),
+    ("num_shards 2**62", _describe(num_shards=1 << 62), r"with 1 \.\. 65536 shards"),
+    ("num_shards 10**7", _describe(num_shards=10**7), r"with 1 \.\. 65536 shards"),
+    ("a description that is not an object", lambda s, p: ({"emb": [1, 2]}, p),
+     r"description of table 'emb' is \[1, 2\], not an object"),
+    ("metadata without its tables", lambda s, p: (None, p), r"metadata has no 'tables'"),
+]
+
+
+@pytest.mark.parametrize(("damage", "pattern"), [(d[1], d[2]) for d in DAMAGE],
+                         ids=[d[0] for d in DAMAGE])
+def test_each_damaged_table_part_is_one_checkpoint_error_at_restore_and_eval(damage, pattern):
+    import types
+
+    from towerflow.ps.worker.tables.checkpoint import import_tables
+    from towerflow.training.evaluate import table_weights
+
+    saved, parts = damage(*_saved_table())
+    reader = _Reader(parts)
+
+    class NoPs:  # takes what a restore sends before it meets the damaged part
+        num_shards, max_call_bytes = 2, 1 << 20
+
+        def init_table(self, config) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def import_rows(self, config, shard, pieces, pushes=()) -> None:  # type: ignore[no-untyped-def]
+            list(pieces)
+
+    from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.worker.tables.config import TableConfig
+
+    config = TableConfig("emb", ModPartitioner(2, num_rows=10), 3,
+                         {"name": "adagrad", "hyper": {}}, INIT)
+    with pytest.raises(CheckpointError, match=pattern):
+        import_tables(NoPs(), [config], reader, saved)
+    model = nn.Module()
+    model.emb = nn.Embedding(10, 3)
+    ckpt = types.SimpleNamespace(chunked={TABLES_GROUP: reader}, path=Path("ckpt-1"),
+                                 metadata={} if saved is None else {"tables": saved})
+    with pytest.raises(CheckpointError, match=pattern):
+        table_weights(ckpt, model)
+
+
+def test_a_sound_table_part_set_is_read_back_at_eval() -> None:
+    import types
+
+    from towerflow.training.evaluate import table_weights
+
+    saved, parts = _saved_table()
+    model = nn.Module()
+    model.emb = nn.Embedding(10, 3)
+    ckpt = types.SimpleNamespace(chunked={TABLES_GROUP: _Reader(parts)}, path=Path("c"),
+                                 metadata={"tables": saved})
+    weight = table_weights(ckpt, model)["emb.weight"]
+    torch.testing.assert_close(weight[1::2], parts[1][1]["rows"])

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,12 @@ from torch import nn
 
 from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from towerflow.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.server.tables.rows import UniformRows
@@ -154,6 +160,24 @@ def test_a_retried_push_is_applied_once(cluster):
         raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=0, seq=2)
     later = raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=2)
     assert later.status == "applied" and not later.duplicate  # a restarted worker's seq 1
+    # an incarnation no honest start can reach is refused and remembered nowhere
+    with pytest.raises(FailedPreconditionError, match=r"incarnation 18446744073709551615, more "
+                                                      r"than 300 s ahead of this ps's clock"):
+        raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=(1 << 64) - 1)
+    restarted = raw_push(spec, 0, ids=[4], grads=[[1.0, 1.0, 1.0]], incarnation=time.time_ns())
+    assert restarted.status == "applied" and not restarted.duplicate
+
+
+def test_a_push_whose_result_would_overflow_is_refused_with_nothing_applied(cluster):
+    spec, client = cluster
+    cfg = config()
+    client.init_table(cfg)
+    before = table_rows(client, cfg)
+    with pytest.raises(InvalidArgumentError, match=r"learning rate 1e\+38 would make the rows of "
+                                                   r"storage row 2 non-finite .*nothing was applied"):
+        raw_push(spec, 0, ids=[2, 4], grads=[[1.0] * 3, [10.0] * 3], lr=1e38)
+    torch.testing.assert_close(table_rows(client, cfg), before)
+    assert raw_push(spec, 0, ids=[4], grads=[[1.0] * 3], seq=2).status == "applied"
 
 
 @pytest.mark.parametrize(("shard", "fields", "pattern"), [
@@ -625,3 +649,45 @@ def test_a_ps_task_that_cannot_be_reached_is_an_unavailable_error(free_ports):
             client.pull(config(num_shards=1), torch.tensor([1, 2]))
     finally:
         client.close()
+
+
+# -- bounds checked before the work ------------------------------------------------------------
+def test_a_pull_whose_reply_would_be_too_large_is_refused_before_any_row_is_read() -> None:
+    import psutil
+
+    from towerflow.ps.server.tables.shard import ROWS_REPLY_LIMIT, TableShard
+
+    shard = TableShard(config(num_rows=1 << 21, dim=32, num_shards=1).spec(0))
+    count = 1 << 20
+    ids = torch.arange(count, dtype=torch.int64).numpy().tobytes()
+    rss = psutil.Process().memory_info().rss
+    with pytest.raises(ResourceExhaustedError, match=r"a pull of 1,048,576 rows x 32 needs a 128 "
+                                                     r"MiB reply, more than 63 MiB; pull fewer"):
+        shard.pull(ids, count)
+    with pytest.raises(ResourceExhaustedError, match=r"a pull of 1,048,576 rows x 32"):
+        shard.push_pull(None, ids, count)  # the pull of a push-and-pull too
+    assert psutil.Process().memory_info().rss - rss < 32 << 20
+    fits = ROWS_REPLY_LIMIT // (32 * 4)
+    assert len(shard.pull(ids[:fits * 8], fits)) == fits * 32 * 4
+
+
+def test_an_import_carrying_too_many_push_records_imports_nothing() -> None:
+    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED
+    from towerflow.ps.server.tables.shard import TableShard
+
+    cfg = config(num_shards=1)
+    shard = TableShard(cfg.spec(0))
+    before = shard.store.export().rows.clone()
+    records = [pb.PushRecord(worker_id=w, incarnation=1, seq=1, status="applied")
+               for w in range(MAX_REPLICAS_TRACKED + 1)]
+    chunk = tpb.RowChunk(pushes=records, num_ids=1, ids=torch.tensor([3]).numpy().tobytes(),
+                         rows=torch.ones(1, 3).numpy().tobytes())
+    with pytest.raises(InvalidArgumentError, match=r"an import carries 4,097 push records, more "
+                                                   r"than the 4096 worker ids a shard keeps; "
+                                                   r"nothing was imported"):
+        shard.import_chunks([chunk])
+    torch.testing.assert_close(shard.store.export().rows, before)
+    del chunk.pushes[MAX_REPLICAS_TRACKED:]
+    assert shard.import_chunks([chunk]) == 1
+    assert len(shard.status()["pushes"]) == MAX_REPLICAS_TRACKED

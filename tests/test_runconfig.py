@@ -8,6 +8,8 @@ import re
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from towerflow.checkpoint import CheckpointManager
 from towerflow.cli import main
@@ -268,3 +270,50 @@ def test_a_resume_that_cannot_keep_a_recorded_ps_setting_says_how_to_resume(tmp_
                      r"one process, cannot keep; resume it as it was trained \(the "
                      r"parameter-server strategy .*\), or start a new run with another "
                      r"--train-dir\.", capsys.readouterr().err)
+
+
+def test_yaml_aliases_are_refused_so_a_billion_laughs_stays_small(tmp_path, capsys) -> None:
+    lines = ['a0: &a0 ["ha", "ha", "ha", "ha", "ha", "ha", "ha", "ha", "ha"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 8)]
+    lines += ["model: digits", "lr: *a7"]
+    config = tmp_path / "laughs.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    assert len(config.read_bytes()) < 500
+    with pytest.raises(InvalidArgumentError, match=r"is not valid YAML: an alias \(\*a0\) repeats "
+                                                   r"another node; settings files may not use"):
+        read_settings_file(config)
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "anchors and aliases" in err and len(err) < 2000
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_deep_nesting_is_refused_in_one_sentence(tmp_path, suffix) -> None:
+    config = tmp_path / f"deep{suffix}"
+    config.write_text('{"lr": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(InvalidArgumentError, match=r"is not valid (YAML|JSON): .*nested more than "
+                                                   r"32 levels deep"):
+        read_settings_file(config)
+    config.write_text('{"lr": ' + "[" * 30 + "1" + "]" * 30 + "}")
+    assert _depth_ok(read_settings_file(config)["lr"])
+
+
+def _depth_ok(value) -> bool:  # type: ignore[no-untyped-def]
+    while isinstance(value, list):
+        value = value[0]
+    return value == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(value=st.one_of(st.text(min_size=200, max_size=5000).map(lambda t: "x" + t),
+                       st.lists(st.integers(), min_size=50)))
+def test_a_bad_value_is_quoted_by_a_short_prefix_only(value) -> None:
+    import argparse
+
+    from towerflow.cli._config import convert_settings
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int)
+    with pytest.raises(InvalidArgumentError) as caught:
+        convert_settings(parser, {"batch_size": value}, "c.yaml")
+    assert len(str(caught.value)) < 500

@@ -11,6 +11,8 @@ import datetime
 
 import pytest
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from towerflow.cluster import TaskInfo, resolve_cluster
 from towerflow.cluster.rendezvous import address_key, exchange_addresses
@@ -113,3 +115,45 @@ def test_hand_set_variables_across_nodes_still_need_towerflow_hosts() -> None:
 def test_bad_rendezvous_timeout_is_refused(store) -> None:
     with pytest.raises(InvalidArgumentError, match="TOWERFLOW_RENDEZVOUS_TIMEOUT='soon' is not"):
         resolve_cluster(env=_env(store, TOWERFLOW_RENDEZVOUS_TIMEOUT="soon"))
+
+
+def test_with_a_secret_an_address_written_without_it_is_refused(store) -> None:
+    from towerflow.cluster.rendezvous import sign_entry
+    from towerflow.errors import UnauthenticatedError
+
+    env = _env(store, TOWERFLOW_SECRET="cluster-secret")
+    key = address_key(env, 1)
+    store.set(key, "127.0.0.1:6666")  # a rogue address, written by whoever reaches the store
+    with pytest.raises(UnauthenticatedError,
+                       match=r"the address '127\.0\.0\.1:6666' under towerflow/job7/restart0/"
+                             r"address/1 in torchrun's rendezvous store at .* is not signed with "
+                             r"this cluster's secret"):
+        resolve_cluster(env=env)
+    # signed with another secret, or a signed entry of another rank copied here: refused too
+    for forged in (sign_entry(b"other", key, "127.0.0.1:6666"),
+                   sign_entry(b"cluster-secret", address_key(env, 0), "127.0.0.1:6666")):
+        store.set(key, forged)
+        with pytest.raises(UnauthenticatedError, match="not signed with this cluster's secret"):
+            resolve_cluster(env=env)
+    store.set(key, sign_entry(b"cluster-secret", key, "127.0.0.1:7001"))
+    spec, _ = resolve_cluster(env=env)
+    assert spec.as_dict() == {"worker": ["127.0.0.1:6000", "127.0.0.1:7001"]}
+    assert store.get(address_key(env, 0)).startswith(b"127.0.0.1:6000 ")
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.text(max_size=200))
+def test_no_unsigned_store_value_passes_the_check(value: str) -> None:
+    from towerflow.cluster.rendezvous import open_entry
+    from towerflow.errors import UnauthenticatedError
+
+    with pytest.raises(UnauthenticatedError, match="not signed"):
+        open_entry(b"k", "towerflow/r/restart0/address/0", value)
+
+
+def test_without_a_secret_the_store_says_its_addresses_are_unauthenticated(store, caplog) -> None:
+    env = _env(store)
+    store.set(address_key(env, 1), "127.0.0.1:7001")
+    with caplog.at_level("WARNING", logger="towerflow.cluster"):
+        resolve_cluster(env=env)
+    assert "cannot be authenticated without a cluster secret" in caplog.text

@@ -52,6 +52,8 @@ RESTORE = "restore an earlier checkpoint"
 _GROUP_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_HEADER = 100 << 20
+#: most tensors one data file may hold (a model's parameters and their optimizer state)
+MAX_TENSORS = 65_536
 
 # safetensors header dtype codes -> torch dtype names (``str(dtype)`` without "torch.").
 _ST_DTYPES = {
@@ -163,6 +165,9 @@ def entry_problem(fname: Any, entry: Any) -> str | None:
         and isinstance(entry.get("tensors"), dict)
     ):
         return f"its entry for {fname!r} is malformed"
+    if len(entry["tensors"]) > MAX_TENSORS:
+        return (f"its entry for {fname!r} lists {len(entry['tensors']):,} tensors, more than "
+                f"{MAX_TENSORS:,}")
     for name, info in entry["tensors"].items():
         if not (
             name
@@ -188,6 +193,11 @@ def _parse_header(fpath: Path, data: bytes) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CheckpointError(f"Checkpoint file {str(fpath)!r} has a corrupt header.")
     header.pop("__metadata__", None)
+    if len(header) > MAX_TENSORS:
+        raise CheckpointError(
+            f"Checkpoint file {str(fpath)!r} holds {len(header):,} tensors, more than "
+            f"{MAX_TENSORS:,}; it is corrupt or not written by towerflow, {RESTORE}."
+        )
     return header
 
 
@@ -281,5 +291,11 @@ def to_tensors(fpath: Path, data: bytes, target: torch.device) -> dict[str, torc
             TypeError, OverflowError) as exc:
         raise CheckpointError(f"Checkpoint file {str(fpath)!r} cannot be parsed ({exc}); "
                               f"{RESTORE}.") from exc
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.bool and tensor.numel() and int(tensor.view(torch.uint8).max()) > 1:
+            raise CheckpointError(
+                f"Checkpoint file {str(fpath)!r}: bool tensor {name!r} holds a byte other than "
+                f"0 or 1; it is corrupt, {RESTORE}."
+            )
     return {k: v.to(target) for k, v in tensors.items()}
 

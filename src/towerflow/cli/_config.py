@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.training.runconfig import quoted
 
 __all__ = ["given_dests", "option_actions", "convert_settings", "flag_of", "check_exclusive",
            "merge_layers"]
@@ -78,21 +79,22 @@ def _convert(action: argparse.Action, value: Any, source: str) -> Any:
         return None
     if action.nargs == 0:  # a switch: store_true / store_false / BooleanOptionalAction
         if not isinstance(value, bool):
-            raise InvalidArgumentError(f"{name} is a switch: write true or false, not {value!r}.")
+            raise InvalidArgumentError(f"{name} is a switch: write true or false, not {quoted(value)}.")
         return value
     if value is False and _takes_off(action):  # YAML 1.1 reads a bare `off` as false
         value = "off"
     if isinstance(value, dict | list | bool):
         raise InvalidArgumentError(f"{name} takes one value like {flag_of(action)} does, "
-                                   f"not {value!r}.")
+                                   f"not {quoted(value)}.")
     try:
         converted = action.type(str(value)) if callable(action.type) else str(value)
     except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
         kind = getattr(action.type, "__name__", "value")
-        raise InvalidArgumentError(f"{name}: {value!r} is not a valid {kind} ({exc}).") from exc
+        raise InvalidArgumentError(f"{name}: {quoted(value)} is not a valid {kind} "
+                                   f"({str(exc)[:200]}).") from None
     if action.choices is not None and converted not in action.choices:
         raise InvalidArgumentError(
-            f"{name}: {value!r} is not one of {', '.join(map(str, action.choices))}."
+            f"{name}: {quoted(value)} is not one of {', '.join(map(str, action.choices))}."
         )
     return converted
 

@@ -130,8 +130,12 @@ _STATE_STYLE = {"up": "green", "dead": "bold red", "suspended": "bold yellow",
 
 
 def render(snapshot: dict[str, Any]) -> Any:
-    """The snapshot as ``rich`` tables (tasks, ps shards, workers)."""
+    """The snapshot as ``rich`` tables (tasks, ps shards, workers).
+
+    What peers said (names, details, errors) is shown as plain text, never read as markup.
+    """
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     tasks = Table(title="tasks", title_justify="left")
@@ -140,14 +144,14 @@ def render(snapshot: dict[str, Any]) -> Any:
     for task in snapshot["tasks"]:
         style = _STATE_STYLE.get(task["state"], "red")
         tasks.add_row(task["task"], task["address"], f"[{style}]{task['state']}[/]",
-                      _num(task["pid"]), task["detail"])
+                      _num(task["pid"]), escape(str(task["detail"])))
     shards = Table(title="ps shards", title_justify="left")
     for column in ("shard", "params", "global step", "pushes/s", "bytes/s", "stale", "refused",
                    "lead (max)", "mode"):
         shards.add_column(column, justify="right")
     for shard in snapshot["ps"]:
         if shard.get("error") or not shard.get("initialized", False):
-            shards.add_row(str(shard["shard"]), shard.get("error") or "not initialised",
+            shards.add_row(str(shard["shard"]), escape(shard.get("error") or "not initialised"),
                            *["-"] * 7)
             continue
         shards.add_row(str(shard["shard"]), _num(shard["param_bytes"], "B"),
@@ -155,7 +159,7 @@ def render(snapshot: dict[str, Any]) -> Any:
                        _num(shard["bytes_per_sec"], "B") + ("/s" if shard["bytes_per_sec"]
                                                             is not None else ""),
                        _num(shard["stale"]), _num(shard["refused"]),
-                       f"{shard['lead']} ({shard['max_lead']})", shard["mode"])
+                       f"{shard['lead']} ({shard['max_lead']})", escape(str(shard["mode"])))
     workers = Table(title="workers", title_justify="left")
     for column in ("replica", "task", "state", "steps", "steps/s", "behind", "last push",
                    "heartbeat", "last heartbeat"):
@@ -163,10 +167,12 @@ def render(snapshot: dict[str, Any]) -> Any:
     for worker in snapshot["workers"]:
         state = worker.get("state") or "-"
         style = _STATE_STYLE.get(state, "red")
-        workers.add_row(str(worker["replica"]), worker["task"], f"[{style}]{state}[/]",
+        workers.add_row(str(worker["replica"]), escape(str(worker["task"])),
+                        f"[{style}]{escape(state)}[/]",
                         _num(worker.get("steps")), _num(worker.get("steps_per_sec")),
                         _num(worker.get("behind")), _ago(worker.get("last_push_age")),
-                        worker.get("heartbeat") or "-", _ago(worker.get("last_heartbeat_age")))
+                        escape(worker.get("heartbeat") or "-"),
+                        _ago(worker.get("last_heartbeat_age")))
     stamp = time.strftime("%H:%M:%S", time.localtime(snapshot["time"]))
     return Group(f"[bold]towerflow status[/] at {stamp}", tasks, shards, workers)
 

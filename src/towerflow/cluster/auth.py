@@ -9,7 +9,13 @@ With a per-cluster secret every call carries the metadata
   (``/job:ps/replica:0/task:0``) and a random 128-bit id it draws when it
   starts. A client learns both once per channel with an authenticated
   handshake (``Hello``: the server proves it holds the secret by a MAC over the
-  client's random challenge). A token is therefore useless against any other
+  client's random challenge; the client first proves it holds the secret by a
+  fresh MAC over the same challenge, so the server tells its task and
+  incarnation to no one else). A client with a secret refuses a server that
+  cannot prove it holds the same one (``UnauthenticatedError``), also one
+  that answers the handshake ``UNIMPLEMENTED`` (a server without a secret):
+  calls are never sent to a peer that did not prove it belongs to the
+  cluster. A token is therefore useless against any other
   task, and against the same task after a restart (a new incarnation), although
   a restarted server remembers no nonces.
 - ``digest`` is the SHA-256 of the call's first request message: the whole
@@ -26,10 +32,10 @@ is refused with ``UNAVAILABLE`` ("restarted"), as a call to a task that went
 away; the client re-runs the handshake and its retry goes to the new
 incarnation.
 
-The standard health check (``/grpc.health.v1.Health/Check`` and ``Watch``,
-see :mod:`~towerflow.cluster.health`) is the one exception: it needs no token,
-so that Kubernetes probes work, and it tells nothing but ``SERVING`` or
-``NOT_SERVING``.
+The standard health check (``/grpc.health.v1.Health/Check``, see
+:mod:`~towerflow.cluster.health`, which bounds it) is the one exception: it
+needs no token, so that Kubernetes probes work, and it tells nothing but
+``SERVING`` or ``NOT_SERVING``.
 
 Messages of a stream after its first are covered by the connection: TLS, which
 a server on a non-loopback address requires by default (see ``docs/security.md``).
@@ -58,6 +64,7 @@ from towerflow.errors import InvalidArgumentError, UnauthenticatedError
 __all__ = [
     "AUTH_METADATA_KEY",
     "CHALLENGE_METADATA_KEY",
+    "HELLO_PROOF_METADATA_KEY",
     "HELLO_METHOD",
     "RESTARTED",
     "ServerIdentity",
@@ -68,10 +75,10 @@ __all__ = [
 
 AUTH_METADATA_KEY = "x-towerflow-auth"
 CHALLENGE_METADATA_KEY = "x-towerflow-challenge"
+HELLO_PROOF_METADATA_KEY = "x-towerflow-hello"
 HELLO_METHOD = "/towerflow.cluster.Auth/Hello"
 RESTARTED = "restarted since the call was signed"
 _VERSION = "v2"
-_UNKNOWN_INCARNATION = "0"
 _MAX_SEEN_NONCES = 100_000  # about 28 MB
 
 
@@ -216,14 +223,36 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return _refusal(handler, verdict.code, f"call refused: {method}: {verdict.reason}")
 
     def _hello(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        """The handshake: who this server is, proven by a MAC over the client's challenge."""
-        challenge = dict(context.invocation_metadata() or ()).get(CHALLENGE_METADATA_KEY, "")
+        """The handshake: who this server is, proven by a MAC over the client's challenge.
+
+        The client proves first (a fresh MAC over its challenge and time, used
+        once): a caller without the secret learns neither the task nor its
+        incarnation.
+        """
+        metadata = dict(context.invocation_metadata() or ())
+        challenge = metadata.get(CHALLENGE_METADATA_KEY, "")
         if not _is_hex(challenge, 64) or len(challenge) < 32:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "handshake needs a challenge of 32-64 hex digits")
+        reason = self._client_proof(challenge, str(metadata.get(HELLO_PROOF_METADATA_KEY, "")))
+        if reason is not None:
+            self._log.warning(reason, "refused handshake: %s", reason)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"handshake refused: {reason}")
         task, incarnation = self.identity.task, self.identity.incarnation
         proof = _mac(self._secret, "hello", challenge, task, incarnation)
         return json.dumps({"task": task, "incarnation": incarnation, "proof": proof}).encode()
+
+    def _client_proof(self, challenge: str, said: str) -> str | None:
+        """``None`` when ``said`` (``<time>:<mac>``) proves the secret for ``challenge``, once."""
+        stamp, _, mac = said.partition(":")
+        if not (stamp.isdigit() and len(stamp) <= 12 and _is_hex(mac, 64)):
+            return "no credentials (the client did not prove that it holds the cluster secret)"
+        if not hmac.compare_digest(_mac(self._secret, "hello-client", challenge, stamp), mac):
+            return "wrong credentials (the client holds another cluster secret)"
+        now = time.time()
+        if abs(now - int(stamp)) > self._freshness:
+            return "expired credentials (check the clocks)"
+        return self._consume(challenge, int(stamp), now, "").reason
 
 
 def _refusal(real: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
@@ -313,21 +342,29 @@ class ClientAuth(
 
     def _hello(self, timeout: float) -> ServerIdentity:
         challenge = secrets.token_hex(16)
+        stamp = str(int(time.time()))
+        proof = f"{stamp}:{_mac(self._secret, 'hello-client', challenge, stamp)}"
         try:
             reply = self._raw.unary_unary(HELLO_METHOD)(
-                b"", timeout=timeout, metadata=((CHALLENGE_METADATA_KEY, challenge),))
+                b"", timeout=timeout, metadata=((CHALLENGE_METADATA_KEY, challenge),
+                                                (HELLO_PROOF_METADATA_KEY, proof)))
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            # a server without a secret: it checks no tokens; this one binds no server
-            return ServerIdentity("", _UNKNOWN_INCARNATION)
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise UnauthenticatedError(
+                    f"refusing the task at {self._address}: it answered the handshake with "
+                    "UNIMPLEMENTED, so it holds no cluster secret and cannot prove that it "
+                    "belongs to this cluster (nothing was sent to it); give every task the same "
+                    "cluster secret (TOWERFLOW_SECRET_FILE), or check the address."
+                ) from None
+            raise
         try:
             said = json.loads(reply)
             task, incarnation = str(said["task"]), str(said["incarnation"])
             proof = str(said["proof"])
         except (ValueError, KeyError, TypeError):
             proof, task, incarnation = "", "", ""
-        if not hmac.compare_digest(_mac(self._secret, "hello", challenge, task, incarnation), proof):
+        expected = _mac(self._secret, "hello", challenge, task, incarnation)
+        if not hmac.compare_digest(expected.encode(), proof.encode("utf-8", "replace")):
             raise UnauthenticatedError(
                 f"handshake with the task at {self._address} failed with UNAUTHENTICATED: wrong "
                 "credentials: it did not prove that it holds this task's cluster secret; give "

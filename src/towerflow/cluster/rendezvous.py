@@ -11,6 +11,13 @@ seconds, default 300) that names the ranks still missing when it runs out. No
 node's host has to be written by hand: a rank's host is the local address of
 its route to the store, the interface its node reaches the other nodes from.
 
+The store is not trusted: whoever reaches it can write any key. With a cluster
+secret (``TOWERFLOW_SECRET`` / ``TOWERFLOW_SECRET_FILE``) every entry carries
+an HMAC-SHA256 over its key and address, checked on read, so an address no
+secret holder published is refused (``UnauthenticatedError`` naming the
+rank); without a secret the addresses cannot be authenticated and a warning
+says so.
+
 Example:
     >>> address_key({"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1"}, 3)
     'towerflow/job7/restart1/address/3'
@@ -19,11 +26,20 @@ Example:
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import ipaddress
+import logging
 import socket
 from collections.abc import Mapping
 
-from towerflow.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+from towerflow.cluster.transport import Credentials
+from towerflow.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 __all__ = [
     "TIMEOUT_ENV",
@@ -35,7 +51,11 @@ __all__ = [
     "exchange_addresses",
     "own_address",
     "same_host",
+    "sign_entry",
+    "open_entry",
 ]
+
+logger = logging.getLogger("towerflow.cluster")
 
 #: seconds a rank waits for every other rank's address in the store
 TIMEOUT_ENV = "TOWERFLOW_RENDEZVOUS_TIMEOUT"
@@ -52,6 +72,36 @@ def address_key(env: Mapping[str, str], rank: int) -> str:
     run = env.get("TORCHELASTIC_RUN_ID") or "none"
     restart = env.get("TORCHELASTIC_RESTART_COUNT") or "0"
     return f"towerflow/{run}/restart{restart}/address/{rank}"
+
+
+def _entry_mac(secret: bytes, key: str, address: str) -> str:
+    return hmac.new(secret, f"rendezvous\n{key}\n{address}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign_entry(secret: bytes | None, key: str, address: str) -> str:
+    """The store value of ``address`` under ``key``: ``"<address> <mac>"``, or the bare address
+    without a secret."""
+    return address if not secret else f"{address} {_entry_mac(secret, key, address)}"
+
+
+def open_entry(secret: bytes | None, key: str, value: str, where: str = "the store") -> str:
+    """The address in a store ``value``, its MAC checked when there is a secret.
+
+    Raises:
+        UnauthenticatedError: with a secret, the entry carries no MAC or a wrong one.
+    """
+    if not secret:
+        return value
+    address, _, mac = value.partition(" ")
+    if not hmac.compare_digest(_entry_mac(secret, key, address).encode(), mac.encode()):
+        shown = value[:80] + ("..." if len(value) > 80 else "")
+        raise UnauthenticatedError(
+            f"the address {shown!r} under {key} in {where} is not signed with this cluster's "
+            "secret (someone without the secret wrote it, or the task holds another secret); "
+            "refusing it. Give every rank the same cluster secret (TOWERFLOW_SECRET_FILE) and "
+            "let only the job's ranks reach the store."
+        )
+    return address
 
 
 def format_address(host: str, port: int) -> str:
@@ -113,16 +163,23 @@ def exchange_addresses(env: Mapping[str, str], rank: int, world: int, address: s
     Raises:
         UnavailableError: the store does not answer.
         DeadlineExceededError: some ranks published no address in time (named).
+        UnauthenticatedError: with a cluster secret, an address in the store is
+            not signed with it.
     """
     import torch.distributed as dist
 
+    secret = Credentials.from_env(env).secret
+    if not secret:
+        logger.warning("the addresses in torchrun's rendezvous store cannot be authenticated "
+                       "without a cluster secret: whoever reaches the store can redirect this "
+                       "rank's calls; set TOWERFLOW_SECRET_FILE on every rank.")
     seconds = _timeout(env) if timeout_s is None else timeout_s
     host, port = env.get("MASTER_ADDR") or "localhost", int(env.get("MASTER_PORT") or 0)
     where = f"torchrun's rendezvous store at {format_address(host, port)}"
     try:
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=seconds))
-        store.set(address_key(env, rank), address)
+        store.set(address_key(env, rank), sign_entry(secret, address_key(env, rank), address))
     except RuntimeError as exc:
         raise UnavailableError(
             f"{where} does not answer ({exc}); start this process with torchrun, or set "
@@ -139,7 +196,8 @@ def exchange_addresses(env: Mapping[str, str], rank: int, world: int, address: s
                 f"{address_key(env, missing[0])}...) within {seconds:g} s; start every node's "
                 f"torchrun with the same towerflow program, or raise {TIMEOUT_ENV}."
             ) from None
-    return [store.get(key).decode() for key in keys]
+    return [open_entry(secret, key, store.get(key).decode(errors="replace"), where)
+            for key in keys]
 
 
 def _ips(host: str) -> set[str]:

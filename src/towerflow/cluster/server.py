@@ -185,7 +185,8 @@ class Server:
                 return
             hosted = self._host_services()
             handlers = [h for _, service_handlers in hosted for h in service_handlers]
-            interceptors: list[grpc.ServerInterceptor] = []
+            # health first: answered without credentials, bounded apart from the training calls
+            interceptors: list[grpc.ServerInterceptor] = [self.health.gate()]
             warnings = RateLimitedLog(logger, self.options.warning_interval)
             if self.credentials.secret:
                 self._auth = AuthInterceptor(

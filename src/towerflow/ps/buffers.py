@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from towerflow.errors import DataLossError
+from towerflow.errors import DataLossError, ResourceExhaustedError
 
-__all__ = ["all_finite", "first_nonfinite", "receive_into", "PayloadCutOff", "tune_malloc",
-           "keep_free_heap", "release_free_memory", "CHECK_BLOCK", "ITEM"]
+__all__ = ["all_finite", "first_nonfinite", "scan_gradient", "receive_into", "PayloadCutOff", "tune_malloc",
+           "keep_free_heap", "release_free_memory", "check_free_memory", "CHECK_BLOCK", "ITEM"]
 
 #: bytes of one element: every buffer on the ps wire is float32
 ITEM = 4
@@ -104,6 +104,29 @@ def first_nonfinite(values: np.ndarray, zeros: np.ndarray | None = None) -> int 
     return None
 
 
+def scan_gradient(values: np.ndarray, zeros: np.ndarray) -> tuple[int | None, float]:
+    """``(index of the first NaN / inf of values or None, sum of their squares)`` in one pass.
+
+    Each block's dot product with itself is finite when the block is, so it
+    gives the squares' sum (``sqrt`` of it bounds every ``|value|``) at the
+    cost of :func:`first_nonfinite`'s scan; a block whose squares overflow is
+    scanned again to tell a NaN / inf from large finite values (the sum is
+    then ``inf``: no bound).
+    """
+    total = 0.0
+    for start in range(0, values.size, zeros.size):
+        block = values[start:start + zeros.size]
+        with np.errstate(invalid="ignore", over="ignore"):
+            squares = float(np.dot(block, block))
+        if not math.isfinite(squares):
+            bad = first_nonfinite(block, zeros)
+            if bad is not None:
+                return start + bad, math.inf
+            squares = math.inf
+        total += squares
+    return None, total
+
+
 def tune_malloc(*, one_arena: bool = False) -> bool:
     """Make glibc's malloc reuse chunk-sized blocks instead of mapping fresh pages.
 
@@ -153,3 +176,19 @@ def release_free_memory() -> None:
     """Return malloc's free heap to the system (``malloc_trim``; after :func:`tune_malloc`)."""
     if _tuned:
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def check_free_memory(nbytes: int, what: str) -> None:
+    """Raise before ``what`` allocates ``nbytes`` when the machine has not that much available.
+
+    Raises:
+        ResourceExhaustedError: naming both sizes and the way out.
+    """
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise ResourceExhaustedError(
+            f"{what} needs {nbytes / 2**20:.0f} MiB but only {available / 2**20:.0f} MiB are "
+            "available; add ps tasks or use a larger machine."
+        )

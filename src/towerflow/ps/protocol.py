@@ -47,10 +47,11 @@ The call sequence by role:
    no task of its own in it) joins a running ``async`` job: after ``Status``
    says every shard is initialised it calls ``Join`` on ps task 0, which
    gives it a worker id from :data:`ELASTIC_BASE` up (counted up, never a
-   replica's and never given twice by one ps task), then ``Join`` with that
-   id on every other ps task; then ``Pull``, ``Push`` / ``PushPull`` as a
-   worker, and ``Done`` when it leaves (its id is retired: a later push from
-   it is refused). Each shard admits at most
+   replica's and never given twice by one ps task) and the id's random
+   ticket, then ``Join`` with that id and ticket on every other ps task
+   (which asks ps task 0 to confirm them); then ``Pull``, ``Push`` /
+   ``PushPull`` as a worker, and ``Done`` with the ticket when it leaves (its
+   id is retired: a later push from it is refused). Each shard admits at most
    ``AggregationConfig.max_elastic_workers`` at once. A sync or ssp shard
    refuses ``Join``: its steps and bound count a fixed set of replicas. The
    job's end is the replicas' (every replica's ``Done``): a ps task does not

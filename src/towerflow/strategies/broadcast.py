@@ -12,6 +12,12 @@ it through ``torch.distributed.broadcast`` and nothing pickled:
 2. the tensors' bytes, one after the other in one ``uint8`` buffer, split and
    viewed as their dtypes and shapes on arrival.
 
+A receiving replica checks what it is sent before it allocates anything: the
+header's length (at most :data:`MAX_HEADER_BYTES`), UTF-8 JSON nested at most
+:data:`MAX_DEPTH` deep, exactly the fields above with their types,
+non-negative shapes, and a total of tensor bytes the machine has memory for;
+anything else is one ``DataLossError`` naming what is wrong.
+
 Example (inside an initialised process group)::
 
     ckpt = broadcast_checkpoint(manager.restore() if rank == 0 else None, rank=rank,
@@ -21,6 +27,7 @@ Example (inside an initialised process group)::
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,10 +36,72 @@ import torch
 import torch.distributed as dist
 
 from towerflow.checkpoint import Checkpoint
+from towerflow.checkpoint.files import json_depth_exceeds
 from towerflow.checkpoint.format import dtype_name
-from towerflow.errors import AbortedError, FailedPreconditionError, TowerflowError
+from towerflow.errors import AbortedError, DataLossError, FailedPreconditionError, TowerflowError
 
-__all__ = ["broadcast_checkpoint", "share_read"]
+__all__ = ["broadcast_checkpoint", "share_read", "MAX_HEADER_BYTES", "MAX_DEPTH"]
+
+#: longest checkpoint header a replica accepts (metadata and the tensors' names and shapes)
+MAX_HEADER_BYTES = 64 << 20
+#: deepest nesting of the header's JSON (the checkpoint's metadata included)
+MAX_DEPTH = 64
+
+
+def _refuse(src: int, what: str) -> DataLossError:
+    return DataLossError(
+        f"the checkpoint header replica {src} sent is malformed: {what[:300]}; nothing was "
+        "allocated. Run the same towerflow on every replica and start them again."
+    )
+
+
+def _checked_size(size: int, src: int) -> int:
+    """The header length replica ``src`` announced, if it is one to allocate."""
+    if not 0 <= size <= MAX_HEADER_BYTES:
+        raise _refuse(src, f"its length is {size} bytes, not 0 .. {MAX_HEADER_BYTES}")
+    return size
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def parse_header(data: bytes, src: int = 0) -> dict[str, Any]:
+    """The header replica ``src`` sent, checked: ``{"error": str}`` or ``{"checkpoint": None |
+    {"path": str, "step": int, "metadata": dict, "tensors": [[group, name, dtype, shape]...]}}``.
+
+    Raises:
+        DataLossError: anything else (not UTF-8, not JSON, nested too deep,
+            a field missing or of another type, a negative dimension).
+    """
+    if json_depth_exceeds(data, MAX_DEPTH):
+        raise _refuse(src, f"it is nested more than {MAX_DEPTH} levels deep")
+    try:
+        header = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _refuse(src, "it is not UTF-8") from None
+    except ValueError as exc:
+        raise _refuse(src, f"it is not JSON ({exc})") from None
+    if not isinstance(header, dict) or set(header) not in ({"error"}, {"checkpoint"}):
+        raise _refuse(src, "it is not an object with exactly 'error' or 'checkpoint'")
+    if "error" in header:
+        if not isinstance(header["error"], str):
+            raise _refuse(src, "its 'error' is not a string")
+        return header
+    found = header["checkpoint"]
+    if found is None:
+        return header
+    if not (isinstance(found, dict) and set(found) == {"path", "step", "metadata", "tensors"}
+            and isinstance(found["path"], str) and type(found["step"]) is int
+            and isinstance(found["metadata"], dict) and isinstance(found["tensors"], list)):
+        raise _refuse(src, "its 'checkpoint' is not an object of path, step, metadata and tensors")
+    for i, entry in enumerate(found["tensors"]):
+        if not (isinstance(entry, list) and len(entry) == 4
+                and all(isinstance(x, str) for x in entry[:3]) and isinstance(entry[3], list)
+                and len(entry[3]) <= 32 and all(_is_count(d) for d in entry[3])):
+            raise _refuse(src, f"tensor entry {i} is not [group, name, dtype, shape of "
+                               "non-negative integers]")
+    return header
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -71,9 +140,20 @@ def _send_bytes(data: bytes | None, src: int, device: torch.device) -> bytes:
     size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, src)
     buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-              if data is not None else torch.empty(int(size), dtype=torch.uint8, device=device))
+              if data is not None else
+              torch.empty(_checked_size(int(size), src), dtype=torch.uint8, device=device))
     dist.broadcast(buffer, src)
     return buffer.cpu().numpy().tobytes()
+
+
+def _check_memory(nbytes: int, src: int) -> None:
+    """Refuse a tensor total this machine has not the memory for (twice: buffer and copies)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if 2 * nbytes > available:
+        raise _refuse(src, f"its tensors add up to {nbytes:,} bytes, more than half of the "
+                           f"{available:,} bytes available here")
 
 
 def _as_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -85,8 +165,10 @@ def _send_tensors(ckpt: Checkpoint | None, layout: list[list[Any]], src: int,
     """Every tensor of ``layout`` in one broadcast buffer; the groups on every replica."""
     specs = [(group, name, _dtype(dtype), torch.Size(shape)) for group, name, dtype, shape
              in layout]
-    sizes = [shape.numel() * torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
              for _, _, dtype, shape in specs]
+    if ckpt is None:
+        _check_memory(sum(sizes), src)
     if ckpt is not None:
         parts = [_as_bytes(t, device) for _, _, t in _entries(ckpt)]
         buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
@@ -119,7 +201,8 @@ def broadcast_checkpoint(ckpt: Checkpoint | None, *, rank: int, device: torch.de
     """
     sender = rank == src
     text = json.dumps(_header(ckpt, error)).encode() if sender else None
-    header = json.loads(_send_bytes(text, src, device).decode())
+    received = _send_bytes(text, src, device)
+    header = json.loads(received) if sender else parse_header(received, src)
     if "error" in header:
         if sender and error is not None:
             raise error

@@ -143,20 +143,30 @@ def table_weights(ckpt: Any, model: nn.Module) -> dict[str, torch.Tensor]:
             parts do not cover its rows.
     """
     from towerflow.errors import CheckpointError
-    from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
+    from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, TABLES_KEY, checked_parts
 
     reader = ckpt.chunked.get(TABLES_GROUP)
     if reader is None:
         return {}
+    saved = (ckpt.metadata or {}).get(TABLES_KEY)
+    if saved is None:
+        raise CheckpointError(f"{ckpt.path} holds sparse table parts but its metadata has no "
+                              f"{TABLES_KEY!r} describing them; restore an earlier checkpoint.")
     params = dict(model.named_parameters())
     weights: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = {}
-    for info, tensors in reader.parts():
+    for info, tensors in checked_parts(reader, saved):
         key = f"{info['table']}.weight"
         if key not in params:
             raise CheckpointError(
                 f"{ckpt.path} holds table {info['table']!r}, which is no table of "
                 f"{type(model).__name__}; evaluate it with the model that trained it.")
+        shape = [saved[info["table"]]["num_rows"], saved[info["table"]]["dim"]]
+        if list(params[key].shape) != shape:
+            raise CheckpointError(
+                f"{ckpt.path} holds table {info['table']!r} of {shape[0]} x {shape[1]} rows, "
+                f"but {type(model).__name__}'s is {list(params[key].shape)}; evaluate it with "
+                "the model that trained it.")
         if key not in weights:
             weights[key] = torch.empty_like(params[key], device="cpu")
         weights[key].index_copy_(0, tensors["ids"], tensors["rows"].to(weights[key].dtype))

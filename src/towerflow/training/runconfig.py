@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import difflib
 import json
+import reprlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from towerflow.checkpoint.files import json_depth_exceeds
 from towerflow.errors import DataLossError, InvalidArgumentError, NotFoundError
 
 __all__ = ["RUN_FILE", "MAY_CHANGE", "PER_RUN", "read_settings_file", "normalize_settings",
            "save_run_settings", "load_run_settings", "resume_conflicts", "conflict_message",
-           "holds_checkpoint"]
+           "holds_checkpoint", "quoted", "MAX_DEPTH"]
 
 #: the record of a run's resolved settings, in its train dir
 RUN_FILE = "run.yaml"
@@ -51,13 +53,66 @@ PER_RUN = frozenset({
     "train_dir", "device", "no_progress", "log_device_placement", "backend", "bind", "join",
 })
 
+#: deepest nesting of lists and mappings a settings file may hold
+MAX_DEPTH = 32
+#: characters of a bad value an error message quotes
+_QUOTED = 80
+
 _HEADER = ("# towerflow train's resolved settings of the run in this directory.\n"
            "# A resumed run checks them; `towerflow eval` takes its model and data from them;\n"
            "# `towerflow train --config run.yaml` runs with them again.\n")
 
 
+def quoted(value: Any, limit: int = _QUOTED) -> str:
+    """``repr(value)`` cut to ``limit`` characters (``...`` marks the cut), for messages.
+
+    Example:
+        >>> quoted("x" * 100, 12), quoted(list(range(100)))
+        ("'xxx...xxxx'", '[0, 1, 2, 3, 4, 5, 6, 7, ...]')
+    """
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = limit
+    short.maxlist = short.maxdict = short.maxtuple = short.maxset = 8
+    short.maxlevel = 3
+    text = short.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _strict_loader() -> type:
+    """YAML's safe loader without aliases and with at most :data:`MAX_DEPTH` levels of nesting.
+
+    An alias repeats a node without its bytes ("billion laughs": 300 bytes
+    that expand to gigabytes); a settings file never needs one.
+    """
+    import yaml
+
+    class Strict(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"an alias (*{event.anchor[:40]}) repeats another node; settings "
+                    "files may not use anchors and aliases, write the value out", event.start_mark)
+            if self.depth >= MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"values are nested more than {MAX_DEPTH} levels deep",
+                    self.peek_event().start_mark)
+            self.depth += 1
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    return Strict
+
+
 def read_settings_file(path: str | Path) -> dict[str, Any]:
     """The mapping a YAML (``.yaml``, ``.yml``) or JSON (``.json``) settings file holds.
+
+    YAML anchors and aliases are refused, and so is nesting deeper than
+    :data:`MAX_DEPTH`; messages quote at most a short prefix of a bad value.
 
     Raises:
         NotFoundError: there is no file at ``path``.
@@ -70,13 +125,27 @@ def read_settings_file(path: str | Path) -> dict[str, Any]:
         raise NotFoundError(f"Settings file {str(path)!r} does not exist; pass the path of a "
                             "YAML or JSON file (--config run.yaml).")
     text = path.read_text()
+    kind = "JSON" if path.suffix == ".json" else "YAML"
     try:
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if kind == "JSON":
+            if json_depth_exceeds(text.encode(), MAX_DEPTH):
+                raise ValueError(f"values are nested more than {MAX_DEPTH} levels deep")
+            raw = json.loads(text)
+        else:
+            loader = _strict_loader()(text)  # YAML's safe loader, stricter
+            try:
+                raw = loader.get_single_data()
+            finally:
+                loader.dispose()
+    except RecursionError:
+        raise InvalidArgumentError(
+            f"{str(path)!r} is not valid {kind}: values are nested more than {MAX_DEPTH} levels "
+            "deep; fix it or pass another --config.") from None
     except (ValueError, yaml.YAMLError) as exc:
         raise InvalidArgumentError(
-            f"{str(path)!r} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-            f"{' '.join(str(exc).split())}; fix it or pass another --config."
-        ) from exc
+            f"{str(path)!r} is not valid {kind}: {' '.join(str(exc).split())[:400]}; "
+            "fix it or pass another --config."
+        ) from None
     if raw is None:
         return {}
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
@@ -103,12 +172,12 @@ def normalize_settings(raw: Mapping[str, Any], known: Iterable[str],
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise InvalidArgumentError(
-                f"{source}: unknown setting {name!r}; {hint}known settings: "
+                f"{source}: unknown setting {quoted(name)}; {hint}known settings: "
                 f"{', '.join(known)}."
             )
         if key in settings:
             raise InvalidArgumentError(f"{source}: setting {key!r} is given twice "
-                                       f"(as {key!r} and {name!r}); keep one.")
+                                       f"(as {key!r} and {quoted(name)}); keep one.")
         settings[key] = value
     return settings
 

@@ -8,9 +8,13 @@ but has no task of its own in the ``ClusterSpec``. It joins a running
 - **ids**: ps task 0 gives each joining worker the next id counted up from
   :data:`~towerflow.ps.protocol.ELASTIC_BASE` (ids below it are the
   cluster's replicas, so the two never clash, and one ps task never gives
-  an id twice); the worker then names that id in its ``Join`` to every other
-  ps task. A ``Join`` sent again (its reply was lost) is answered with the
-  same id.
+  an id twice), with a random 128-bit ticket; the worker then names that id
+  and ticket in its ``Join`` to every other ps task, which admits an id it
+  does not hold only once ps task 0 confirms that it gave it, with that
+  ticket, to that worker (a ``Join`` naming the id at ps task 0, which
+  refuses any id it did not give). A ``Join`` sent again (its reply was
+  lost) is answered with the same id. No ``Join`` moves ps task 0's count
+  but its own giving, so no id named by a caller can use the ids up.
 - **bounded**: a shard admits at most ``max_elastic_workers`` (the chief's
   :class:`~towerflow.ps.protocol.AggregationConfig`) at once. A member that
   has sent nothing for :data:`EXPIRY_SECONDS` (it died without ``Done``)
@@ -18,8 +22,9 @@ but has no task of its own in the ``ClusterSpec``. It joins a running
 - **only async**: a sync step averages a fixed number of replicas' gradients
   and the ssp bound waits for a fixed set of replicas, so their shards refuse
   ``Join``.
-- **leaving**: ``Done`` retires the id: a later push from it is refused, as a
-  push from an id that never joined is. The shard remembers the newest
+- **leaving**: ``Done`` carrying the id's ticket retires the id (a ``Done``
+  without it is refused, so no worker stops another): a later push from it
+  is refused, as a push from an id that never joined is. The shard remembers the newest
   :data:`RETIRED_KEPT` retired members for the live view.
 
 The job's end is not theirs: a ps task ends when the cluster's replicas
@@ -33,16 +38,19 @@ Example:
     >>> member, count = members.join(pb.JoinRequest(name="spare:42"), AggregationConfig())
     >>> member.worker_id, count, member.worker_id in members
     (1048576, 1, True)
-    >>> members.leave(member.worker_id), member.worker_id in members
+    >>> members.leave(member.worker_id, member.ticket), member.worker_id in members
     (True, False)
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from towerflow.errors import (
@@ -52,7 +60,7 @@ from towerflow.errors import (
 )
 from towerflow.ps.protocol import ELASTIC_BASE, ELASTIC_LIMIT, AggregationConfig, bounded
 
-__all__ = ["ElasticMembers", "Member", "EXPIRY_SECONDS", "RETIRED_KEPT"]
+__all__ = ["ElasticMembers", "Member", "EXPIRY_SECONDS", "RETIRED_KEPT", "confirm_with_task0"]
 
 #: a member silent this long gives its place up when a Join needs it
 EXPIRY_SECONDS = 300.0
@@ -86,6 +94,7 @@ class Member:
     joined: float
     last_seen: float
     left: str = ""
+    ticket: bytes = field(default=b"", repr=False)
 
 
 class ElasticMembers:
@@ -94,11 +103,16 @@ class ElasticMembers:
     Args:
         shard_index: this ps task's index (task 0 gives the ids).
         expiry: seconds of silence after which a member gives its place up.
+        confirm: on a ps task other than 0, ``confirm(request)`` asks ps task 0
+            whether it gave the request's id and ticket to that worker (raises
+            when not); without it such a task admits no id it does not hold.
     """
 
-    def __init__(self, shard_index: int, expiry: float = EXPIRY_SECONDS) -> None:
+    def __init__(self, shard_index: int, expiry: float = EXPIRY_SECONDS,
+                 confirm: Callable[[Any], None] | None = None) -> None:
         self.shard_index = shard_index
         self.expiry = expiry
+        self.confirm = confirm
         self._lock = threading.Lock()
         self._next = ELASTIC_BASE
         self._members: dict[int, Member] = {}
@@ -146,17 +160,42 @@ class ElasticMembers:
                 f"mode, where {_WHY_FIXED[config.mode]} (total_num_replicas="
                 f"{config.total_num_replicas}), so workers cannot come and go. Add the worker to "
                 "the cluster as a task and restart the job, or train the job with mode='async'.")
+        with self._lock:
+            known = self._again(request, name) is not None
+        if not known and request.worker_id != 0:
+            self._confirmed(request, name)  # outside the lock: a call to ps task 0
         now = time.monotonic()
         with self._lock:
             member = self._again(request, name)
             if member is None:
                 worker_id = self._new_id(request.worker_id, name)
                 self._make_room(config.max_elastic_workers, name, now)
-                member = Member(worker_id, name, int(request.incarnation), now, now)
+                ticket = secrets.token_bytes(16) if request.worker_id == 0 else request.ticket
+                member = Member(worker_id, name, int(request.incarnation), now, now,
+                                ticket=ticket)
                 self._members[worker_id] = member
-                self._next = max(self._next, worker_id + 1)
+                if request.worker_id == 0:
+                    self._next += 1
             member.last_seen = now
             return member, len(self._members)
+
+    def _confirmed(self, request: Any, name: str) -> None:
+        """Raise unless ps task 0 confirms it gave ``request``'s id and ticket to this worker."""
+        worker_id = int(request.worker_id)
+        if not ELASTIC_BASE <= worker_id < ELASTIC_LIMIT:
+            return  # refused by _new_id with the range
+        if self.shard_index == 0 or self.confirm is None:
+            raise InvalidArgumentError(
+                f"Join of elastic worker {name!r} as {worker_id} was refused: ps task "
+                f"{self.shard_index} did not give that id (or it was given to another worker, "
+                "or left); ask ps task 0 for an id (worker_id 0).")
+        try:
+            self.confirm(request)
+        except Exception as exc:  # noqa: BLE001 - any failure to confirm is a refusal
+            raise InvalidArgumentError(
+                f"Join of elastic worker {name!r} as {worker_id} was refused: ps task 0 did not "
+                f"confirm that it gave this id and ticket to this worker ({bounded(str(exc), 300)});"
+                " ask ps task 0 for an id (worker_id 0) and name it with its ticket.") from None
 
     def seen(self, worker_id: int) -> None:
         """A member pushed (keeps it from expiring); no-op for another id."""
@@ -164,12 +203,22 @@ class ElasticMembers:
         if member is not None:
             member.last_seen = time.monotonic()
 
-    def leave(self, worker_id: int, how: str = "done") -> bool:
-        """Retire member ``worker_id`` (its ``Done``); False when it is no member."""
+    def leave(self, worker_id: int, ticket: bytes, how: str = "done") -> bool:
+        """Retire member ``worker_id`` (its ``Done``, with its ticket); False when it is no member.
+
+        Raises:
+            InvalidArgumentError: ``ticket`` is not the member's (another worker's ``Done``).
+        """
         with self._lock:
-            member = self._members.pop(worker_id, None)
+            member = self._members.get(worker_id)
             if member is None:
                 return False
+            if not hmac.compare_digest(member.ticket, bytes(ticket)):
+                raise InvalidArgumentError(
+                    f"Done for elastic worker {worker_id} ({member.name!r}) was refused: it does "
+                    "not carry the ticket ps task 0 gave that worker, so it is not that worker's; "
+                    "a worker says Done for its own id only.")
+            del self._members[worker_id]
             self._retire(member, how)
             return True
 
@@ -182,11 +231,13 @@ class ElasticMembers:
                          if m.name == name and m.incarnation == incarnation), None)
         held = self._members.get(worker_id)
         if held is not None:
-            if (held.name, held.incarnation) == (name, incarnation):
+            if ((held.name, held.incarnation) == (name, incarnation)
+                    and hmac.compare_digest(held.ticket, bytes(request.ticket))):
                 return held
             raise InvalidArgumentError(
                 f"Join of elastic worker {name!r} as {worker_id} was refused: that id is held by "
-                f"elastic worker {held.name!r}; ask ps task 0 for an id (worker_id 0).")
+                f"elastic worker {held.name!r} (its name, incarnation and ticket must match); "
+                "ask ps task 0 for an id (worker_id 0).")
         if worker_id in self._left:
             raise InvalidArgumentError(
                 f"Join of elastic worker {name!r} as {worker_id} was refused: worker {worker_id} "
@@ -242,3 +293,24 @@ def _check_name(name: str) -> str:
             f"Join needs the worker's name for the live view (printable, e.g. host:pid), got "
             f"{bounded(repr(name), 100)}.")
     return name[:_NAME_LIMIT]
+
+
+def confirm_with_task0(channel: Callable[[], Any], timeout: float = 10.0) -> Callable[[Any], None]:
+    """The ``confirm`` of a ps task other than 0: a ``Join`` naming the id, sent to ps task 0.
+
+    Ps task 0 answers it only for an id it gave, to the same name, incarnation
+    and ticket (see :meth:`ElasticMembers.join`); ``channel()`` gives an
+    authenticated channel to it.
+    """
+
+    def confirm(request: Any) -> None:
+        from towerflow.cluster.transport import unary
+        from towerflow.ps import ps_pb2 as pb
+        from towerflow.ps.protocol import method_path, parse_message
+
+        data = unary(channel(), method_path("Join"), request.SerializeToString(), timeout=timeout)
+        reply = parse_message(pb.JoinReply, data, "JoinReply")
+        if reply.worker_id != request.worker_id:
+            raise InvalidArgumentError(f"ps task 0 answered with id {reply.worker_id}")
+
+    return confirm

@@ -24,6 +24,7 @@ from towerflow.cluster import Server, ServerOptions
 from towerflow.cluster.heartbeat import HeartbeatMonitor
 from towerflow.cluster.server import stop_on_signals_from_now
 from towerflow.ps.server.dense.service import PSService, _worker_describer, replica_task
+from towerflow.ps.server.elastic import confirm_with_task0
 from towerflow.ps.server.lifecycle import JobLifecycle, peer_describer
 
 __all__ = ["ShardHost", "run_ps_task"]
@@ -66,7 +67,9 @@ class ShardHost:
         self.service = PSService(server.task.task_index,
                                  describe_worker=_worker_describer(server.cluster, self.monitor),
                                  on_worker_done=self._worker_done, replicas=replicas or None,
-                                 describe_peer=peer_describer(server.cluster, self.monitor))
+                                 describe_peer=peer_describer(server.cluster, self.monitor),
+                                 confirm_join=None if server.task.task_index == 0 else
+                                 confirm_with_task0(lambda: server.channel("ps", 0)))
         self.lifecycle = JobLifecycle(server, self.service, self.monitor)
 
     def _worker_done(self, replica: int) -> None:

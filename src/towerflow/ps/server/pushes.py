@@ -16,7 +16,14 @@ start time in nanoseconds) and the push's number within the incarnation. A
 - a push cut off before it changed anything (cancelled, its payload short) is
   forgotten, so its retry is handled afresh while older pushes stay answered;
 - a push from a superseded incarnation is refused, naming both incarnations;
-- the table is small (one row per replica) and travels with the checkpoint
+- a push from an incarnation more than :data:`INCARNATION_AHEAD_NS` ahead of
+  this ps's clock is refused and remembers nothing (an incarnation is a start
+  time: no honest worker starts in the future), so no push, even one signed
+  with the cluster secret, can claim an incarnation that no honest restart
+  would ever exceed. A row with such an incarnation in a checkpoint is
+  dropped when it is read back;
+- the table is small (one row per replica, at most :data:`MAX_REPLICAS_TRACKED`:
+  a push from one more worker id is refused) and travels with the checkpoint
   (:meth:`PushTable.rows` / :meth:`PushTable.merge`), so a ps restarted from
   a checkpoint still refuses the retries of the pushes it had applied.
 
@@ -36,6 +43,8 @@ Example:
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -60,7 +69,16 @@ __all__ = [
     "Pending",
     "Lookup",
     "LIVENESS_SECONDS",
+    "INCARNATION_AHEAD_NS",
+    "MAX_REPLICAS_TRACKED",
 ]
+
+#: most worker ids a push table keeps a row for (the replicas and elastic workers of a job)
+MAX_REPLICAS_TRACKED = 4096
+
+#: how far (ns) a push's incarnation (its worker's start time) may be ahead of this ps's clock:
+#: the same bound as the clock skew a call's credentials tolerate (300 s)
+INCARNATION_AHEAD_NS = 300 * 10**9
 
 #: a push that waits (sync step, ssp bound, a retry of a push in progress; dense or rows)
 #: looks this often whether its call is still active, and stops waiting when it is not
@@ -85,11 +103,12 @@ class Lookup(NamedTuple):
     """What the table knows of a push.
 
     ``kind``: ``new`` (never seen), ``pending`` (in progress: ``pending``),
-    ``done`` (answered: ``outcome``) or ``superseded`` (``message`` says by
-    which incarnation).
+    ``done`` (answered: ``outcome``), ``superseded`` (``message`` says by
+    which incarnation) or ``refused`` (an incarnation ahead of the clock:
+    ``message``).
     """
 
-    kind: str
+    kind: str  # new, pending, done, superseded or refused
     pending: Pending | None = None
     outcome: PushOutcome | None = None
     message: str = ""
@@ -98,15 +117,31 @@ class Lookup(NamedTuple):
 class PushTable:
     """``(worker, incarnation, seq)`` bookkeeping of one shard (see the module doc)."""
 
-    __slots__ = ("_replicas",)
+    __slots__ = ("_replicas", "_clock")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
         self._replicas: dict[int, _Replica] = {}
+        self._clock = clock
+
+    def _latest_incarnation(self) -> int:
+        return self._clock() + INCARNATION_AHEAD_NS
 
     def lookup(self, header: PushHeader, step: int = 0) -> Lookup:
         """Classify ``header``'s push (``step``: the shard's step, for a stale answer)."""
         rec = self._replicas.get(header.worker_id)
         if rec is None or header.incarnation > rec.incarnation:
+            if header.incarnation > self._latest_incarnation():
+                return Lookup("refused", message=(
+                    f"Push {header.seq} of worker {header.worker_id} comes from incarnation "
+                    f"{header.incarnation}, more than {INCARNATION_AHEAD_NS // 10**9} s ahead of "
+                    f"this ps's clock ({self._clock()} ns): an incarnation is the worker's start "
+                    "time; it was refused and not applied. Synchronise the clocks (NTP), or let "
+                    "the worker take its default incarnation."))
+            if rec is None and len(self._replicas) >= MAX_REPLICAS_TRACKED:
+                return Lookup("refused", message=(
+                    f"Push {header.seq} of worker {header.worker_id} was refused: this shard "
+                    f"already keeps the pushes of {MAX_REPLICAS_TRACKED} worker ids, its bound; "
+                    "push with the id of one of the job's replicas (or an elastic worker's)."))
             return Lookup("new")
         if header.incarnation < rec.incarnation:
             return Lookup("superseded", message=(
@@ -161,9 +196,18 @@ class PushTable:
                 for w, r in sorted(self._replicas.items())]
 
     def merge(self, rows: list[tuple[int, int, int, str]], step: int) -> None:
-        """Take in ``rows`` (from a checkpoint or a replaced shard); newer facts win."""
+        """Take in ``rows`` (from a checkpoint or a replaced shard); newer facts win.
+
+        A row whose incarnation is ahead of the clock (no honest push could have
+        made it) is dropped, so it cannot lock its replica out.
+        """
+        latest = self._latest_incarnation()
         for worker, incarnation, seq, status in rows:
+            if incarnation > latest:
+                continue
             rec = self._replicas.get(worker)
+            if rec is None and len(self._replicas) >= MAX_REPLICAS_TRACKED:
+                continue
             if rec is not None and (rec.incarnation, rec.done_seq) >= (incarnation, seq):
                 continue
             if rec is None or incarnation > rec.incarnation:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 from collections.abc import Callable, Container, Iterable, Iterator
 
 import numpy as np
@@ -148,38 +149,41 @@ class Aggregator(abc.ABC):
         return begun
 
     @contextlib.contextmanager
-    def _staged(self, header: PushHeader,
-                chunks: Iterable[bytes | memoryview]) -> Iterator[list[tuple[int, np.ndarray]]]:
-        """The whole payload as ``(first element, values)`` parts, each checked finite.
+    def _staged(self, header: PushHeader, chunks: Iterable[bytes | memoryview]
+                ) -> Iterator[tuple[list[tuple[int, np.ndarray]], float]]:
+        """The whole payload as ``(first element, values)`` parts, each checked finite, and a
+        bound of the gradient's magnitudes (the root of its squares' sum).
 
         The parts are read-only views of the received chunks (no copy); their
         bytes count against the shard's staging limit until the block ends.
         """
-        parts, held = self._receive(header, chunks)
+        parts, held, bound = self._receive(header, chunks)
         try:
-            yield parts
+            yield parts, bound
         finally:
             parts.clear()
             self.state.release(held)
 
     def _receive(self, header: PushHeader, chunks: Iterable[bytes | memoryview]
-                 ) -> tuple[list[tuple[int, np.ndarray]], int]:
-        """The whole payload as checked parts and the staging bytes they hold.
+                 ) -> tuple[list[tuple[int, np.ndarray]], int, float]:
+        """The whole payload as checked parts, the staging bytes they hold and a bound of its
+        magnitudes (the root of its squares' sum, from the same scan).
 
         On a bad or cut-off payload the bytes held so far are released and the
         error raised: nothing was applied.
         """
         state, who = self.state, self._who(header)
         parts: list[tuple[int, np.ndarray]] = []
-        held = 0
+        held, squares = 0, 0.0
 
         def keep(first: int, values: np.ndarray) -> None:
-            nonlocal held
+            nonlocal held, squares
             state.reserve(values.nbytes, who)
             held += values.nbytes
-            bad = state.find_nonfinite(values, base=first)
+            bad, part_squares = state.scan(values, base=first)
             if bad is not None:
                 raise InvalidArgumentError(state.nonfinite_message(header, bad))
+            squares += part_squares
             parts.append((first, values))
 
         try:
@@ -188,7 +192,7 @@ class Aggregator(abc.ABC):
             parts.clear()
             state.release(held)
             raise
-        return parts, held
+        return parts, held, math.sqrt(squares)
 
     @abc.abstractmethod
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
@@ -229,7 +233,9 @@ class _AsyncAggregator(Aggregator):
 
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
                 active: Callable[[], bool] | None) -> PushOutcome:
-        with self._staged(header, chunks) as parts:
+        with self._staged(header, chunks) as (parts, bound):
+            self.state.check_update(parts, header.lr, f"push {header.seq} of {self._who(header)}",
+                                    bound)
             self._before_apply(header)
             step = self.state.apply_parts(parts, header.lr)
         return PushOutcome(APPLIED, step)
@@ -254,13 +260,21 @@ class _AsyncAggregator(Aggregator):
         if isinstance(begun, PushOutcome):
             return self._reply(begun, chunk_bytes)
         try:
-            parts, held = self._receive(header, chunks)
+            parts, held, bound = self._receive(header, chunks)
         except (InvalidArgumentError, DataLossError) as exc:  # nothing was applied
             state.drop_push(header)
             return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc)))), ()
         except BaseException:
             state.drop_push(header)
             raise
+        try:
+            state.check_update(parts, header.lr, f"push {header.seq} of {self._who(header)}",
+                               bound)
+        except InvalidArgumentError as exc:  # nothing was applied
+            parts.clear()
+            state.release(held)
+            state.drop_push(header)
+            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc)))), ()
 
         def done(step: int) -> None:
             state.release(held)
@@ -326,7 +340,7 @@ class _SyncAggregator(Aggregator):
         with state.locked():
             if header.token != state.step:
                 return self._stale(header)
-        with self._staged(header, chunks) as parts, state.locked():
+        with self._staged(header, chunks) as (parts, _), state.locked():
             if header.token != state.step:  # the step was applied while this arrived
                 return self._stale(header)
             if header.worker_id not in self._counted:  # a replica counts once per step
@@ -357,6 +371,12 @@ class _SyncAggregator(Aggregator):
     def _complete(self) -> None:
         """Average and apply the step's sum; answer its pushes (caller holds the shard's lock)."""
         self._acc *= np.float32(1.0 / len(self._counted))
+        try:
+            self.state.check_update([(0, self._acc)], self._lr, "the step's averaged gradient")
+        except InvalidArgumentError as exc:  # the step is not applied; its pushes are answered
+            self._answer(PushOutcome(VOIDED, self.state.step,
+                                     bounded(f"step {self.state.step} was not applied: {exc}")))
+            return
         step = self.state.apply(self._acc, self._lr)
         self._answer(PushOutcome(APPLIED, step))
 

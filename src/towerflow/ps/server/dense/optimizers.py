@@ -42,6 +42,16 @@ def canonical_name(name: str, momentum: float = 0.0) -> str:
     """The optimizer ``name`` runs as (``sgd`` with momentum is ``momentum``)."""
     return "momentum" if name == "sgd" and momentum else name
 _BLOCK = 1 << 16  # elements per block: 256 KiB of float32, cache friendly
+#: the largest magnitude an update may bring a parameter or slot to: a quarter of float32's
+#: range, so that updates applied side by side (streamed pushes) cannot overflow either
+RESULT_LIMIT = float(np.finfo(np.float32).max) / 4
+
+
+def absmax(values: np.ndarray) -> float:
+    """The largest magnitude in ``values`` (NaN when it holds one; two reductions, no copy)."""
+    if not values.size:
+        return 0.0
+    return max(float(values.max()), -float(values.min()))
 
 
 def _blocks(n: int) -> Iterator[slice]:
@@ -59,7 +69,7 @@ class ServerOptimizer:
     """
 
     __slots__ = ("name", "numel", "momentum", "weight_decay", "beta1", "beta2", "eps",
-                 "initial_accumulator_value", "slots", "step", "_scratch", "_decayed")
+                 "initial_accumulator_value", "slots", "step", "_scratch", "_decayed", "_maxima")
 
     def __init__(self, name: str, numel: int, *, momentum: float = 0.0,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
@@ -78,6 +88,8 @@ class ServerOptimizer:
         self.eps = float(eps)
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.step = 0
+        #: upper bounds of the buffers' magnitudes after the updates checked so far
+        self._maxima: dict[str, float] | None = None
         self._scratch = np.empty(min(numel, _BLOCK), np.float32)
         self._decayed = np.empty(min(numel, _BLOCK) if weight_decay else 0, np.float32)
         given = dict(slots or {})
@@ -111,6 +123,51 @@ class ServerOptimizer:
                 )
             buf[...] = value.reshape(-1)
         self.step = int(step)
+        self._maxima = None
+
+    def check_result(self, params: np.ndarray, grad_max: float, lr: float) -> float | None:
+        """Whether one more update can be applied without a non-finite parameter or slot.
+
+        Bounds the magnitude every parameter, slot and intermediate can reach
+        after an update with rate ``lr`` from gradients of magnitude at most
+        ``grad_max``, in float64, from upper bounds of the buffers' magnitudes
+        (kept from the previous checks, measured when none are kept or when the
+        kept ones are too loose). Under :data:`RESULT_LIMIT` the update is
+        accepted and its bounds kept (so updates checked one after the other and
+        applied side by side stay finite); else the bound is returned and
+        nothing is kept. Callers check one update at a time.
+        """
+        kept = self._maxima
+        for maxima in (kept, None) if kept is not None else (None,):
+            if maxima is None:
+                maxima = {"params": absmax(params),
+                          **{key: absmax(buf) for key, buf in self.slots.items()}}
+            after = self._bounds(maxima, grad_max, lr, self.step + 1)
+            worst = max(after.values())
+            if worst <= RESULT_LIMIT:  # False for NaN
+                after.pop("intermediate", None)
+                self._maxima = {**maxima, **after}
+                return None
+        return worst
+
+    def _bounds(self, cur: Mapping[str, float], grad_max: float, lr: float,
+                step: int) -> dict[str, float]:
+        p = cur["params"]
+        g = grad_max + self.weight_decay * p
+        if self.name == "sgd":
+            return {"params": p + lr * g}
+        if self.name == "momentum":
+            b = g if step == 1 else self.momentum * cur["momentum_buffer"] + g
+            return {"momentum_buffer": b, "params": p + lr * b}
+        if self.name == "adam":
+            m0 = cur["exp_avg"]
+            m = self.beta1 * m0 + (1.0 - self.beta1) * g
+            v = self.beta2 * cur["exp_avg_sq"] + (1.0 - self.beta2) * g * g
+            step_size = lr / (1.0 - self.beta1 ** step) * m / self.eps
+            return {"exp_avg": m, "exp_avg_sq": v, "params": p + step_size,
+                    "intermediate": max(g + m0, g * g)}
+        acc = cur["sum"] + g * g  # adagrad
+        return {"sum": acc, "params": p + lr * g / self.eps, "intermediate": g * g}
 
     def begin(self) -> int:
         """Count one more update and return its number (Adam's bias correction uses it).

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -28,10 +29,9 @@ from towerflow.errors import (
     AbortedError,
     FailedPreconditionError,
     InvalidArgumentError,
-    ResourceExhaustedError,
 )
 from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.buffers import receive_into, release_free_memory, tune_malloc
+from towerflow.ps.buffers import check_free_memory, receive_into, release_free_memory, tune_malloc
 from towerflow.ps.protocol import (
     APPLIED,
     CHUNK_BYTES,
@@ -56,17 +56,6 @@ __all__ = ["PSService", "replica_task"]
 logger = logging.getLogger("towerflow.ps")
 
 
-def _check_memory(nbytes: int, index: int) -> None:
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if nbytes > available:
-        raise ResourceExhaustedError(
-            f"Initialising ps shard {index} needs {nbytes / 2**20:.0f} MiB but only "
-            f"{available / 2**20:.0f} MiB are available; add ps tasks or use a larger machine."
-        )
-
-
 def _receive_buffers(plan: InitPlan, chunks: Iterator[bytes], index: int
                      ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The params and slot buffers of ``plan``, filled from the Init payload.
@@ -75,8 +64,9 @@ def _receive_buffers(plan: InitPlan, chunks: Iterator[bytes], index: int
     payload's bytes arrive and are written, never on the header's word.
     """
     numel = plan.layout.numel
-    _check_memory(plan.layout.nbytes * (2 + len(SLOT_NAMES[
-        canonical_name(plan.optimizer["name"], plan.optimizer["momentum"])])), index)
+    check_free_memory(plan.layout.nbytes * (2 + len(SLOT_NAMES[
+        canonical_name(plan.optimizer["name"], plan.optimizer["momentum"])])),
+        f"Initialising ps shard {index}")
     buffers = [np.empty(numel, np.float32) for _ in range(1 + len(plan.slots))]
     receive_into(None, chunks, plan.payload_elements, who="the chief's Init",
                  on_chunk=lambda first, values: _scatter(buffers, first, values))
@@ -137,6 +127,9 @@ class PSService:
             (default :func:`~towerflow.ps.server.dense.shard.default_staging_limit`).
         describe_peer: ``describe_peer(replica) -> (task, heartbeat,
             last_heartbeat_age)`` for the per-replica figures of ``Status``.
+        confirm_join: on a ps task other than 0, asks ps task 0 whether it gave
+            a joining elastic worker its id (see
+            :class:`~towerflow.ps.server.elastic.ElasticMembers`).
 
     Attributes:
         finished: replica -> how it finished ("" or its final checkpoint), from ``Done``.
@@ -153,10 +146,11 @@ class PSService:
                  describe_worker: Callable[[int], str] | None = None,
                  on_worker_done: Callable[[int], None] | None = None,
                  replicas: int | None = None, staging_bytes: int | None = None,
-                 describe_peer: Callable[[int], tuple[str, str, float]] | None = None) -> None:
+                 describe_peer: Callable[[int], tuple[str, str, float]] | None = None,
+                 confirm_join: Callable[[Any], None] | None = None) -> None:
         tune_malloc(one_arena=True)
         self.describe_peer = describe_peer
-        self.elastic = ElasticMembers(shard_index)
+        self.elastic = ElasticMembers(shard_index, confirm=confirm_join)
         self.workers = WorkerTable(replicas, self.elastic)
         self.finished: dict[int, str] = {}
         self.last_call = self._started = time.monotonic()
@@ -363,7 +357,8 @@ class PSService:
         logger.info("ps shard %d: elastic worker %d (%s) joined at step %s (%d elastic)",
                     self.shard_index, member.worker_id, member.name, current[0].step, count)
         return pb.JoinReply(worker_id=member.worker_id, step=current[0].step, members=count,
-                            max_elastic_workers=config.max_elastic_workers).SerializeToString()
+                            max_elastic_workers=config.max_elastic_workers,
+                            ticket=member.ticket).SerializeToString()
 
     def done(self, request: bytes) -> bytes:
         """A worker has finished: the shard stops waiting for it (sync and ssp).
@@ -373,7 +368,7 @@ class PSService:
         job's end does not wait for it).
         """
         req = parse_message(pb.DoneRequest, request, "DoneRequest")
-        if self.elastic.leave(req.worker_id):
+        if self.elastic.leave(req.worker_id, req.ticket):
             logger.info("ps shard %d: elastic worker %d left (%d elastic)", self.shard_index,
                         req.worker_id, len(self.elastic))
             return pb.Empty().SerializeToString()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -40,7 +41,7 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, keep_free_heap
+from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, keep_free_heap, scan_gradient
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.protocol import (
     APPLIED,
@@ -53,7 +54,7 @@ from towerflow.ps.protocol import (
     bounded,
 )
 from towerflow.ps.server.dense import checks
-from towerflow.ps.server.dense.optimizers import ServerOptimizer
+from towerflow.ps.server.dense.optimizers import RESULT_LIMIT, ServerOptimizer, absmax
 from towerflow.ps.server.dense.records import LedgerRecord, ShardFigures, ShardStats
 from towerflow.ps.server.pushes import LIVENESS_SECONDS, Pending, PushTable
 
@@ -289,7 +290,7 @@ class ShardState:
         with self._cond:
             while True:
                 found = self._table.lookup(header, self._step)
-                if found.kind == "superseded":
+                if found.kind in ("superseded", "refused"):
                     raise InvalidArgumentError(found.message)
                 if found.kind == "done":
                     self._stats.duplicates += 1
@@ -416,6 +417,42 @@ class ShardState:
         """
         bad = first_nonfinite(values, self._zeros)
         return None if bad is None else base + bad
+
+    def check_update(self, parts: Sequence[tuple[int, np.ndarray]], lr: float, who: str,
+                     grad_bound: float | None = None) -> None:
+        """Raise unless applying ``parts`` with ``lr`` keeps every parameter and slot finite.
+
+        ``grad_bound``: an upper bound of the gradient's magnitudes known already
+        (the root of its squares' sum, from :meth:`scan`); else it is measured.
+
+        Raises:
+            InvalidArgumentError: the update could overflow float32 (finite
+                inputs, non-finite result); nothing was applied.
+        """
+        def measured() -> float:
+            return max((absmax(values) for _, values in parts), default=0.0)
+
+        loose = grad_bound is not None and math.isfinite(grad_bound)
+        grad_max = grad_bound if loose else measured()
+        with self._apply_lock:
+            bound = self.optimizer.check_result(self.params, grad_max, lr)
+            if bound is not None and loose:  # the root of the squares' sum was too loose
+                grad_max = measured()
+                bound = self.optimizer.check_result(self.params, grad_max, lr)
+        if bound is not None:
+            raise InvalidArgumentError(
+                f"The update of {who} to ps shard {self.layout.index} (learning rate {lr:g}, "
+                f"largest gradient {grad_max:.3g}) could take a parameter or optimizer slot of "
+                f"{self.optimizer.name} to {bound:.3g}, past {RESULT_LIMIT:.3g} (float32 ends at "
+                "3.4e38); it was refused and nothing was applied. Lower the learning rate or "
+                "clip the gradients."
+            )
+
+    def scan(self, values: np.ndarray, base: int = 0) -> tuple[int | None, float]:
+        """:meth:`find_nonfinite` and the sum of the squares of ``values``, in one pass
+        (:func:`~towerflow.ps.buffers.scan_gradient`)."""
+        bad, squares = scan_gradient(values, self._zeros)
+        return (None if bad is None else base + bad), squares
 
     def nonfinite_message(self, header: PushHeader, index: int) -> str:
         """The refusal message for a NaN / inf at buffer ``index``."""

@@ -152,16 +152,35 @@ class SparseOptimizer(abc.ABC):
 
         Rows not in ``index`` and their slots are left untouched, bit for bit.
         The caller has validated ``index`` and ``grads``; ``lr`` and ``step`` are
-        checked here, before anything changes.
+        checked here, before anything changes. The new rows and slots are
+        computed apart and written only when every value is finite.
+
+        Raises:
+            InvalidArgumentError: the update would make a row or slot value
+                non-finite (finite inputs can overflow); nothing was changed.
         """
         lr, step = self.check_step(lr, step)
-        if index.numel():
-            self._apply(var, slots, index, grads, lr, step)
+        if not index.numel():
+            return
+        new = self._updated(var, slots, index, grads, lr, step)
+        for name, values in new.items():
+            if not bool(torch.isfinite(values.sum())) and not bool(torch.isfinite(values).all()):
+                bad = int((~torch.isfinite(values)).any(dim=1).nonzero()[0, 0])
+                where = "rows" if name == "var" else f"slot {name!r}"
+                raise InvalidArgumentError(
+                    f"{type(self).__name__}: the update with learning rate {lr:g} would make the "
+                    f"{where} of storage row {int(index[bad])} non-finite (largest gradient "
+                    f"{float(grads.abs().max()):.3g}); it was refused and nothing was applied. "
+                    "Lower the learning rate or clip the gradients."
+                )
+        for name, values in new.items():
+            (var if name == "var" else slots[name]).index_copy_(0, index, values)
 
     @abc.abstractmethod
-    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
-               grads: torch.Tensor, lr: float, step: int) -> None:
-        """The update itself (``index`` non-empty, ``lr`` and ``step`` checked)."""
+    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+                 grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
+        """The new values of rows ``index``: ``{"var": rows, slot: values, ...}`` (copies;
+        ``index`` non-empty, ``lr`` and ``step`` checked)."""
 
     def hyper(self) -> dict[str, float]:
         """The hyper-parameters by name."""
@@ -178,9 +197,9 @@ class SparseSGD(SparseOptimizer):
 
     name: ClassVar[str] = "sgd"
 
-    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
-               grads: torch.Tensor, lr: float, step: int) -> None:
-        var.index_add_(0, index, grads, alpha=-lr)
+    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+                 grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
+        return {"var": var.index_select(0, index).add_(grads, alpha=-lr)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,14 +226,12 @@ class SparseAdagrad(SparseOptimizer):
         SparseOptimizer.slot_initial_value(self, slot)
         return float(self.initial_accumulator_value)
 
-    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
-               grads: torch.Tensor, lr: float, step: int) -> None:
-        accum = slots["accumulator"]
-        acc = accum.index_select(0, index).addcmul_(grads, grads)
+    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+                 grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
+        acc = slots["accumulator"].index_select(0, index).addcmul_(grads, grads)
         scale = acc.rsqrt() if not self.epsilon else acc.sqrt().add_(self.epsilon).reciprocal_()
         rows = var.index_select(0, index).addcmul_(grads, scale, value=-lr)
-        accum.index_copy_(0, index, acc)
-        var.index_copy_(0, index, rows)
+        return {"accumulator": acc, "var": rows}
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +256,8 @@ class SparseLazyAdam(SparseOptimizer):
                     high_open=True)
         _number("SparseLazyAdam", "epsilon", self.epsilon, low=0.0)
 
-    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
-               grads: torch.Tensor, lr: float, step: int) -> None:
+    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+                 grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
         b1, b2 = float(self.beta1), float(self.beta2)
         # beta1_power / beta2_power as TensorFlow's accumulators hold them on update `step`
         alpha = lr * math.sqrt(1.0 - b2 ** step) / (1.0 - b1 ** step)
@@ -248,9 +265,7 @@ class SparseLazyAdam(SparseOptimizer):
         m = m_all.index_select(0, index).mul_(b1).add_(grads, alpha=1.0 - b1)
         v = v_all.index_select(0, index).mul_(b2).addcmul_(grads, grads, value=1.0 - b2)
         rows = var.index_select(0, index).addcdiv_(m, v.sqrt().add_(self.epsilon), value=-alpha)
-        m_all.index_copy_(0, index, m)
-        v_all.index_copy_(0, index, v)
-        var.index_copy_(0, index, rows)
+        return {"m": m, "v": v, "var": rows}
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,8 +306,8 @@ class SparseFtrl(SparseOptimizer):
             return accum.sqrt()
         return accum.pow(-self.learning_rate_power)
 
-    def _apply(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
-               grads: torch.Tensor, lr: float, step: int) -> None:
+    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+                 grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
         accum_all, linear_all = slots["accumulator"], slots["linear"]
         l1, l2 = self.l1_regularization_strength, self.l2_regularization_strength
         shrinkage = self.l2_shrinkage_regularization_strength
@@ -307,9 +322,7 @@ class SparseFtrl(SparseOptimizer):
         linear.sub_(sigma.mul_(w))
         quadratic = scaled_new.div_(lr).add_(2.0 * l2)
         w = linear.clamp(-l1, l1).sub_(linear).div_(quadratic)
-        accum_all.index_copy_(0, index, new_accum)
-        linear_all.index_copy_(0, index, linear)
-        var.index_copy_(0, index, w)
+        return {"accumulator": new_accum, "linear": linear, "var": w}
 
 
 SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {

@@ -80,6 +80,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.ps.buffers import check_free_memory
 from towerflow.ps.partition import Partitioner, coalesce, partitioner_from_dict
 from towerflow.ps.server.tables.optimizers import SparseOptimizer, sparse_optimizer_from_dict
 
@@ -460,6 +461,10 @@ class DenseRowStore(RowStore):
                 "num_rows; give the partitioner num_rows."
             )
         n = partitioner.rows_in_shard(shard)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        check_free_memory(n * (dim * itemsize * (1 + len(optimizer.slot_names)) + 8),
+                          f"Table shard {shard} of {n:,} rows x {dim} (with "
+                          f"{len(optimizer.slot_names)} optimizer slot(s))")
         self._rows = torch.empty((n, dim), dtype=dtype)
         ids = partitioner.global_ids(shard)
         for start in range(0, n, _CHUNK):

@@ -62,7 +62,12 @@ from typing import Any
 import grpc
 
 from towerflow.cluster.transport import raw_handlers, requests_until_closed
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from towerflow.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.protocol import AggregationConfig, parse_message, push_records
 
@@ -255,7 +260,16 @@ class TableService:
                 f"A RowBatch carries {len(request.items)} items, more than {MAX_BATCH_ITEMS}; "
                 "send the tables in several calls."
             )
+        from towerflow.ps.server.tables.shard import ROWS_REPLY_LIMIT
+
         checked = [self._check_item(item) for item in request.items]
+        reply_bytes = sum(item.pull.num_ids * shard.store.dim * shard.dtype.itemsize
+                          for item, (shard, _) in zip(request.items, checked, strict=True))
+        if reply_bytes > ROWS_REPLY_LIMIT:
+            raise ResourceExhaustedError(
+                f"A RowBatch pulls {reply_bytes / 2**20:,.0f} MiB of rows, more than "
+                f"{ROWS_REPLY_LIMIT >> 20} MiB in one reply; send the tables in several calls."
+            )
         active = _active(context)
         reply = tpb.RowBatchReply()
         for item, (shard, ready) in zip(request.items, checked, strict=True):

@@ -37,15 +37,23 @@ from typing import Any
 
 import torch
 
-from towerflow.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
+from towerflow.cluster.transport import DEFAULT_MAX_MESSAGE_BYTES
+from towerflow.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 from towerflow.ps.protocol import push_rows
-from towerflow.ps.server.pushes import PushHeader, PushOutcome, PushTable
+from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome, PushTable
 from towerflow.ps.server.tables.aggregation import make_row_aggregator
 from towerflow.ps.server.tables.rows import RowExport, RowStore, row_store_from_dict
 
 __all__ = ["TableShard", "describe_spec", "decode", "encode"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: largest rows reply a shard builds: a gRPC message, less room for its header
+ROWS_REPLY_LIMIT = DEFAULT_MAX_MESSAGE_BYTES - (1 << 20)
 
 
 def _json(field: str, text: str) -> Any:
@@ -159,6 +167,22 @@ class TableShard:
             raise InvalidArgumentError(f"Table {self.name!r} shard {self.shard}: {exc}") from None
         return ids
 
+    def _pull_ids(self, data: bytes, count: int) -> torch.Tensor:
+        """The ids of a pull, once its reply is known to fit a message.
+
+        Raises:
+            ResourceExhaustedError: the reply would exceed :data:`ROWS_REPLY_LIMIT`
+                (checked before any id is decoded or row read).
+        """
+        nbytes = count * self.store.dim * self.dtype.itemsize
+        if nbytes > ROWS_REPLY_LIMIT:
+            raise ResourceExhaustedError(
+                f"Table {self.name!r}: a pull of {count:,} rows x {self.store.dim} needs a "
+                f"{nbytes / 2**20:,.0f} MiB reply, more than {ROWS_REPLY_LIMIT >> 20} MiB; pull "
+                "fewer ids per call (smaller batches)."
+            )
+        return self._ids(data, count)
+
     def _values(self, data: bytes, dtype: str, ids: torch.Tensor, what: str) -> torch.Tensor:
         if _DTYPES.get(dtype) != self.dtype:
             raise InvalidArgumentError(
@@ -182,7 +206,7 @@ class TableShard:
     # -- calls -----------------------------------------------------------------------------
     def pull(self, data: bytes, count: int) -> bytes:
         """The rows of the ids in ``data``, as raw bytes in the order asked."""
-        ids = self._ids(data, count)
+        ids = self._pull_ids(data, count)
         with self._lock:
             rows = self.store.lookup(ids, checked=True)
             self._pulled_rows += ids.numel()
@@ -218,7 +242,7 @@ class TableShard:
         A batch of many table shards (``RowBatch``) checks every item before it
         runs any.
         """
-        return (None if push is None else self._check_push(push)), self._ids(data, count)
+        return (None if push is None else self._check_push(push)), self._pull_ids(data, count)
 
     def run(self, checked: tuple[Any, torch.Tensor], active: Callable[[], bool] | None = None
             ) -> tuple[PushOutcome | None, int, bytes]:
@@ -258,7 +282,7 @@ class TableShard:
         sync push still waiting for its step waits for the same answer.
         """
         look = self._pushes.lookup(header, self._applied)
-        if look.kind == "superseded":
+        if look.kind in ("superseded", "refused"):
             raise FailedPreconditionError(f"Table {self.name!r}: {look.message}")
         if look.kind in ("done", "pending"):
             outcome = look.outcome if look.kind == "done" else \
@@ -342,7 +366,14 @@ class TableShard:
         rows = torch.cat([p[1] for p in parts])
         slots = None if parts[0][2] is None else {
             k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
-        pushes = list(push_rows(getattr(chunks[0], "pushes", ())))
+        records = getattr(chunks[0], "pushes", ())
+        if len(records) > MAX_REPLICAS_TRACKED:
+            raise InvalidArgumentError(
+                f"Table {self.name!r}: an import carries {len(records):,} push records, more than "
+                f"the {MAX_REPLICAS_TRACKED} worker ids a shard keeps; nothing was imported. "
+                "Import a checkpoint written by towerflow."
+            )
+        pushes = list(push_rows(records))
         with self._lock:
             self.store.import_(ids, rows, slots)  # checks every value before any change
             self._pushes.merge(pushes, self._applied)

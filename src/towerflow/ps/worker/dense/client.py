@@ -146,6 +146,8 @@ class PSClient:
         self.placement = placement
         self.worker_id = worker_id
         self.incarnation = time.time_ns() & ((1 << 63) - 1)
+        #: an elastic worker's ticket for its id (from ps task 0's Join reply; see join_job)
+        self.elastic_ticket = b""
         self.on_bad_gradient = on_bad_gradient
         self.shards = [
             ShardClient(make_channel(cluster.task_address("ps", i), credentials,
@@ -298,7 +300,7 @@ class PSClient:
         if done:
             for shard in self.shards:
                 try:
-                    shard.done(self.worker_id, checkpoint_step)
+                    shard.done(self.worker_id, checkpoint_step, self.elastic_ticket)
                 except (UnavailableError, DeadlineExceededError, FailedPreconditionError,
                         InvalidArgumentError) as exc:
                     logger.debug("done to ps %d failed: %s", shard.layout.index, exc)

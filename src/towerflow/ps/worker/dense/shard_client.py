@@ -292,11 +292,12 @@ class ShardClient:
         finally:
             call.cancel()
 
-    def done(self, worker_id: int, checkpoint_step: int | None = None) -> None:
+    def done(self, worker_id: int, checkpoint_step: int | None = None, ticket: bytes = b"") -> None:
         """Tell the shard this worker has finished (the chief: after its final checkpoint,
-        written at global step ``checkpoint_step``; None: it wrote none)."""
+        written at global step ``checkpoint_step``; None: it wrote none; an elastic worker:
+        with its id's ``ticket``)."""
         request = pb.DoneRequest(worker_id=worker_id, final_checkpoint=checkpoint_step is not None,
-                                 checkpoint_step=checkpoint_step or 0)
+                                 checkpoint_step=checkpoint_step or 0, ticket=ticket)
         unary(self.channel, method_path("Done"), request.SerializeToString(), timeout=self.timeout)
 
     def ledger(self, since: int = 0) -> pb.LedgerReply:

@@ -310,14 +310,16 @@ def join_job(client: Any, name: str) -> tuple[int, int]:
     from towerflow.ps import ps_pb2 as pb
     from towerflow.ps.protocol import method_path, parse_message
 
-    def join(shard: Any, worker_id: int) -> Any:
-        request = pb.JoinRequest(worker_id=worker_id, name=name, incarnation=client.incarnation)
+    def join(shard: Any, worker_id: int, ticket: bytes = b"") -> Any:
+        request = pb.JoinRequest(worker_id=worker_id, name=name, incarnation=client.incarnation,
+                                 ticket=ticket)
         data = unary(shard.channel, method_path("Join"), request.SerializeToString(),
                      timeout=shard.timeout)
         return parse_message(pb.JoinReply, data, "JoinReply")
 
     first = join(client.shards[0], 0)
     for shard in client.shards[1:]:
-        join(shard, first.worker_id)
+        join(shard, first.worker_id, first.ticket)
     client.worker_id = int(first.worker_id)
+    client.elastic_ticket = bytes(first.ticket)  # its Done carries it
     return client.worker_id, int(first.step)

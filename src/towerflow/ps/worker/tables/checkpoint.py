@@ -27,6 +27,16 @@ never applied twice; a worker of the old layout restarts anyway, its
 partitioner no longer matching the cluster). A table's slots are restored
 when its optimizer is the one that wrote them, and reset otherwise.
 
+What a checkpoint says is checked before it is used, at restore and at
+``towerflow eval`` alike (:func:`checked_parts`; each part's bytes already
+passed their SHA-256): the descriptions (objects of their fields, 1 ..
+:data:`MAX_SHARDS` shards), each part's ``info`` (counts, push records of
+ids, incarnations and sequence numbers in range), its tensors (``ids`` int64
+``(n,)``, rows and slots ``(n, dim)`` of the table's dtype, finite), and its
+ids: in range, owned by the shard the part names, and rising strictly across
+the shard's parts, whose rows add up to the shard's. Anything else is one
+``CheckpointError`` naming the table, the part and what is wrong.
+
 This module speaks to the ps through :class:`~towerflow.ps.worker.tables.client.TableClient`
 only; it imports no server module.
 """
@@ -41,13 +51,14 @@ import torch
 
 from towerflow.checkpoint import ChunkedGroup, ChunkedReader
 from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError
-from towerflow.ps.protocol import push_rows
+from towerflow.ps.partition import Partitioner, partitioner_from_dict
+from towerflow.ps.protocol import FINAL, REFUSED, push_rows
 from towerflow.ps.worker.tables.batch import decode as _decode
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import TableConfig
 
-__all__ = ["TABLES_GROUP", "TABLES_KEY", "PART_BYTES", "describe_tables", "export_tables",
-           "import_tables", "ship_rows"]
+__all__ = ["TABLES_GROUP", "TABLES_KEY", "PART_BYTES", "MAX_SHARDS", "describe_tables",
+           "export_tables", "import_tables", "ship_rows", "checked_descriptions", "checked_parts"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -61,6 +72,11 @@ PART_BYTES = 64 << 20
 _EXPORT_CHUNK_BYTES = 512 << 10
 _SLOT = "slot."
 _RESTORE = "restore an earlier checkpoint"
+#: most ps shards a saved table may name
+MAX_SHARDS = 1 << 16
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DESCRIPTION_KEYS = {"num_rows", "dim", "dtype", "partitioner", "optimizer", "initializer"}
+_STATUSES = (*FINAL, REFUSED)
 
 
 def describe_tables(configs: Sequence[TableConfig]) -> dict[str, dict[str, Any]]:
@@ -154,6 +170,129 @@ def _part(config: TableConfig, shard: int, index: int, pending: list[dict[str, t
     return info, tensors
 
 
+# ----------------------------------------------------------------------------- checks
+def _count(value: Any, below: int = 1 << 63) -> bool:
+    return type(value) is int and 0 <= value < below
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def checked_descriptions(saved: Any) -> dict[str, tuple[dict[str, Any], Partitioner]]:
+    """The checkpoint's table descriptions, each checked, with its partitioner.
+
+    Raises:
+        CheckpointError: not an object by table name, or a description that is
+            not one of a table (see the module docstring).
+    """
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"The checkpoint's table descriptions ({TABLES_KEY!r} of its "
+                              f"metadata) are {_short(saved)}, not an object by table name; "
+                              f"{_RESTORE}.")
+    out = {}
+    for name, d in saved.items():
+        ok = (isinstance(d, Mapping) and set(d) == _DESCRIPTION_KEYS and _count(d["num_rows"])
+              and _count(d["dim"], 1 << 20) and d["dim"] > 0 and d["dtype"] in _DTYPES
+              and all(isinstance(d[k], Mapping) for k in ("partitioner", "optimizer",
+                                                          "initializer")))
+        shards = d["partitioner"].get("num_shards") if ok else None
+        if not ok or not (_count(shards, MAX_SHARDS + 1) and shards > 0):
+            raise CheckpointError(
+                f"The checkpoint's description of table {_short(name)} is {_short(d)}, not an "
+                f"object of {', '.join(sorted(_DESCRIPTION_KEYS))} with 1 .. {MAX_SHARDS} "
+                f"shards; {_RESTORE}.")
+        try:
+            partitioner = partitioner_from_dict(d["partitioner"])
+        except InvalidArgumentError as exc:
+            raise CheckpointError(f"The checkpoint's table {name!r} has a partitioner that "
+                                  f"cannot be: {exc} {_RESTORE}.") from None
+        if partitioner.num_rows != d["num_rows"]:
+            raise CheckpointError(f"The checkpoint's table {name!r} says {d['num_rows']} rows "
+                                  f"but its partitioner {partitioner.num_rows}; {_RESTORE}.")
+        out[name] = (dict(d), partitioner)
+    return out
+
+
+def _checked_info(info: Any, tables: Mapping[str, Any]) -> tuple[str, int, int, int]:
+    """``(table, shard, part, rows)`` of a part's info, each checked."""
+    table = info.get("table") if isinstance(info, Mapping) else None
+    if table not in tables:
+        raise CheckpointError(f"A part of the checkpoint's tables names table {_short(table)}, "
+                              f"which its metadata does not describe; {_RESTORE}.")
+    shards = tables[table][0]["partitioner"]["num_shards"]
+    for key, below in (("shard", shards), ("part", 1 << 40), ("rows", 1 << 62)):
+        if not _count(info.get(key), below):
+            raise CheckpointError(
+                f"The checkpoint's table {table!r} has a part whose {key} is "
+                f"{_short(info.get(key))}, not an integer in 0 .. {below - 1}; {_RESTORE}.")
+    if "shard_rows" in info or "pushes" in info:
+        records = info.get("pushes")
+        if not _count(info.get("shard_rows")) or not isinstance(records, list) or not all(
+                isinstance(r, list) and len(r) == 4 and _count(r[0], 1 << 31)
+                and _count(r[1], 1 << 64) and _count(r[2], 1 << 64) and r[3] in _STATUSES
+                for r in records):
+            raise CheckpointError(
+                f"The checkpoint's table {table!r} shard {info['shard']}: its row count "
+                f"{_short(info.get('shard_rows'))} or push records {_short(records)} are not "
+                "a count and [worker id, incarnation, seq, status] rows; " + _RESTORE + ".")
+    return table, info["shard"], info["part"], info["rows"]
+
+
+def _check_tensors(table: str, shard: int, part: int, n: int, tensors: Mapping[str, Any],
+                   description: Mapping[str, Any], partitioner: Partitioner,
+                   after: int) -> int:
+    """Check one part's tensors (see the module docstring); its last id (``after`` if none)."""
+    where = f"The checkpoint's table {table!r} shard {shard} part {part}"
+    dtype, dim = _DTYPES[description["dtype"]], description["dim"]
+    names = set(tensors)
+    if "ids" not in names or "rows" not in names or any(
+            k not in ("ids", "rows") and not k.startswith(_SLOT) for k in names):
+        raise CheckpointError(f"{where} holds tensors {sorted(names)[:8]}, not ids, rows and "
+                              f"slots; {_RESTORE}.")
+    ids = tensors["ids"]
+    if ids.dtype != torch.int64 or tuple(ids.shape) != (n,):
+        raise CheckpointError(f"{where}: its ids are {ids.dtype} {list(ids.shape)}, not int64 "
+                              f"[{n}]; {_RESTORE}.")
+    for key in sorted(names - {"ids"}):
+        value = tensors[key]
+        if value.dtype != dtype or tuple(value.shape) != (n, dim):
+            raise CheckpointError(f"{where}: {key} is {value.dtype} {list(value.shape)}, not "
+                                  f"{description['dtype']} [{n}, {dim}]; {_RESTORE}.")
+        if n and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{where}: {key} holds NaN or infinity; {_RESTORE}.")
+    if not n:
+        return after
+    if int(ids[0]) <= after or (n > 1 and not bool((ids[1:] > ids[:-1]).all())):
+        raise CheckpointError(f"{where}: its ids do not rise strictly from the shard's earlier "
+                              f"parts (an id is repeated or out of order); {_RESTORE}.")
+    try:
+        partitioner.local_index(ids, shard)
+    except InvalidArgumentError as exc:
+        raise CheckpointError(f"{where}: {exc} {_RESTORE}.") from None
+    return int(ids[-1])
+
+
+def checked_parts(reader: ChunkedReader | None, saved: Any
+                  ) -> Iterator[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """The parts of ``reader``, each checked against ``saved`` (the tables' descriptions)
+    before it is yielded; the layout (every shard's parts, and rows) is checked first.
+
+    Raises:
+        CheckpointError: see the module docstring.
+    """
+    tables = checked_descriptions(saved)
+    _layout(reader, tables)
+    last: dict[tuple[str, int], int] = {}
+    for info, tensors in (reader.parts() if reader is not None else ()):
+        table, shard, part, n = _checked_info(info, tables)
+        description, partitioner = tables[table]
+        last[table, shard] = _check_tensors(table, shard, part, n, tensors, description,
+                                            partitioner, last.get((table, shard), -1))
+        yield info, tensors
+
+
 # ----------------------------------------------------------------------------- restore
 def import_tables(client: TableClient, configs: Sequence[TableConfig],
                   reader: ChunkedReader | None, saved: Mapping[str, Any] | None) -> None:
@@ -172,6 +311,11 @@ def import_tables(client: TableClient, configs: Sequence[TableConfig],
             or the other way round, or has another size, dim or dtype.
         CheckpointError: the parts of a table are incomplete.
     """
+    if saved is None and reader is not None:
+        raise CheckpointError(
+            f"The checkpoint holds sparse table parts but its metadata has no {TABLES_KEY!r} "
+            f"describing them; {_RESTORE}.")
+    tables = None if saved is None else checked_descriptions(saved)
     for config in configs:
         client.init_table(config)
     if saved is None:
@@ -181,7 +325,7 @@ def import_tables(client: TableClient, configs: Sequence[TableConfig],
                         ", ".join(repr(c.name) for c in configs))
         return
     by_name = _match(configs, saved)
-    layout = _layout(reader, saved)
+    layout = _layout(reader, tables)
     keep_slots = {name: saved[name]["optimizer"].get("name") == c.optimizer.get("name")
                   for name, c in by_name.items()}
     for name, keep in keep_slots.items():
@@ -191,7 +335,7 @@ def import_tables(client: TableClient, configs: Sequence[TableConfig],
                         by_name[name].optimizer.get("name"))
     pushes = {name: _pushes_for(layout[name], client.num_shards) for name in by_name}
     sent: set[tuple[str, int]] = set()
-    for info, tensors in (reader.parts() if reader is not None else ()):
+    for info, tensors in checked_parts(reader, saved):
         config = by_name[info["table"]]
         slots = {k.removeprefix(_SLOT): v for k, v in tensors.items() if k.startswith(_SLOT)}
         _send(client, config, tensors["ids"], tensors["rows"],
@@ -226,36 +370,32 @@ def _match(configs: Sequence[TableConfig], saved: Mapping[str, Any]) -> dict[str
     return by_name
 
 
-def _layout(reader: ChunkedReader | None, saved: Mapping[str, Any]
+def _layout(reader: ChunkedReader | None, tables: Mapping[str, Any]
             ) -> dict[str, dict[int, dict[str, Any]]]:
     """Per table, per old shard: its rows and push records, checked complete."""
-    layout: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in saved}
+    layout: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in tables}
     for info in (reader.infos if reader is not None else []):
-        shards = layout.get(info.get("table"))
-        if shards is None:
-            raise CheckpointError(f"A part of the checkpoint's tables names table "
-                                  f"{info.get('table')!r}, which its metadata does not "
-                                  f"describe; {_RESTORE}.")
-        shard = shards.setdefault(int(info.get("shard", -1)),
-                                  {"rows": 0, "parts": 0, "expect": None, "pushes": []})
-        if int(info.get("part", -1)) != shard["parts"]:
+        table, index, part, rows = _checked_info(info, tables)
+        shard = layout[table].setdefault(index, {"rows": 0, "parts": 0, "expect": None,
+                                                 "pushes": []})
+        if part != shard["parts"]:
             raise CheckpointError(
-                f"The checkpoint's table {info['table']!r} lists part {info.get('part')} of "
-                f"shard {info.get('shard')} where part {shard['parts']} belongs; {_RESTORE}."
-            )
+                f"The checkpoint's table {table!r} lists part {part} of shard {index} where "
+                f"part {shard['parts']} belongs; {_RESTORE}.")
         if "shard_rows" in info:
-            shard["expect"], shard["pushes"] = int(info["shard_rows"]), info.get("pushes", [])
-        shard["rows"] += int(info.get("rows", 0))
+            shard["expect"], shard["pushes"] = info["shard_rows"], info["pushes"]
+        shard["rows"] += rows
         shard["parts"] += 1
-    for name, description in saved.items():
-        count = int(description["partitioner"].get("num_shards", 0))
+    for name, (description, partitioner) in tables.items():
+        count = description["partitioner"]["num_shards"]
         found = layout[name]
-        if sorted(found) != list(range(count)) or any(
-                s["expect"] != s["rows"] for s in found.values()):
+        if len(found) != count or any(
+                s["expect"] != s["rows"] or s["rows"] != partitioner.rows_in_shard(i)
+                for i, s in found.items()):
             raise CheckpointError(
                 f"The checkpoint's table {name!r} is incomplete: it was saved from {count} ps "
-                f"shards but its parts hold {sorted(found)} with rows "
-                f"{[(s['rows'], s['expect']) for s in found.values()]}; {_RESTORE}."
+                f"shards but its parts hold shards {sorted(found)[:16]} with rows "
+                f"{[(s['rows'], s['expect']) for s in found.values()][:16]}; {_RESTORE}."
             )
     return layout
 
