@@ -83,7 +83,7 @@ def source_from_checkpoint(train_dir: str | Path) -> Source:
     try:
         ckpt = read_checkpoint(train_dir)
     except NotFoundError as exc:
-        raise NotFoundError(f"No checkpoint to export in {str(train_dir)!r}: {exc} Pass the "
+        raise NotFoundError(f"No checkpoint to export in {str(train_dir)!r}; pass the "
                             "--train-dir a training run wrote its checkpoints to.") from exc
     if _MODEL_GROUP not in ckpt.groups:
         raise NotFoundError(f"Checkpoint {str(ckpt.path)!r} has no {_MODEL_GROUP!r} group of "
