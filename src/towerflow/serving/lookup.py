@@ -41,16 +41,13 @@ def _check_mode(mode: str | None) -> None:
 def _gather(index: torch.Tensor, rows: torch.Tensor, mode: str | None,
             offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None
             ) -> torch.Tensor:
-    """The lookup of ``index`` (row numbers of ``rows``), as a ps worker computes it."""
+    """The lookup of ``index`` (row numbers of ``rows``): the values a ps worker computes
+    (a bag may sum in another order: equal to a float's rounding)."""
     if mode is None:
         if offsets is not None or per_sample_weights is not None:
             raise InvalidArgumentError("offsets and per_sample_weights need a bag mode; this "
                                        "table looks up one row per id.")
         return F.embedding(index, rows)
-    if mode in ("sum", "mean") and index.dim() == 2 and offsets is None \
-            and per_sample_weights is None:
-        picked = F.embedding(index, rows)
-        return picked.sum(1) if mode == "sum" else picked.mean(1)
     return F.embedding_bag(index, rows, offsets, mode=mode,
                            per_sample_weights=per_sample_weights)
 
