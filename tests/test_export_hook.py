@@ -134,3 +134,21 @@ def test_a_reader_polling_the_directory_never_sees_a_partial_export(tmp_path) ->
         reader.join(timeout=60)
     assert not reader.is_alive()
     assert failures == [] and reads  # every export the reader found was whole
+
+
+def test_towerflow_train_export_dir_leaves_an_export_of_the_last_step(tmp_path) -> None:
+    from towerflow.checkpoint import latest_checkpoint, read_checkpoint
+    from towerflow.cli import main
+    from towerflow.training.tasks import get_task
+
+    run, exports = tmp_path / "run", tmp_path / "exports"
+    assert main(["train", "click", "--table-rows", "500", "--ids-per-example", "4",
+                 "--embedding-dim", "4", "--summary-every", "0", "--no-progress",
+                 "--max-steps", "5", "--batch-size", "32", "--train-dir", str(run),
+                 "--export-dir", str(exports)]) == 0
+    assert sorted(os.listdir(exports)) == ["full-00000005"]
+    sizes = {"table_rows": 500, "embedding_dim": 4, "ids_per_example": 4}
+    model = serving.load(exports, get_task("click", sizes).build_model())
+    saved = read_checkpoint(latest_checkpoint(run)).groups["model"]
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
