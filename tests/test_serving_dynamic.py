@@ -207,8 +207,7 @@ def test_towerflow_export_writes_a_full_export_and_a_delta(tmp_path, capsys) -> 
     line = capsys.readouterr().out
     assert line.startswith("exported step 2 (full: 6 rows of 1 table(s)) to ")
     second = _checkpoint(tmp_path / "ckpt-00000005", 5, 1.0)
-    rows = read_export(tmp_path / "e1").checkpoint
-    assert rows.step == 2
+    assert read_export(tmp_path / "e1").step == 2
     assert main(["export", "--train-dir", str(second), "--out", str(tmp_path / "e2"),
                  "--since", str(tmp_path / "e1")]) == 0
     assert "(delta: 0 rows of 1 table(s))" in capsys.readouterr().out

@@ -1,8 +1,9 @@
 """Reading exports back: one verified export, a chain of them, a table's rows at its end.
 
-:func:`read_export` checks an export as a checkpoint is checked (the manifest's digest,
-every file's SHA-256, size, dtypes and shapes; any damage names the file) and then as a
-serving export (its description, every part against it). :func:`resolve_chain` turns
+:func:`read_export` checks an export as a checkpoint is checked (the manifest's digest;
+every file's size, dtypes and shapes; the dense file's SHA-256 now and each part's as it
+is read; any damage names the file) and then as a serving export (its description, every
+part against it). :func:`resolve_chain` turns
 what a user names — a list of exports, one export (a delta finds its base by the name it
 records, in its own directory) or a directory of exports (its newest) — into the chain
 from a full export, each delta's base checked by step and manifest digest.
@@ -20,8 +21,11 @@ from typing import Any
 
 import torch
 
-from towerflow.checkpoint import Checkpoint, ChunkedReader
-from towerflow.checkpoint.format import DIGEST_NAME, MANIFEST_NAME, read_checkpoint_dir
+from towerflow.checkpoint import ChunkedReader
+from towerflow.checkpoint.chunked import scan_chunked
+from towerflow.checkpoint.data_file import SUFFIX, read_data_file, to_tensors
+from towerflow.checkpoint.files import open_dir, read_regular
+from towerflow.checkpoint.manifest import DIGEST_NAME, MANIFEST_NAME, load_manifest
 from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError, NotFoundError
 from towerflow.serving.layout import (
     DENSE_GROUP,
@@ -35,15 +39,16 @@ __all__ = ["Export", "TableState", "export_chain_names", "newest_export", "read_
 
 _EXPORT_RE = re.compile(r"(full|delta)-(\d{8,})")
 _AGAIN = "export it again"
+DENSE_FILE = DENSE_GROUP + SUFFIX
 
 
 @dataclass(slots=True)
 class Export:
-    """One verified export: its directory, description, dense tensors and parts."""
+    """One export: its directory, description, dense tensors (verified) and parts."""
 
     path: Path
     description: dict[str, Any]
-    checkpoint: Checkpoint
+    dense: dict[str, torch.Tensor]
     digest: str  # the sha256 of its manifest.json
     entries: dict[str, Any]  # its parts' manifest entries, by file name
 
@@ -55,16 +60,20 @@ class Export:
     def kind(self) -> str:
         return str(self.description["kind"])
 
-    @property
-    def dense(self) -> dict[str, torch.Tensor]:
-        return self.checkpoint.groups[DENSE_GROUP]
-
     def parts(self, table: str) -> Iterator[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
-        """The parts of ``table``, one at a time, each verified again as it is read."""
+        """The parts of ``table``, one at a time, each verified (SHA-256) as it is read."""
         mine = {fname: entry for fname, entry in self.entries.items()
                 if entry.get("info", {}).get("table") == table}
         reader = ChunkedReader(self.path, TABLES_PART_GROUP, mine, torch.device("cpu"))
-        yield from reader.parts()
+        try:
+            yield from reader.parts()
+        except (DataLossError, NotFoundError) as exc:
+            raise _damaged(self.path, exc) from exc
+
+
+def _damaged(path: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"Serving export {str(path)!r} is damaged: {exc} The way out: "
+                           f"{_AGAIN}, or load the previous one.")
 
 
 def _check_parts(path: Path, description: dict[str, Any], entries: dict[str, Any]) -> None:
@@ -103,7 +112,10 @@ def _check_parts(path: Path, description: dict[str, Any], entries: dict[str, Any
 
 
 def read_export(path: str | Path) -> Export:
-    """Read and verify the export at ``path`` (dense tensors loaded, parts verified).
+    """Open the export at ``path``: its manifest and dense tensors verified, its parts checked.
+
+    The manifest's digest, the dense file's SHA-256 and every part's presence, size and
+    header are checked now; a part's SHA-256 when it is read (:meth:`Export.parts`).
 
     Raises:
         NotFoundError: no directory at ``path``.
@@ -112,24 +124,29 @@ def read_export(path: str | Path) -> Export:
     """
     path = Path(path)
     try:
-        ckpt = read_checkpoint_dir(path, "cpu", verify=True)
+        with open_dir(path) as dir_fd:
+            manifest = load_manifest(dir_fd, path)
+            description = check_description(path, manifest)
+            entry = manifest["files"].get(DENSE_FILE)
+            if entry is None:
+                raise CheckpointError(f"Serving export {str(path)!r} has no {DENSE_FILE}; "
+                                      f"{_AGAIN}.")
+            data = read_data_file(dir_fd, path, DENSE_FILE, entry, True)
+            dense = to_tensors(path / DENSE_FILE, data, torch.device("cpu"))
+            del data
+            scan_chunked(dir_fd, path, manifest, verify=False)
+            sealed = read_regular(dir_fd, path, DIGEST_NAME, max_bytes=256, what="digest file")
     except NotFoundError as exc:
         raise NotFoundError(f"No serving export at {str(path)!r}; pass the --out of "
                             "`towerflow export`.") from exc
     except DataLossError as exc:
-        raise CheckpointError(f"Serving export {str(path)!r} is damaged: {exc} The way out: "
-                              f"{_AGAIN}, or load the previous one.") from exc
-    from towerflow.checkpoint.manifest import read_manifest
-
-    manifest = read_manifest(path)
-    description = check_description(path, manifest)
+        if "Serving export" in str(exc):
+            raise
+        raise _damaged(path, exc) from exc
     entries = manifest.get("chunked", {}).get(TABLES_PART_GROUP, {})
     _check_parts(path, description, entries)
-    if DENSE_GROUP not in ckpt.groups:
-        raise CheckpointError(f"Serving export {str(path)!r} has no {DENSE_GROUP!r} file; "
-                              f"{_AGAIN}.")
-    digest = (path / DIGEST_NAME).read_bytes()[:64].decode("ascii", "replace")
-    return Export(path, description, ckpt, digest, dict(entries))
+    digest = (sealed or b"")[:64].decode("ascii", "replace")
+    return Export(path, description, dense, digest, dict(entries))
 
 
 def newest_export(directory: Path) -> Path | None:
