@@ -37,13 +37,13 @@ from torch import nn
 
 from towerflow import serving
 from towerflow.checkpoint import CheckpointManager
-from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
-from towerflow.cluster.launcher import free_ports
+from towerflow.cluster import TaskInfo
 from towerflow.cluster.transport import Credentials
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.serving.lookup import FixedLookup
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
+from towerflow.testing.inprocess import ps_tasks
 from towerflow.training.session import checkpoint_metadata
 
 DIM, BATCH, IDS = 32, 512, 16
@@ -111,33 +111,25 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="export-bench-"))
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
-    strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
-                               server=False)
     rng, touched = np.random.default_rng(0), set()
     manager = CheckpointManager(root / "train", max_to_keep=None)
-    try:
-        strategy.prepare(Click(args.rows), OptimizerConfig("adagrad", lr=0.1))
-        train(strategy, rng, args.rows, args.warm)
-        first, ckpt_s = save(strategy, manager)
-        start = time.perf_counter()
-        full = serving.export(first, root / "full")
-        full_s = time.perf_counter() - start
-        train(strategy, rng, args.rows, args.delta_steps, touched)
-        second, ckpt2_s = save(strategy, manager)
-        start = time.perf_counter()
-        delta = serving.export(second, root / "delta", since=full)
-        delta_s = time.perf_counter() - start
-    finally:
+    with ps_tasks(SECRET) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+                                   device="cpu", server=False)
         try:
-            strategy.shutdown()
+            strategy.prepare(Click(args.rows), OptimizerConfig("adagrad", lr=0.1))
+            train(strategy, rng, args.rows, args.warm)
+            first, ckpt_s = save(strategy, manager)
+            start = time.perf_counter()
+            full = serving.export(first, root / "full")
+            full_s = time.perf_counter() - start
+            train(strategy, rng, args.rows, args.delta_steps, touched)
+            second, ckpt2_s = save(strategy, manager)
+            start = time.perf_counter()
+            delta = serving.export(second, root / "delta", since=full)
+            delta_s = time.perf_counter() - start
         finally:
-            for server in servers:
-                server.stop()
+            strategy.shutdown()
     start = time.perf_counter()
     model = serving.load([full, delta], Click(args.rows))
     load_s = time.perf_counter() - start

@@ -16,8 +16,7 @@ from torch import nn
 
 from towerflow import serving
 from towerflow.checkpoint import CheckpointManager
-from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
-from towerflow.cluster.launcher import free_ports
+from towerflow.cluster import TaskInfo
 from towerflow.cluster.transport import Credentials
 from towerflow.errors import AlreadyExistsError, CheckpointError, InvalidArgumentError
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, TABLES_KEY
@@ -26,6 +25,7 @@ from towerflow.serving.chain import read_export
 from towerflow.serving.export import CHECKPOINT_TABLES, CHECKPOINT_TABLES_GROUP
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
+from towerflow.testing.inprocess import ps_tasks
 from towerflow.training.session import checkpoint_metadata
 
 SECRET = Credentials(secret=b"serving-secret")
@@ -72,34 +72,26 @@ def trained(tmp_path_factory):
     """Checkpoints of four stages of training (3, 2, 2, 2 steps) and the ps model's
     predictions on ``inputs(99)`` at each."""
     root = tmp_path_factory.mktemp("serving")
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
-    strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
-                               server=False, table_part_bytes=256)
     manager = CheckpointManager(root / "train", max_to_keep=None)
     stages = []
-    try:
-        model = Click()
-        strategy.prepare(model, OptimizerConfig("adagrad", lr=0.3))
-        seed = 0
-        for steps in (3, 2, 2, 2):
-            for _ in range(steps):
-                strategy.run_step(loss_fn, labelled(seed))
-                seed += 1
-            groups = strategy.state_dict()
-            metadata = checkpoint_metadata(strategy)
-            path = manager.save(metadata["step"], groups, metadata)
-            with torch.no_grad():
-                stages.append((path, model(*inputs(99))))
-    finally:
+    with ps_tasks(SECRET) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+                                   device="cpu", server=False, table_part_bytes=256)
         try:
-            strategy.shutdown()
+            model = Click()
+            strategy.prepare(model, OptimizerConfig("adagrad", lr=0.3))
+            seed = 0
+            for steps in (3, 2, 2, 2):
+                for _ in range(steps):
+                    strategy.run_step(loss_fn, labelled(seed))
+                    seed += 1
+                groups = strategy.state_dict()
+                metadata = checkpoint_metadata(strategy)
+                path = manager.save(metadata["step"], groups, metadata)
+                with torch.no_grad():
+                    stages.append((path, model(*inputs(99))))
         finally:
-            for server in servers:
-                server.stop()
+            strategy.shutdown()
     return root, stages
 
 
