@@ -186,11 +186,11 @@ def test_a_deltas_base_must_be_a_plain_name_in_its_directory(name) -> None:
 
 
 # --------------------------------------------------------------------------- the command
-def _checkpoint(path: Path, step: int, scale: float) -> Path:
+def _checkpoint(path: Path, step: int, scale: float, shards: int = 2) -> Path:
     """A training checkpoint with one fixed table of 6 x 2 in two shards' parts."""
     from towerflow.checkpoint import ChunkedGroup
 
-    ids = [torch.tensor([0, 2, 4]), torch.tensor([1, 3, 5])]
+    ids = [torch.tensor([0, 2, 4]), torch.tensor([1, 3, 5])][:shards]
     parts = ChunkedGroup(({"table": "emb", "shard": s, "part": 0},
                           {"ids": i, "rows": i.float()[:, None].repeat(1, 2) * scale,
                            "slot.accumulator": torch.ones(3, 2)}) for s, i in enumerate(ids))
@@ -199,6 +199,16 @@ def _checkpoint(path: Path, step: int, scale: float) -> Path:
     return write_checkpoint_dir(path, step, {"model": {"out.weight": torch.ones(1, 2)},
                                              "ps_tables": parts},
                                 {"step": step, "strategy": {"tables": tables}})
+
+
+def test_a_checkpoint_that_does_not_cover_a_fixed_table_writes_no_export(tmp_path) -> None:
+    from towerflow.errors import DataLossError
+
+    ckpt = _checkpoint(tmp_path / "ckpt-00000002", 2, 1.0, shards=1)
+    with pytest.raises(DataLossError, match=r"'emb' \(3 of 6 rows\); no export was written"):
+        serving.export(ckpt, tmp_path / "e")
+    assert not (tmp_path / "e").exists() and not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_towerflow_export_writes_a_full_export_and_a_delta(tmp_path, capsys) -> None:

@@ -45,7 +45,12 @@ import torch
 
 from towerflow.checkpoint import ChunkedGroup
 from towerflow.checkpoint.format import write_checkpoint_dir
-from towerflow.errors import AlreadyExistsError, CheckpointError, InvalidArgumentError
+from towerflow.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    DataLossError,
+    InvalidArgumentError,
+)
 
 __all__ = ["DENSE_GROUP", "FORMAT", "SERVING_KEY", "TABLES_PART_GROUP", "TABLE_DTYPES",
            "check_description", "describe", "export_name", "table_entry", "write_export"]
@@ -233,6 +238,13 @@ def _counted_parts(description: dict[str, Any],
         shard = int(info.get("shard", 0))
         index[name] = index.get(name, -1) + 1
         yield {"table": name, "shard": shard, "part": index[name]}, out
+    short = [f"{name!r} ({t['rows']} of {t['num_rows']} rows)" for name, t in tables.items()
+             if description["kind"] == "full" and t["kind"] == "fixed"
+             and t["rows"] != t["num_rows"]]
+    if short:
+        raise DataLossError(f"The state to export does not cover its fixed tables: "
+                            f"{', '.join(short)}; no export was written. Export a checkpoint "
+                            "written by training with those tables.")
 
 
 def write_export(out: str | Path, description: dict[str, Any],
