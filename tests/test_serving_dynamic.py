@@ -21,7 +21,7 @@ from towerflow.checkpoint.format import write_checkpoint_dir
 from towerflow.cli import main
 from towerflow.errors import CheckpointError, InvalidArgumentError
 from towerflow.serving.chain import read_export
-from towerflow.serving.export import Source
+from towerflow.serving.exporting import Source
 from towerflow.serving.layout import check_description, describe, table_entry
 from towerflow.serving.lookup import DynamicLookup
 

@@ -22,7 +22,7 @@ from towerflow.errors import AlreadyExistsError, CheckpointError, InvalidArgumen
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, TABLES_KEY
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.serving.chain import read_export
-from towerflow.serving.export import CHECKPOINT_TABLES, CHECKPOINT_TABLES_GROUP
+from towerflow.serving.exporting import CHECKPOINT_TABLES, CHECKPOINT_TABLES_GROUP
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.inprocess import ps_tasks

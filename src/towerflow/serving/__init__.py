@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from towerflow.serving.chain import resolve_chain
-from towerflow.serving.export import Source, export, export_source, source_from_state
+from towerflow.serving.exporting import Source, export, export_source, source_from_state
 from towerflow.serving.layout import describe, export_name, table_entry, write_export
 from towerflow.serving.load import load
 from towerflow.serving.lookup import DynamicLookup, FixedLookup
