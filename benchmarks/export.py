@@ -12,7 +12,8 @@ Adagrad, async), with batches of 512 examples x 16 ids drawn from Zipf(1.2):
 3. ``serving.load`` of the chain (full + delta) into the model built anew (timed);
 4. the loaded table's lookup of a batch of 512 x 16 ids (sum bags), p50 and p99 over
    ``--lookups`` calls, against ``nn.EmbeddingBag`` of the same size (mode sum) and, one
-   row per id, the lookup module against ``nn.Embedding``, in the same run.
+   row per id, the lookup module against ``nn.Embedding``, in the same run (the four
+   alternated call by call).
 
 Commands::
 
@@ -73,16 +74,22 @@ def dir_bytes(path: Path) -> int:
     return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
 
 
-def percentiles(fn, ids: torch.Tensor, calls: int) -> tuple[float, float]:
-    for _ in range(20):
-        fn(ids)
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn(ids)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return statistics.median(times) * 1e6, times[int(0.99 * (len(times) - 1))] * 1e6
+def percentiles(modules: dict[str, nn.Module], ids: torch.Tensor, calls: int
+                ) -> list[tuple[str, float, float]]:
+    """p50 and p99 microseconds per call of each module, the modules alternated call by call
+    so that the machine's load falls on them alike."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for index in range(calls + 20):
+        for name, module in modules.items():
+            start = time.perf_counter()
+            module(ids)
+            if index >= 20:  # the first calls warm up
+                times[name].append(time.perf_counter() - start)
+    out = []
+    for name, spent in times.items():
+        spent.sort()
+        out.append((name, statistics.median(spent) * 1e6, spent[int(0.99 * (len(spent) - 1))] * 1e6))
+    return out
 
 
 def train(strategy: ParameterServer, rng: np.random.Generator, rows: int, steps: int,
@@ -140,9 +147,10 @@ def main() -> None:
     ids = zipf_ids(np.random.default_rng(1), args.rows)
     with torch.no_grad():
         assert torch.allclose(model.emb(ids), bag(ids), atol=1e-5)
-        lookups = [(name, *percentiles(fn, ids, args.lookups)) for name, fn in (
-            ("loaded table (sum bags)", model.emb), ("nn.EmbeddingBag (sum)", bag),
-            ("FixedLookup (one row per id)", one_row), ("nn.Embedding", plain))]
+        lookups = percentiles({"loaded table (sum bags)": model.emb,
+                               "nn.EmbeddingBag (sum)": bag,
+                               "FixedLookup (one row per id)": one_row,
+                               "nn.Embedding": plain}, ids, args.lookups)
     row_bytes = DIM * 4
     full_bytes, delta_bytes = dir_bytes(full), dir_bytes(delta)
     keys_rows = args.rows * (row_bytes + 8)
