@@ -22,7 +22,7 @@ from towerflow.cli import main
 from towerflow.errors import CheckpointError, InvalidArgumentError
 from towerflow.serving.chain import read_export
 from towerflow.serving.exporting import Source
-from towerflow.serving.layout import check_description, describe, table_entry
+from towerflow.serving.layout import check_description, describe, table_entry, write_export
 from towerflow.serving.lookup import DynamicLookup
 
 DIM = 3
@@ -121,6 +121,14 @@ def test_a_delta_whose_tables_differ_from_its_base_is_refused(tmp_path) -> None:
     with pytest.raises(InvalidArgumentError, match="step 3, before the base's 4"):
         serving.export_source(source(3, {"ids": KEYS, "bag": KEYS}), tmp_path / "d", since=full)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_part_holding_an_id_twice_publishes_nothing(tmp_path) -> None:
+    description = describe("full", 1, {"t": table_entry("dynamic", None, 2, "float32")})
+    parts = [({"table": "t"}, {"keys": torch.tensor([4, 1, 4]), "rows": torch.zeros(3, 2)})]
+    with pytest.raises(InvalidArgumentError, match="'t': a part holds an id twice"):
+        write_export(tmp_path / "e", description, {}, parts)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_lookup_modules_refuse_unsorted_keys_and_bad_defaults() -> None:

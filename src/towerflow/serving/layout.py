@@ -209,16 +209,22 @@ def _part_tensors(name: str, table: Mapping[str, Any], tensors: Mapping[str, tor
         raise InvalidArgumentError(
             f"Table {name!r}: a part of keys {keys.dtype} {tuple(keys.shape)} and rows "
             f"{rows.dtype} {tuple(rows.shape)}; give int64 keys (n,) and {dtype} rows (n, {dim}).")
-    order = torch.argsort(keys) if keys.numel() > 1 else None
-    pick = (lambda t: t) if order is None else (lambda t: t.index_select(0, order))
+    order = None if _increasing(keys) else torch.argsort(keys)  # a shard's ids often are
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t if order is None else t.index_select(0, order)
+
     if keys.numel() or "removed" not in out:
         out["keys"], out["rows"] = pick(keys), pick(rows)
         out.update({k: pick(v) for k, v in tensors.items()
                     if with_optimizer and k.startswith("slot.")})
-    sorted_keys = out.get("keys", keys)
-    if sorted_keys.numel() > 1 and not bool((sorted_keys[1:] > sorted_keys[:-1]).all()):
+    if order is not None and not _increasing(out["keys"]):
         raise InvalidArgumentError(f"Table {name!r}: a part holds an id twice.")
     return out
+
+
+def _increasing(keys: torch.Tensor) -> bool:
+    return keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all())
 
 
 def _counted_parts(description: dict[str, Any],
