@@ -136,6 +136,7 @@ def test_a_reader_polling_the_directory_never_sees_a_partial_export(tmp_path) ->
     assert failures == [] and reads  # every export the reader found was whole
 
 
+@pytest.mark.slow
 def test_towerflow_train_export_dir_leaves_an_export_of_the_last_step(tmp_path) -> None:
     from towerflow.checkpoint import latest_checkpoint, read_checkpoint
     from towerflow.cli import main
