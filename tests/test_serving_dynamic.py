@@ -20,7 +20,7 @@ from towerflow import serving
 from towerflow.checkpoint.format import write_checkpoint_dir
 from towerflow.cli import main
 from towerflow.errors import CheckpointError, InvalidArgumentError
-from towerflow.serving.chain import read_export
+from towerflow.serving.chain import read_export, table_state
 from towerflow.serving.exporting import Source
 from towerflow.serving.layout import check_description, describe, table_entry, write_export
 from towerflow.serving.lookup import DynamicLookup
@@ -112,6 +112,39 @@ def test_a_delta_of_a_run_with_eviction_removes_the_evicted_ids(tmp_path) -> Non
     chained = serving.load([full, delta, again], Model())
     for key, value in direct.state_dict().items():
         assert torch.equal(chained.state_dict()[key], value), key
+
+
+def _states() -> st.SearchStrategy:
+    """3-4 successive states of a dynamic table: id -> a row's value (ids added, evicted,
+    changed between states)."""
+    ids = st.integers(-(2**62), 2**62)
+    state = st.dictionaries(ids, st.integers(-3, 3), max_size=12)
+    return st.lists(state, min_size=3, max_size=4)
+
+
+@settings(max_examples=12, deadline=None)
+@given(states=_states())
+def test_any_chain_of_deltas_loads_bit_exact_to_a_full_export_of_its_last_state(states) -> None:
+    import tempfile
+
+    def state_source(step: int, state: dict[int, int]) -> Source:
+        keys = torch.tensor(sorted(state), dtype=torch.int64)
+        rows = torch.tensor([[float(state[k])] * DIM for k in sorted(state)]).reshape(-1, DIM)
+        part = ({"table": "ids", "shard": 0}, {"ids": keys.flip(0), "rows": rows.flip(0)})
+        tables = {"ids": {"kind": "dynamic", "dim": DIM, "dtype": "float32"}}
+        return Source(step, {}, tables, [part])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        chain = [serving.export_source(state_source(0, states[0]), root / "s0")]
+        for step, state in enumerate(states[1:], start=1):
+            chain.append(serving.export_source(state_source(step, state), root / f"s{step}",
+                                               since=chain[-1]))
+        last = serving.export_source(state_source(9, states[-1]), root / "full")
+        got = table_state(serving.resolve_chain(chain), "ids")
+        want = table_state(serving.resolve_chain(last), "ids")
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.rows, want.rows)
+    assert got.keys.tolist() == sorted(states[-1])
 
 
 def test_a_delta_whose_tables_differ_from_its_base_is_refused(tmp_path) -> None:
