@@ -229,3 +229,34 @@ def test_a_model_whose_tables_differ_is_refused_and_left_as_it_was(export_dir) -
     with pytest.raises(InvalidArgumentError, match=r"table 'items' is no embedding module.*"
                                                    r"model's table 'emb' is not in the export"):
         serving.load(export_dir, Renamed())
+
+
+def test_the_click_example_trained_on_the_ps_exports_through_torch_export(tmp_path) -> None:
+    from towerflow.models.click import ClickNet, click_loss
+
+    def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 400, (32, 6), generator=g)
+        return ids, (ids[:, 0] % 2).float()
+
+    manager = CheckpointManager(tmp_path / "train")
+    with ps_tasks(SECRET) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+                                   device="cpu", server=False)
+        try:
+            model = ClickNet(400, 8, sparse_gradients=True)  # its table swapped for the ps's
+            strategy.prepare(model, OptimizerConfig("adagrad", lr=0.1))
+            for seed in range(3):
+                strategy.run_step(click_loss, batch(seed))
+            groups, metadata = strategy.state_dict(), checkpoint_metadata(strategy)
+            manager.save(metadata["step"], groups, metadata)
+            with torch.no_grad():
+                want = model(batch(50)[0])
+        finally:
+            strategy.shutdown()
+    served = serving.load(serving.export(tmp_path / "train", tmp_path / "e"),
+                          ClickNet(400, 8, table_device="meta"))
+    program = torch.export.export(served, (batch(50)[0],),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
+    assert torch.allclose(program.module()(batch(50)[0]), want, atol=1e-6, rtol=0)
+    assert program.module()(batch(51)[0][:7]).shape == (7,)
