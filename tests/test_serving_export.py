@@ -95,6 +95,16 @@ def trained(tmp_path_factory):
     return root, stages
 
 
+def test_towerflow_serving_and_export_are_public_names(python, subprocess_env) -> None:
+    import subprocess
+
+    proc = subprocess.run([python, "-c", "import towerflow; print(towerflow.serving.load."
+                           "__module__, towerflow.export.__module__)"],
+                          env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["towerflow.serving.load", "towerflow.serving.exporting"]
+
+
 def test_the_constants_of_the_training_checkpoint_are_the_ps_wings() -> None:
     assert (CHECKPOINT_TABLES_GROUP, CHECKPOINT_TABLES) == (TABLES_GROUP, TABLES_KEY)
 

@@ -52,6 +52,7 @@ _LAZY: dict[str, str] = {
     "read_checkpoint": "towerflow.checkpoint",
     # serving
     "export": "towerflow.serving",
+    "serving": "towerflow.serving",
     # cluster
     "ClusterSpec": "towerflow.cluster",
     "Server": "towerflow.cluster",
