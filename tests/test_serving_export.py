@@ -203,6 +203,12 @@ def test_a_changed_byte_is_refused_by_its_digest(export_dir) -> None:
     part.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"{part.name}.*checksum.*export it again"):
         serving.load(export_dir, Click())
+    manifest = export_dir / "manifest.json"
+    os.chmod(manifest, 0o644)
+    manifest.write_text(manifest.read_text().replace('"step": 3', '"step": 4', 1))
+    with pytest.raises(CheckpointError, match="manifest.json.*does not match its digest.*"
+                                              "export it again"):
+        serving.load(export_dir, Click())
 
 
 def test_a_delta_on_another_base_is_refused(trained, tmp_path) -> None:
