@@ -50,6 +50,9 @@ _LAZY: dict[str, str] = {
     "latest_checkpoint": "towerflow.checkpoint",
     "Checkpoint": "towerflow.checkpoint",
     "read_checkpoint": "towerflow.checkpoint",
+    # serving
+    "export": "towerflow.serving",
+    "serving": "towerflow.serving",
     # cluster
     "ClusterSpec": "towerflow.cluster",
     "Server": "towerflow.cluster",

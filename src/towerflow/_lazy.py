@@ -22,7 +22,8 @@ def lazy_getattr(package: str, table: Mapping[str, str],
 
     Args:
         package: the package's name, for the error message.
-        table: public name -> the module defining it.
+        table: public name -> the module defining it (or, for a sub-package made public
+            as itself, its own name: ``"serving": "towerflow.serving"``).
         namespace: the package's ``globals()``; a name is cached there once
             imported, so the next access costs nothing.
     """
@@ -31,7 +32,9 @@ def lazy_getattr(package: str, table: Mapping[str, str],
         module = table.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        value = importlib.import_module(module)
+        if module != f"{package}.{name}":  # a name in a module, else the sub-package itself
+            value = getattr(value, name)
         namespace[name] = value
         return value
 

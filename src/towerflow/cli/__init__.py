@@ -1,4 +1,5 @@
-"""The ``towerflow`` command line: ``devices | train | eval | server | launch | status | bench``.
+"""The ``towerflow`` command line: ``devices | train | eval | server | launch | status | bench |
+export``.
 
 Each sub-command lives in its own module of this package and exposes
 ``add_parser(subparsers)`` (cheap: no torch import) and ``run(args) -> int``.
@@ -23,6 +24,7 @@ _COMMANDS: dict[str, str] = {
     "launch": "launch",
     "status": "status",
     "bench": "bench",
+    "export": "export",
 }
 
 

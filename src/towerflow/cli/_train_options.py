@@ -107,6 +107,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(0: only at the last)")
     parser.add_argument("--max-to-keep", type=int, default=5, metavar="N",
                         help="how many recent checkpoints to keep")
+    parser.add_argument("--export-dir", default=None, metavar="DIR",
+                        help="write serving exports here while training runs: a full one, "
+                        "then deltas (docs/serving.md)")
+    parser.add_argument("--export-every-secs", type=float, default=600.0, metavar="SECONDS",
+                        help="seconds between two serving exports (with --export-dir)")
     parser.add_argument("--ema-decay", type=float, default=0.9999, metavar="D",
                         help="decay of the parameters' moving averages, which eval "
                         "scores (0: none)")

@@ -244,6 +244,13 @@ def _joining_strategy(args: argparse.Namespace) -> Strategy:
     return ParameterServer(device=args.device, **options)
 
 
+def _export_hooks(args: argparse.Namespace) -> list[Any]:
+    """``--export-dir``: an ``ExportHook`` writing serving exports while training runs."""
+    from towerflow.training.export_hook import ExportHook
+
+    return [ExportHook(args.export_dir, args.export_every_secs)] if args.export_dir else []
+
+
 def _train(args: argparse.Namespace, strategy: Strategy) -> int:
     from towerflow.training.run import run_training
     from towerflow.training.tasks import get_task
@@ -253,7 +260,8 @@ def _train(args: argparse.Namespace, strategy: Strategy) -> int:
         run_training(task, build_config(args), data=build_data_options(args), lr=args.lr,
                      lr_decay_factor=args.lr_decay_factor,
                      epochs_per_decay=args.epochs_per_decay, strategy=strategy,
-                     optimizer=build_optimizer(args), settings=run_record(args))
+                     optimizer=build_optimizer(args), settings=run_record(args),
+                     hooks=_export_hooks(args))
     finally:
         strategy.shutdown()
     return 0

@@ -6,6 +6,8 @@
 - :mod:`~towerflow.testing.task` — the small training program those tasks
   run (``python -m towerflow.testing.task``), including the update-ledger model
   that shows which pushes the ps applied and how many times.
+- :mod:`~towerflow.testing.inprocess` — ps tasks served from the test's own process
+  (``ps_tasks``), for tests and benchmarks that need a cluster and no child processes.
 
 Used by towerflow's own fault tests and by ``benchmarks/reliability.py``.
 """

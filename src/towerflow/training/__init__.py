@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "SummaryWriter": "towerflow.training.summaries",
     "Hook": "towerflow.training.hooks",
     "StepContext": "towerflow.training.hooks",
+    "ExportHook": "towerflow.training.export_hook",
     "NanLossDuringTrainingError": "towerflow.training.hooks",
     "DataOptions": "towerflow.training.tasks",
     "get_task": "towerflow.training.tasks",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 
 from towerflow.strategies.base import OptimizerConfig, Strategy
 from towerflow.training.config import TrainConfig
+from towerflow.training.hooks import Hook
 from towerflow.training.loop import Trainer, TrainResult, default_strategy
 from towerflow.training.runconfig import save_run_settings
 from towerflow.training.schedules import ExponentialDecay, decay_steps_for_epochs
@@ -74,7 +75,8 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
                  lr: float | None = None, lr_decay_factor: float = 0.1,
                  epochs_per_decay: float | None = None, strategy: Strategy | None = None,
                  device: str | None = None, optimizer: OptimizerConfig | None = None,
-                 settings: Mapping[str, Any] | None = None) -> TrainResult:
+                 settings: Mapping[str, Any] | None = None,
+                 hooks: Sequence[Hook] = ()) -> TrainResult:
     """Train a built-in task; resume from ``config.train_dir`` when it holds a checkpoint.
 
     The chief records the run's settings in ``<train_dir>/run.yaml``
@@ -93,6 +95,7 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
         device: the device of a single-process run (ignored with ``strategy``).
         optimizer: the optimizer and its hyper-parameters (default: plain SGD).
         settings: more settings to record in ``run.yaml``.
+        hooks: more hooks for the loop (an ``ExportHook``).
     """
     task = get_task(task) if isinstance(task, str) else task
     owns_strategy = strategy is None
@@ -116,7 +119,8 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
         transform = task.train_transform(strategy.device, seed=config.seed * 7919 + strategy.rank)
         trainer = Trainer(model, task.loss_fn, dataset, strategy=strategy,
                           optimizer=optimizer, schedule=schedule,
-                          config=config, transform=transform, metadata={"task": task.name})
+                          config=config, transform=transform, metadata={"task": task.name},
+                          hooks=hooks)
         with trainer:
             return trainer.fit()
     finally:
