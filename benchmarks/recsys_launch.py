@@ -29,6 +29,8 @@ features, MLP 200-200-200, batches of 512 with Zipf(1.2) ids per field:
 - ``dense``: ``sparse_threshold_bytes=None`` (every table shipped whole, as
   dense parameters) — with ``--dense-rows-cap`` the cardinalities are capped
   so that the dense path can run at all;
+- ``twotables``: the same model with its fields fused into two tables by hand
+  (ids offset per field), what a many-table model must cost about as much as;
 
 against the same model in one process with one thread (``torch.optim.Adagrad``
 over its sparse and dense gradients).
@@ -37,7 +39,7 @@ Each round runs every variant and the baselines one after the other; the
 figures are the medians over rounds. Commands::
 
     python benchmarks/recsys_launch.py --workload click --tf-python /tmp/tfvenv/bin/python --repeats 3
-    python benchmarks/recsys_launch.py --workload deepfm --repeats 3
+    python benchmarks/recsys_launch.py --workload deepfm --repeats 3        # default, twotables
     python benchmarks/recsys_launch.py --workload deepfm --variants default,dense --dense-rows-cap 20000
 """
 
@@ -103,6 +105,37 @@ def deepfm_model(rows: list[int]) -> nn.Module:
     return DeepFM(rows, DEEPFM_DIM, dense_features=DENSE)
 
 
+class TwoTableDeepFM(nn.Module):
+    """The same DeepFM with its fields fused by hand into two tables (ids offset per field):
+    what a user had to write before; the figure a many-table model must match."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("offsets", torch.tensor([0, *rows[:-1]]).cumsum(0),
+                             persistent=False)
+        self.embeddings = nn.Embedding(sum(rows), DEEPFM_DIM, sparse=True)
+        self.weights = nn.Embedding(sum(rows), 1, sparse=True)
+        for table in (self.embeddings, self.weights):
+            nn.init.normal_(table.weight, std=0.01)
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.dense = nn.Linear(DENSE, 1)
+        layers: list[nn.Module] = []
+        width = len(rows) * DEEPFM_DIM + DENSE
+        for size in (200, 200, 200):
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            width = size
+        self.mlp = nn.Sequential(*layers, nn.Linear(width, 1))
+
+    def forward(self, fields, dense: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ids = torch.stack(list(fields), 1) + self.offsets
+        vectors = self.embeddings(ids)
+        first = self.weights(ids).sum((1, 2))
+        second = 0.5 * (vectors.sum(1).pow(2) - vectors.pow(2).sum(1)).sum(1)
+        deep = torch.cat([vectors.flatten(1), dense], 1)
+        return self.bias + first + second + self.dense(dense).squeeze(1) + self.mlp(deep).squeeze(1)
+
+
 def deepfm_loss(model: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
     fields, dense, labels = batch
     return F.binary_cross_entropy_with_logits(model(fields, dense), labels)
@@ -128,7 +161,7 @@ def task(args: argparse.Namespace) -> None:
         examples = 512
     else:
         rows = deepfm_rows(args.dense_rows_cap)
-        model = deepfm_model(rows)
+        model = TwoTableDeepFM(rows) if args.variant == "twotables" else deepfm_model(rows)
         batches = deepfm_batches(rows, 20, info.task_index)
         loss = deepfm_loss
         examples = DEEPFM_BATCH
@@ -208,7 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("click", "deepfm"), default="click")
     parser.add_argument("--variants", default=None,
-                        help="comma-separated (click: sparse,plain,sharded; deepfm: default,dense)")
+                        help="comma-separated (click: sparse,plain,sharded; deepfm: default,twotables,dense)")
     parser.add_argument("--rows", type=int, default=1_000_000, help="click: the table's rows")
     parser.add_argument("--dense-rows-cap", type=int, default=0,
                         help="deepfm: cap every field's rows (the dense path ships them all)")
@@ -227,7 +260,7 @@ def main() -> None:
               else deepfm_ceiling(args))
         return
     variants = (args.variants or ("sparse,plain,sharded" if args.workload == "click"
-                                  else "default")).split(",")
+                                  else "default,twotables")).split(",")
     figures: dict[str, list[float]] = {v: [] for v in [*variants, "one process", "tensorflow"]}
     threads: dict[str, set] = {v: set() for v in variants}
     for index in range(args.repeats):
