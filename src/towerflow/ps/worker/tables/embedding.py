@@ -70,7 +70,7 @@ from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
 from towerflow.ps.worker.tables.fusion import fuse_tables
-from towerflow.ps.worker.tables.prefetch import Prefetcher, recording
+from towerflow.ps.worker.tables.prefetch import Prefetcher, pull_ahead, recording
 
 __all__ = ["ShardedEmbedding", "SparseTables", "sparse_optimizer_for", "unique_ids",
            "seeded_initializer"]
@@ -437,17 +437,11 @@ class SparseTables:
         """Pull the rows of every lookup of a forward in one request per ps task."""
         for _, module in self.modules:
             module.prefetched.clear()
-        wanted = []
-        for module, ids in lookups:
-            if isinstance(module, ShardedEmbedding) and isinstance(ids, torch.Tensor) and \
-                    ids.dtype in (torch.int64, torch.int32):  # else the lookup itself refuses
-                wanted.append((module, ids, *unique_ids(ids.reshape(-1).to("cpu", torch.int64))))
-        if not wanted:
-            return
-        rows = self.client.pull_many(  # type: ignore[union-attr]
-            [(module.config, unique) for module, _, unique, _ in wanted])
-        for (module, ids, unique, inverse), got in zip(wanted, rows, strict=True):
-            module.prefetched.append((ids, unique, inverse, got))
+        wanted = [(module, ids) for module, ids in lookups
+                  if isinstance(module, ShardedEmbedding) and isinstance(ids, torch.Tensor)
+                  and ids.dtype in (torch.int64, torch.int32)]  # else the lookup refuses
+        if wanted:
+            pull_ahead(self.client, self.views, wanted, unique_ids)
 
     def initialize(self) -> None:
         """Create every table on every ps task (the chief; idempotent).

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["Prefetcher", "MAX_RECORDINGS", "recording"]
+__all__ = ["Prefetcher", "MAX_RECORDINGS", "pull_ahead", "recording"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -253,3 +253,57 @@ class Prefetcher:
                             "step: %s", len(recorder.sites), recipe)
             return
         self._recipe = recipe
+
+
+def pull_ahead(client: Any, views: Mapping[str, Any],
+               lookups: Sequence[tuple[nn.Module, torch.Tensor]],
+               unique: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Pull the rows of every ``(table module, ids)`` in one request per ps task and leave
+    each table its ``(ids, unique ids, inverse, rows)`` in ``module.prefetched``.
+
+    The lookups of tables fused on the ps (``views``: their offsets) are made
+    unique together, as the ids of one table (one sort for all of them); each
+    lookup's ids are checked against its own table first, so that no id reaches
+    past its table into the next one's rows.
+    """
+    groups: dict[Any, list[tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {}
+    for index, (module, ids) in enumerate(lookups):
+        flat = module.config.partitioner.check(ids.reshape(-1).to("cpu", torch.int64))
+        view = views.get(module.config.name)
+        key = index if view is None else view.table.name  # a table alone, or its fused one
+        groups.setdefault(key, []).append((module, ids, flat))
+    pulls: list[tuple[Any, torch.Tensor]] = []
+    plans: list[Callable[[torch.Tensor], None]] = []
+    for members in groups.values():
+        view = views.get(members[0][0].config.name)
+        offsets = [] if view is None else [views[m.config.name].offset for m, _, _ in members]
+        if view is None or len(set(offsets)) < len(members):  # a table alone, or looked up twice
+            for module, ids, flat in members:
+                ids_unique, inverse = unique(flat)
+                pulls.append((module.config, ids_unique))
+                plans.append(lambda rows, m=module, i=ids, u=ids_unique, v=inverse:
+                             m.prefetched.append((i, u, v, rows)))
+            continue
+        shifted = torch.cat([flat + offset for (_, _, flat), offset in
+                             zip(members, offsets, strict=True)])
+        together, inverse = unique(shifted)
+        pulls.append((view.table, together))
+        plans.append(lambda rows, ms=members, os=offsets, u=together, v=inverse:
+                     _share(ms, os, u, v, rows))
+    for plan, rows in zip(plans, client.pull_many(pulls), strict=True):
+        plan(rows)
+
+
+def _share(members: Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]],
+           offsets: Sequence[int], together: torch.Tensor, inverse: torch.Tensor,
+           rows: torch.Tensor) -> None:
+    """Hand each fused table its part of the rows pulled for all of them together."""
+    bounds = torch.tensor([[o, o + m.config.num_rows] for (m, _, _), o in
+                           zip(members, offsets, strict=True)], dtype=torch.int64)
+    starts, stops = torch.searchsorted(together, bounds).unbind(1)
+    done = 0
+    for (module, ids, flat), offset, first, last in zip(members, offsets, starts.tolist(),
+                                                        stops.tolist(), strict=True):
+        mine = inverse[done:done + flat.numel()] - first
+        done += flat.numel()
+        module.prefetched.append((ids, together[first:last] - offset, mine, rows[first:last]))
