@@ -137,7 +137,8 @@ def test_ctrl_c_stops_every_child_and_grandchild(child, subprocess_env, python):
         pids = [r[k] for r in reports.values() for k in ("pid", "grandchild")]
         assert all(_alive(pid) for pid in pids)
         launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=60) == 128 + signal.SIGINT
+        # the workers' status: these children do not handle the SIGTERM passed on to them
+        assert launcher.wait(timeout=60) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 20
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             threading.Event().wait(0.05)
@@ -262,7 +263,7 @@ def test_ctrl_c_stops_the_workers_and_chief_before_the_ps(subprocess_env, python
             seen += launcher.stdout.readline()
             assert time.monotonic() < deadline, seen
         launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=60) == 128 + signal.SIGINT
+        assert launcher.wait(timeout=60) == 0  # the chief and the worker stopped cleanly
         assert (tmp_path / "chief").read_text() == "alive"
     finally:
         if launcher.poll() is None:

@@ -95,7 +95,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         checkpoint_every=args.checkpoint_every, max_to_keep=args.max_to_keep,
         ema_decay=args.ema_decay if args.ema_decay else None, seed=args.seed,
         progress=False if args.no_progress else None,
-        log_device_placement=args.log_device_placement)
+        log_device_placement=args.log_device_placement, stop_deadline=args.stop_deadline)
 
 
 def build_data_options(args: argparse.Namespace) -> DataOptions:
@@ -194,14 +194,15 @@ def _launch_local(args: argparse.Namespace, count: int) -> int:
     strategy_options(args, "ps" if args.ps else "mirrored")  # refuse before anything starts
     if args.num_gpus:
         require_gpus(args.num_gpus, role="workers" if args.ps else "replicas")
+    grace = args.stop_deadline + 15.0 if args.stop_deadline else 3600.0  # then SIGKILL
     if not args.ps:
-        return spawn_replicas(replica_argv(args), count)
+        return spawn_replicas(replica_argv(args), count, grace_s=grace)
     if args.model == "cifar10" and args.data == "real":
         from towerflow.training.tasks import get_task
 
         get_task(args.model).load("train", build_data_options(args))  # once, for every worker
     return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count,
-                          who="towerflow train")
+                          who="towerflow train", grace=grace)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,8 +16,10 @@ whatever kills the launcher. Output lines read ``[worker:1] step 10 ...``.
 The launch ends when the workers (and the chief) have exited — the ps and
 evaluator tasks are then stopped. On SIGINT / SIGTERM the workers and the
 chief are stopped first (the chief writes its final checkpoint while the ps
-tasks still serve), then the ps and evaluator tasks. The exit status is the
-workers' worst (or ``128 + signal`` when the launch was interrupted).
+tasks still serve), then the ps and evaluator tasks; a second signal is
+passed on at once (the chief abandons its final checkpoint). The exit status
+is the workers' worst, also when the launch was stopped by a signal (0 when
+every worker and the chief stopped cleanly).
 
 :func:`spawn_replicas` runs N replicas of one command with torchrun's
 environment (``towerflow train --replicas N``): replica 0 writes straight to
@@ -44,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from towerflow._children import spawn_group, stop_groups
+from towerflow._children import signal_group, spawn_group, stop_groups
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.cluster.threads import OMP_ENV, available_cores, share_line, thread_share
 from towerflow.cluster.transport import new_secret
@@ -104,14 +106,22 @@ def _check_command(command: Sequence[str]) -> None:
 
 
 class _Signals:
-    """Turns SIGINT / SIGTERM into a flag while installed (main thread only)."""
+    """Turns SIGINT / SIGTERM into a flag while installed (main thread only); a second
+    signal goes on at once to every child still running."""
 
-    def __init__(self) -> None:
+    def __init__(self, children: Sequence[_Child]) -> None:
         self.received: int | None = None
         self.event = threading.Event()
+        self._children = children
         self._previous: dict[int, object] = {}
 
     def handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            logger.info("signal %d again: passed on to every task still running", signum)
+            for child in self._children:
+                if child.process is not None and child.process.poll() is None:
+                    signal_group(child.process, signum)
+            return
         self.received = signum
         self.event.set()
 
@@ -163,7 +173,7 @@ def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_f
     failed: set[str] = set()
     finishing = [c for c in children if c.finishing]
     try:
-        with _Signals() as signals:
+        with _Signals(children) as signals:
             _start(children, command, output, pass_fds)
             while not signals.event.wait(_POLL_SECONDS):
                 codes = [c.process.poll() for c in finishing]
@@ -176,7 +186,6 @@ def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_f
             if signals.received is not None:
                 logger.info("interrupted by signal %d; stopped the workers, then the others",
                             signals.received)
-                return 128 + signals.received
     finally:
         _stop(children, grace)
         for child in children:
@@ -241,7 +250,7 @@ def launch_cluster(
     env: Mapping[str, str] | None = None,
     base_port: int | None = None,
     prefix_output: bool = True,
-    grace: float = 10.0,
+    grace: float = 45.0,
     host: str = "localhost",
     output: IO[str] | None = None,
     who: str = "towerflow launch",
@@ -257,7 +266,8 @@ def launch_cluster(
         env: base environment of the children (default: this process's).
         base_port: first of consecutive ports (default: free ports picked at random).
         prefix_output: prefix each output line with ``[job:index]``.
-        grace: seconds between SIGTERM and SIGKILL when stopping children.
+        grace: seconds between SIGTERM and SIGKILL when stopping children (longer
+            than a chief's final checkpoint may take, 30 s by default).
         host: loopback host name used in the cluster addresses.
         output: where prefixed lines go (default ``sys.stdout``).
         who: the command named in the line that reports each child's share of the cores
@@ -319,7 +329,7 @@ def replica_env(rank: int, world_size: int, master_port: int,
 
 def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
                    env: Mapping[str, str] | None = None, master_port: int | None = None,
-                   grace_s: float = 10.0, output: IO[str] | None = None) -> int:
+                   grace_s: float = 45.0, output: IO[str] | None = None) -> int:
     """Run ``argv`` as ``num_replicas`` replica processes; return the worst exit status.
 
     Args:

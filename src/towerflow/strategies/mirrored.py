@@ -226,6 +226,7 @@ class Mirrored(LocalOptimizerStrategy):
                 "use backend='gloo'."
             )
         self._owns_group = False
+        self._stop_vote: tuple[Any, torch.Tensor] | None = None  # the last step's, in flight
         self._init_group(timeout_s)
 
     def _init_group(self, timeout_s: float) -> None:
@@ -299,6 +300,25 @@ class Mirrored(LocalOptimizerStrategy):
                 "(restore_checkpoint), which hands replica 0's checkpoint to every replica."
             )
 
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Every replica stops at the same step: the wishes of each step are all-reduced
+        (max) while the next step runs, so they are read one step later with no wait."""
+        vote = torch.tensor([int(requested)], dtype=torch.int32, device=self._device)
+        pending, self._stop_vote = self._stop_vote, (
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True), vote)
+        if pending is None:
+            return False
+        work, agreed = pending
+        work.wait()
+        return bool(agreed.item())
+
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+        """A replica that finished waits for the last step's stop vote (every replica sent it);
+        one that stopped on an error does not (a peer may be gone)."""
+        vote, self._stop_vote = self._stop_vote, None
+        if vote is not None and finished:
+            vote[0].wait()
+
     def barrier(self) -> None:
         if dist.is_initialized():
             if self.backend == "nccl":
@@ -313,6 +333,7 @@ class Mirrored(LocalOptimizerStrategy):
         # interpreter gone and aborts the process ("terminate called without an active
         # exception").
         self._train_model = self._model
+        self._stop_vote = None
         gc.collect()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

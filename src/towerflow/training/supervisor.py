@@ -6,9 +6,12 @@ parameters on the ps tasks, or restores them from the latest checkpoint in
 and when the session ends, and writes summaries. The other workers wait until
 the parameters are initialised and never write anything. A manual save still
 works (to ``logdir`` or another directory; neither changes the schedule of
-``logdir``), and SIGTERM (preemption) makes the chief checkpoint and the
-program leave its loop (``should_stop()``; a loop that does not look is ended
-at its next step with ``SystemExit(0)``). A step that fails because a peer is
+``logdir``), and SIGTERM (preemption) or SIGINT makes the chief checkpoint
+after the step in flight and the program leave its loop (``should_stop()``; a
+loop that does not look is ended at its next step with ``SystemExit(0)``); a
+second signal, or ``stop_deadline`` seconds, abandons that checkpoint
+(:class:`~towerflow.training.stopping.FinalCheckpointAbandoned`, an exit with
+status ``128 + signal``) and leaves no partial one. A step that fails because a peer is
 missing (``DeadlineExceededError``: a sync step waited ``step_timeout`` for a
 dead worker; ``UnavailableError``: a ps task is gone) makes the chief save the
 last consistent state before the error leaves the session; the error then
@@ -62,6 +65,11 @@ from towerflow.training.session import (
     refuse_non_finite,
     restore_latest,
     save_before_stopping,
+)
+from towerflow.training.stopping import (
+    DEFAULT_STOP_DEADLINE_S,
+    FinalCheckpointAbandoned,
+    StopSignals,
 )
 
 __all__ = ["Supervisor", "ManagedSession", "REFUSED_TF_ARGUMENTS"]
@@ -174,7 +182,9 @@ class Supervisor:
         global_step: an optional 0-d integer tensor kept equal to the global step.
         init_fn: ``init_fn(model)`` run by the chief when there is no checkpoint,
             before the parameters are sent to the ps tasks.
-        stop_signals: signals that request a stop (SIGTERM: preemption).
+        stop_signals: signals that request a stop (SIGTERM: preemption; SIGINT: Ctrl-C).
+        stop_deadline: seconds after a stop signal that the chief's final
+            checkpoint may take (0 or None: no deadline).
         strategy_options: keyword arguments of the strategy the session trains
             with (``mode``, ``replicas_to_aggregate``, ``device_setter``... of the
             ``ParameterServer`` strategy).
@@ -193,7 +203,8 @@ class Supervisor:
                  summary_writer: Any = _UNSET, save_summaries_secs: float | None = 120.0,
                  global_step: torch.Tensor | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
-                 stop_signals: tuple[int, ...] = (signal.SIGTERM,),
+                 stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+                 stop_deadline: float | None = DEFAULT_STOP_DEADLINE_S,
                  **strategy_options: Any) -> None:
         _refuse_tf_arguments({**strategy_options, "summary_op": None if summary_op is
                               self._UNSET else summary_op})
@@ -202,7 +213,7 @@ class Supervisor:
             raise InvalidArgumentError(
                 f"Supervisor got unknown argument(s) {', '.join(unknown)}; it takes is_chief, "
                 "logdir, save_model_secs, save_model_steps, max_to_keep, saver, summary_op, "
-                "summary_writer, save_summaries_secs, global_step, init_fn, stop_signals and "
+                "summary_writer, save_summaries_secs, global_step, init_fn, stop_signals, stop_deadline and "
                 f"the strategies' options ({', '.join(sorted(_known_strategy_options()))})."
             )
         for name, value in (("save_model_secs", save_model_secs),
@@ -226,6 +237,8 @@ class Supervisor:
         self.global_step_tensor = global_step
         self.init_fn = init_fn
         self.stop_signals = stop_signals
+        self.stop_deadline = stop_deadline
+        self._stopping = StopSignals(stop_signals, stop_deadline, self._on_stop_signal)
         self.strategy_options = strategy_options
         self.restored_from: int | None = None
         self.preempted = False
@@ -391,6 +404,8 @@ class Supervisor:
                                                ) from exc
                 self._final_save(session)
                 finished = True
+        except FinalCheckpointAbandoned:
+            raise
         except SystemExit:
             if self.preempted and self._session is not None:
                 self._final_save(self._session)
@@ -498,24 +513,17 @@ class Supervisor:
     def _final_save(self, session: ManagedSession) -> None:
         if self.is_chief and self._manager is not None \
                 and session.strategy.global_step != self._saved_step:
-            self.save(session)
+            if self.preempted:  # a second signal or the deadline abandons it
+                with self._stopping.final_save():
+                    self.save(session)
+            else:
+                self.save(session)
 
-    @contextlib.contextmanager
-    def _signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.getsignal(sig) for sig in self.stop_signals}
+    def _on_stop_signal(self, signum: int) -> None:
+        self.preempted = True
+        self.request_stop()
 
-        def handle(signum: int, frame: object) -> None:
-            log.info("received signal %d; saving and stopping", signum)
-            self.preempted = True
-            self.request_stop()
-
-        try:
-            for sig in self.stop_signals:
-                signal.signal(sig, handle)
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def _signals(self) -> StopSignals:
+        """A session's stop signals (installed while it runs, in the main thread)."""
+        self._stopping = StopSignals(self.stop_signals, self.stop_deadline, self._on_stop_signal)
+        return self._stopping
