@@ -115,6 +115,7 @@ class Server:
         self._factories = factories_for(job_name, services)
         self.services: tuple[HostedService, ...] = ()
         self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None  # its handlers' threads
         self._starting = threading.Lock()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -196,10 +197,10 @@ class Server:
             self.streams = StreamLimiter(self.options.stream_cap(),
                                          self.options.max_streams_per_peer, self.task.device_name)
             interceptors.append(self.streams)
+            self._executor = futures.ThreadPoolExecutor(
+                self.options.max_workers, thread_name_prefix=f"towerflow-{self.task}")
             server = grpc.server(
-                futures.ThreadPoolExecutor(
-                    self.options.max_workers, thread_name_prefix=f"towerflow-{self.task}"
-                ),
+                self._executor,
                 interceptors=interceptors,
                 options=self.options.channel.server_options(),
             )
@@ -317,6 +318,9 @@ class Server:
         _identity.unregister(getattr(self, "_identity", None))
         if server is not None:
             server.stop(grace).wait()
+            # its handler threads end now (a busy one when its call returns), not at exit
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
         for channel in channels.values():
             channel.close()
         self._stopped.set()
