@@ -6,6 +6,7 @@ the deadline, abandons the final checkpoint and leaves no partial one.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -21,6 +22,7 @@ import torch
 
 from towerflow.checkpoint import CheckpointManager
 from towerflow.checkpoint.chunked import ChunkedGroup
+from towerflow.cli import main
 from towerflow.data import load_digits
 from towerflow.models import DigitsNet, cross_entropy_loss
 from towerflow.strategies.single import SingleDevice
@@ -78,10 +80,12 @@ def _train(tmp_path: Path, *extra: str) -> list[str]:
             "--log-every", "20", "--no-progress", "--summary-every", "0", *extra]
 
 
-def _stop_mid_run(argv: list[str], env: dict[str, str], started: str) -> tuple[int, str]:
+def _stop_mid_run(argv: list[str], env: dict[str, str], started: str,
+                  while_running=lambda: None) -> tuple[int, str]:  # noqa: ANN001
     run = _Run(argv, env)
     try:
         run.wait_for(started)
+        while_running()
         run.proc.send_signal(signal.SIGTERM)
         return run.finish(), run.text
     finally:
@@ -158,13 +162,26 @@ def test_sigterm_to_replicas_stops_every_one_at_the_same_step_and_rank_0_saves(
 
 @pytest.mark.slow
 def test_sigterm_to_a_ps_run_saves_on_the_chief_and_every_task_exits_zero(
-        tmp_path, subprocess_env) -> None:
+        tmp_path, subprocess_env, capsys, monkeypatch) -> None:
+    for name in ("TF_CONFIG", "TOWERFLOW_SECRET", "TOWERFLOW_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    snapshots = []
+
+    def watch() -> None:  # towerflow status finds the run by its train dir alone
+        assert (tmp_path / "cluster.secret").stat().st_mode & 0o777 == 0o600
+        assert main(["status", "--train-dir", str(tmp_path), "--once", "--json",
+                     "--interval", "0.2"]) == 0
+        snapshots.append(json.loads(capsys.readouterr().out))
+
     code, text = _stop_mid_run(
         _train(tmp_path, "--ps", "1", "--workers", "2", "--max-steps", "100000"),
-        subprocess_env, r"\[worker:0\] .*step 20, loss")
+        subprocess_env, r"task:1 at \S+ is alive[\s\S]*\[worker:0\] .*step \d+, loss", watch)
     assert code == 0, text
     assert "worker:0 exited with status 0" in text and "worker:1 exited with status 0" in text
     assert _latest_step(tmp_path) == _stopped_step(text)
+    assert [t["state"] for t in snapshots[0]["tasks"]] == ["up"] * 3
+    assert "secret" not in (tmp_path / "cluster.json").read_text()
+    assert not (tmp_path / "cluster.secret").exists()  # it lived as long as the run
 
 
 @pytest.mark.slow

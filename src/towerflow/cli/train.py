@@ -202,13 +202,26 @@ def _launch_local(args: argparse.Namespace, count: int) -> int:
 
         get_task(args.model).load("train", build_data_options(args))  # once, for every worker
     return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count,
-                          who="towerflow train", grace=grace)
+                          who="towerflow train", grace=grace,
+                          train_dir=build_config(args).train_dir)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train: as this process's task of the environment's cluster (``TF_CONFIG``, torchrun,
     Slurm), else start the local processes asked for (``--ps``, ``--replicas``,
-    ``--num-gpus``), else in this process alone."""
+    ``--num-gpus``), else in this process alone.
+
+    SIGTERM / SIGINT while training stop it after the step in flight with a final
+    checkpoint (exit 0); before training starts or after it ended, they end the
+    process with status 0 (a ps task, and the launcher of local processes, handle
+    them their own way)."""
+    from towerflow.training.stopping import exit_on_signals
+
+    with exit_on_signals():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from towerflow.cluster import resolve_cluster
 
     resolve_args(args)

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -44,9 +45,11 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 from towerflow._children import signal_group, spawn_group, stop_groups
+from towerflow.cluster.address_book import published
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.cluster.threads import OMP_ENV, available_cores, share_line, thread_share
 from towerflow.cluster.transport import new_secret
@@ -218,9 +221,8 @@ def _cluster_tasks(
     return ClusterSpec(jobs), tasks
 
 
-def _secret_fd(env: dict[str, str]) -> list[int]:
-    """Put a fresh secret where the children find it and nothing else does; the fds to pass."""
-    secret = new_secret()
+def _secret_fd(env: dict[str, str], secret: bytes) -> list[int]:
+    """Put ``secret`` where the children find it and nothing else does; the fds to pass."""
     if not hasattr(os, "memfd_create"):  # no anonymous files here: the environment only
         env["TOWERFLOW_SECRET"] = secret.decode()
         return []
@@ -254,6 +256,7 @@ def launch_cluster(
     host: str = "localhost",
     output: IO[str] | None = None,
     who: str = "towerflow launch",
+    train_dir: str | Path | None = None,
 ) -> int:
     """Run ``command`` once per task of a local cluster and return the workers' worst status.
 
@@ -272,6 +275,9 @@ def launch_cluster(
         output: where prefixed lines go (default ``sys.stdout``).
         who: the command named in the line that reports each child's share of the cores
             (``OMP_NUM_THREADS``: ``cores // tasks``, or the value already set).
+        train_dir: where to keep the cluster's address book and, while it runs, its
+            secret (:mod:`towerflow.cluster.address_book`), for ``towerflow status
+            --train-dir``; None: nowhere.
 
     Raises:
         InvalidArgumentError: no command, no worker, no room for the ports, or an
@@ -285,16 +291,20 @@ def launch_cluster(
         base_env.pop(name, None)
     base_env["PYTHONUNBUFFERED"] = "1"
     _share_threads(base_env, len(tasks), who)
-    fds = _secret_fd(base_env)
+    secret = new_secret()
+    fds = _secret_fd(base_env, secret)
     children = [
         _Child(str(task), {**base_env, "TF_CONFIG": cluster.tf_config(task)},
                f"[{task}] " if prefix_output else None, task.job_name in _FINISHING_JOBS)
         for task in tasks
     ]
     logger.info("launching %s with cluster %s", [c.name for c in children], cluster.as_dict())
+    book = (contextlib.nullcontext() if train_dir is None
+            else published(train_dir, cluster, secret))
     try:
-        status = _run(command, children, grace=grace, fail_fast=False, output=output,
-                      pass_fds=fds)
+        with book:
+            status = _run(command, children, grace=grace, fail_fast=False, output=output,
+                          pass_fds=fds)
     finally:
         for fd in fds:
             os.close(fd)

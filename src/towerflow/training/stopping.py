@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["FinalCheckpointAbandoned", "StopSignals", "DEFAULT_STOP_DEADLINE_S"]
+__all__ = ["FinalCheckpointAbandoned", "StopSignals", "DEFAULT_STOP_DEADLINE_S",
+           "exit_on_signals"]
 
 log = logging.getLogger("towerflow.training")
 
@@ -137,5 +138,30 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def exit_on_signals(signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
+    """Within the block, SIGTERM / SIGINT end the process with status 0 (``SystemExit(0)``).
+
+    For the time around training (starting, waiting for the chief, shutting
+    down): nothing is lost by stopping then, so a scheduler's signal ends the
+    task cleanly instead of by the signal's default action. While training,
+    :class:`StopSignals` (installed by the loop) takes precedence. Main thread only.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        log.info("received signal %d outside training; exiting", signum)
+        raise SystemExit(0)
+
+    previous = {sig: signal.signal(sig, leave) for sig in signals}
+    try:
+        yield
+    finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
