@@ -215,7 +215,9 @@ class Server:
                 self.services = tuple(service for service, _ in hosted)
             # this process's devices are now this task's (placement log, placer)
             self._identity = _identity.register(self.task.job_name, self.task.task_index)
-        logger.info("started %s at %s", self.task.device_name, self.target)
+        announced = any(getattr(s, "announces_serving", False) for s in self.services)
+        logger.log(logging.DEBUG if announced else logging.INFO,  # one start line per task
+                   "started %s at %s", self.task.device_name, self.target)
         try:
             for service in self.services:
                 service.start()

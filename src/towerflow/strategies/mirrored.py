@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from towerflow import _identity
 from towerflow.devices import resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.single import LocalOptimizerStrategy
@@ -228,6 +229,11 @@ class Mirrored(LocalOptimizerStrategy):
         self._owns_group = False
         self._stop_vote: tuple[Any, torch.Tensor] | None = None  # the last step's, in flight
         self._init_group(timeout_s)
+        # each replica names its devices as its own task (the placement log), as TensorFlow's
+        # multi-worker replicas do; a cluster task already registered (its Server) comes first
+        job, index = (task.job_name, task.task_index) if task is not None else ("worker",
+                                                                                 self.rank)
+        self._identity = _identity.register(job, index) if self.world_size > 1 else None
 
     def _init_group(self, timeout_s: float) -> None:
         if dist.is_initialized():
@@ -334,6 +340,7 @@ class Mirrored(LocalOptimizerStrategy):
         # exception").
         self._train_model = self._model
         self._stop_vote = None
+        _identity.unregister(self._identity)
         gc.collect()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
