@@ -297,9 +297,10 @@ class Supervisor:
         return self._manager
 
     @property
-    def saver(self) -> Any:
-        """TensorFlow's name for :attr:`checkpoint_manager`."""
-        return self._manager
+    def saver(self) -> _Saver | None:
+        """TensorFlow's ``sv.saver``: ``sv.saver.save(sess, path, global_step=step)`` saves
+        as :meth:`save` does; its other attributes are :attr:`checkpoint_manager`'s."""
+        return None if self._manager is None else _Saver(self, self._manager)
 
     def save(self, session: ManagedSession | None = None,
              directory: str | Path | None = None) -> Path | None:
@@ -331,10 +332,13 @@ class Supervisor:
         return self._save_to(CheckpointManager(directory, max_to_keep=self.max_to_keep),
                              session, schedule=False)
 
-    def _save_to(self, manager: Any, session: ManagedSession, *, schedule: bool) -> Path:
+    def _save_to(self, manager: Any, session: ManagedSession, *, schedule: bool,
+                 step: int | None = None) -> Path:
         strategy = session.strategy
         groups = strategy.state_dict()
         metadata = checkpoint_metadata(strategy)
+        if step is not None:  # TensorFlow's saver.save(..., global_step=step) names the step
+            metadata["step"] = step
         step = metadata["step"]
         refuse_non_finite({n: p.detach() for n, p in session.model.named_parameters()},
                           step, manager)
@@ -527,3 +531,55 @@ class Supervisor:
         """A session's stop signals (installed while it runs, in the main thread)."""
         self._stopping = StopSignals(self.stop_signals, self.stop_deadline, self._on_stop_signal)
         return self._stopping
+
+
+class _Saver:
+    """``sv.saver``: TensorFlow's ``Saver.save(sess, save_path, global_step=None)`` over the
+    Supervisor's checkpoint manager (whose other attributes it passes through).
+
+    ``save_path`` names the checkpoint directory: ``log/linear/`` as it is,
+    ``log/linear/model.ckpt`` its directory ``log/linear`` (a checkpoint is a
+    directory named by its step, ``ckpt-<step>``, not a file prefix).
+    ``global_step`` (an int or a 0-d tensor) is the step the checkpoint is
+    saved as; by default the session's global step.
+    """
+
+    __slots__ = ("_supervisor", "_manager")
+
+    def __init__(self, supervisor: Supervisor, manager: Any) -> None:
+        self._supervisor = supervisor
+        self._manager = manager
+
+    def save(self, sess: ManagedSession | None, save_path: str | Path | None = None,
+             global_step: int | torch.Tensor | None = None, **tf_options: Any) -> str | None:
+        """Write a checkpoint now (chief only) and return its path, as TensorFlow's does."""
+        if tf_options:
+            raise InvalidArgumentError(
+                f"sv.saver.save() got {', '.join(sorted(tf_options))}, which towerflow has no "
+                "use for (no meta graph, no state file); pass sess, save_path and global_step.")
+        sv = self._supervisor
+        if not sv.is_chief:
+            sv.save(sess)  # says once that only the chief saves
+            return None
+        session = sess or sv._session
+        if session is None:
+            raise FailedPreconditionError("sv.saver.save() needs an open managed_session.")
+        step = None if global_step is None else int(global_step)
+        if save_path is None or _same_dir(save_path, self._manager.directory):
+            path = sv._save_to(self._manager, session, schedule=True, step=step)
+        else:
+            from towerflow.checkpoint import CheckpointManager
+
+            target = Path(save_path)
+            directory = target if str(save_path).endswith(("/", "\\")) or target.is_dir() \
+                else target.parent
+            path = sv._save_to(CheckpointManager(directory, max_to_keep=sv.max_to_keep),
+                               session, schedule=False, step=step)
+        return str(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+
+def _same_dir(path: str | Path, directory: Path) -> bool:
+    return Path(path).absolute() == Path(directory).absolute()
