@@ -51,10 +51,11 @@ given with another value; the settings listed below may change.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from towerflow.cli._argv import argv_from_namespace
@@ -196,7 +197,8 @@ def _launch_local(args: argparse.Namespace, count: int) -> int:
         require_gpus(args.num_gpus, role="workers" if args.ps else "replicas")
     grace = args.stop_deadline + 15.0 if args.stop_deadline else 3600.0  # then SIGKILL
     if not args.ps:
-        return spawn_replicas(replica_argv(args), count, grace_s=grace)
+        return spawn_replicas(replica_argv(args), count, grace_s=grace,
+                              log_dir=build_config(args).train_dir)
     if args.model == "cifar10" and args.data == "real":
         from towerflow.training.tasks import get_task
 
@@ -217,8 +219,31 @@ def run(args: argparse.Namespace) -> int:
     them their own way)."""
     from towerflow.training.stopping import exit_on_signals
 
-    with exit_on_signals():
+    with exit_on_signals(), _traceback_to_file():
         return _run(args)
+
+
+@contextlib.contextmanager
+def _traceback_to_file() -> Iterator[None]:
+    """In a replica told to (``TOWERFLOW_TRACEBACK_FILE``): an error that ends it is one line
+    here, its traceback in that file, so that replica 0's is the error the terminal shows."""
+    from towerflow.cluster.launcher import TRACEBACK_FILE_ENV
+
+    path = os.environ.get(TRACEBACK_FILE_ENV)
+    if not path:
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - written out in full, then one line
+        import traceback
+
+        with open(path, "w") as out:
+            out.write(traceback.format_exc())
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        print(f"stopped by {type(exc).__name__}: {first} (traceback in {path})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -55,9 +55,13 @@ from towerflow.cluster.threads import OMP_ENV, available_cores, share_line, thre
 from towerflow.cluster.transport import new_secret
 from towerflow.errors import InvalidArgumentError, NotFoundError
 
-__all__ = ["launch_cluster", "spawn_replicas", "replica_env", "free_ports", "exit_status"]
+__all__ = ["launch_cluster", "spawn_replicas", "replica_env", "free_ports", "exit_status",
+           "TRACEBACK_FILE_ENV"]
 
 logger = logging.getLogger("towerflow.cluster")
+
+#: names the file a replica writes the traceback of the error that ends it to
+TRACEBACK_FILE_ENV = "TOWERFLOW_TRACEBACK_FILE"
 
 #: Roles whose exit ends the launch; the others (ps, evaluator) are then stopped.
 _FINISHING_JOBS = ("chief", "worker")
@@ -339,7 +343,8 @@ def replica_env(rank: int, world_size: int, master_port: int,
 
 def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
                    env: Mapping[str, str] | None = None, master_port: int | None = None,
-                   grace_s: float = 45.0, output: IO[str] | None = None) -> int:
+                   grace_s: float = 45.0, output: IO[str] | None = None,
+                   log_dir: str | Path | None = None) -> int:
     """Run ``argv`` as ``num_replicas`` replica processes; return the worst exit status.
 
     Args:
@@ -349,6 +354,10 @@ def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
         master_port: the rendezvous port on 127.0.0.1 (default: a free one).
         grace_s: how long a stopped replica gets between SIGTERM and SIGKILL.
         output: where the other replicas' prefixed lines go (default ``sys.stdout``).
+        log_dir: where replicas 1.. write the traceback of an error that ends them
+            (``replica-<rank>.log``, named in ``TRACEBACK_FILE_ENV``), printing one
+            line instead, so that replica 0's error is the one the terminal shows in
+            full; None: they print it.
 
     Example:
         >>> spawn_replicas([sys.executable, "-c", "import os; assert os.environ['WORLD_SIZE'] == '2'"], 2)
@@ -363,4 +372,8 @@ def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
     children = [_Child(f"replica {rank}", replica_env(rank, num_replicas, port, base),
                        None if rank == 0 else f"[replica {rank}] ")
                 for rank in range(num_replicas)]
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        for rank, child in enumerate(children[1:], start=1):
+            child.env[TRACEBACK_FILE_ENV] = str(Path(log_dir).absolute() / f"replica-{rank}.log")
     return _run(argv, children, grace=grace_s, fail_fast=True, output=output)
