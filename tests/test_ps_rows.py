@@ -353,3 +353,15 @@ def test_checked_lookups_and_updates_match_the_checking_ones():
     assert torch.equal(stores[0].lookup(ids), stores[1].lookup(ids, checked=True))
     assert torch.equal(part.local_index(ids, 1), part.local_index(ids, 1, checked=True))
     assert torch.equal(stores[0].export().rows, stores[1].export().rows)
+
+
+def test_a_table_shard_larger_than_the_ps_memory_is_refused_before_it_is_allocated() -> None:
+    from towerflow.errors import ResourceExhaustedError
+    from towerflow.ps.server.tables.rows import memory_available
+
+    if memory_available() is None:
+        pytest.skip("this machine does not say how much memory it has left")
+    with pytest.raises(ResourceExhaustedError, match=r"Table shard 0 of 1,099,511,627,776 rows "
+                       r"x 32 \(262,144\.0 GiB with 1 optimizer slot\(s\)\) does not fit this ps "
+                       r"task's memory \([\d,.]+ GiB available\); declare fewer rows"):
+        DenseRowStore(ModPartitioner(1, num_rows=2**40), 0, 32, SparseAdagrad())

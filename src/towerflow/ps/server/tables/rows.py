@@ -79,7 +79,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from towerflow.errors import InvalidArgumentError
+from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.partition import Partitioner, coalesce, partitioner_from_dict
 from towerflow.ps.server.tables.optimizers import SparseOptimizer, sparse_optimizer_from_dict
 
@@ -459,6 +459,7 @@ class DenseRowStore(RowStore):
                 "num_rows; give the partitioner num_rows."
             )
         n = partitioner.rows_in_shard(shard)
+        _check_fits(n, dim, dtype, optimizer, shard)
         self._rows = torch.empty((n, dim), dtype=dtype)
         ids = partitioner.global_ids(shard)
         for start in range(0, n, _CHUNK):
@@ -545,3 +546,29 @@ def row_store_from_dict(data: Mapping[str, Any]) -> RowStore:
         partitioner_from_dict(data["partitioner"]), data["shard"], data["dim"],
         sparse_optimizer_from_dict(data["optimizer"]), dtype=_DTYPES[data["dtype"]],
         initializer=initializer_from_dict(data["initializer"]))
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable``), None when unknown."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_fits(rows: int, dim: int, dtype: torch.dtype, optimizer: SparseOptimizer,
+                shard: int) -> None:
+    """Refuse a fixed table shard this ps task cannot hold, before allocating it."""
+    available = memory_available()
+    tensors = 1 + len(optimizer.slot_names)
+    need = rows * dim * torch.empty((), dtype=dtype).element_size() * tensors
+    if available is not None and need > available:
+        raise ResourceExhaustedError(
+            f"Table shard {shard} of {rows:,} rows x {dim} ({need / 2**30:,.1f} GiB with "
+            f"{tensors - 1} optimizer slot(s)) does not fit this ps task's memory "
+            f"({available / 2**30:,.1f} GiB available); declare fewer rows, spread the table "
+            "over more ps tasks, or use a DynamicEmbedding (rows made on first touch).")
