@@ -397,3 +397,15 @@ def test_the_articles_saver_call_with_a_global_step_saves_there(tmp_path) -> Non
         with pytest.raises(InvalidArgumentError, match="write_meta_graph, which towerflow"):
             sv.saver.save(sess, str(tmp_path / "linear/"), write_meta_graph=False)
     assert CheckpointManager(tmp_path / "linear").restore().step == 3
+
+
+def test_a_custom_loop_gets_back_the_restored_step_and_its_own_data_position(tmp_path) -> None:
+    sv = Supervisor(is_chief=True, logdir=tmp_path, save_model_secs=None)
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        assert sess.restored_step is None and sess.data_position is None
+        for batch in range(4):
+            sess.run_step(mse_loss, DATA)
+            sess.data_position = {"epoch": 1, "batch": batch + 1}
+    again = Supervisor(is_chief=True, logdir=tmp_path, save_model_secs=None)
+    with again.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        assert sess.restored_step == 4 and sess.data_position == {"epoch": 1, "batch": 4}

@@ -71,6 +71,7 @@ from towerflow.training.stopping import (
     FinalCheckpointAbandoned,
     StopSignals,
 )
+from towerflow.training.supervisor_saver import SupervisorSaver
 
 __all__ = ["Supervisor", "ManagedSession", "REFUSED_TF_ARGUMENTS"]
 
@@ -113,14 +114,24 @@ class ManagedSession:
     Attributes:
         model: the prepared model (on this worker's device).
         strategy: the strategy running the steps.
+        data_position: the loop's own place in its data (any JSON-able value, e.g.
+            ``{"epoch": 2, "batch": 310}``): saved with every checkpoint the chief
+            writes and, when the session restores one, set from it (None before
+            any), so that a custom loop resumes where the checkpoint was taken.
     """
 
-    __slots__ = ("model", "strategy", "_supervisor")
+    __slots__ = ("model", "strategy", "data_position", "_supervisor")
 
     def __init__(self, supervisor: Supervisor, strategy: Strategy, model: nn.Module) -> None:
         self._supervisor = supervisor
         self.strategy = strategy
         self.model = model
+        self.data_position: Any = supervisor._restored_position
+
+    @property
+    def restored_step(self) -> int | None:
+        """The global step of the checkpoint this session restored, or None."""
+        return self._supervisor.restored_from
 
     @property
     def global_step(self) -> int:
@@ -241,6 +252,7 @@ class Supervisor:
         self._stopping = StopSignals(stop_signals, stop_deadline, self._on_stop_signal)
         self.strategy_options = strategy_options
         self.restored_from: int | None = None
+        self._restored_position: Any = None  # the data position of the checkpoint restored
         self.preempted = False
         self._preempt_saved = False
         self._stop = threading.Event()
@@ -297,10 +309,10 @@ class Supervisor:
         return self._manager
 
     @property
-    def saver(self) -> _Saver | None:
+    def saver(self) -> SupervisorSaver | None:
         """TensorFlow's ``sv.saver``: ``sv.saver.save(sess, path, global_step=step)`` saves
         as :meth:`save` does; its other attributes are :attr:`checkpoint_manager`'s."""
-        return None if self._manager is None else _Saver(self, self._manager)
+        return None if self._manager is None else SupervisorSaver(self, self._manager)
 
     def save(self, session: ManagedSession | None = None,
              directory: str | Path | None = None) -> Path | None:
@@ -339,6 +351,8 @@ class Supervisor:
         metadata = checkpoint_metadata(strategy)
         if step is not None:  # TensorFlow's saver.save(..., global_step=step) names the step
             metadata["step"] = step
+        if session.data_position is not None:
+            metadata["data_position"] = session.data_position
         step = metadata["step"]
         refuse_non_finite({n: p.detach() for n, p in session.model.named_parameters()},
                           step, manager)
@@ -456,6 +470,7 @@ class Supervisor:
         ckpt = restore_latest(self._manager if self.is_chief else None, strategy)
         if ckpt is not None:
             self.restored_from = self._saved_step = ckpt.step
+            self._restored_position = ckpt.metadata.get("data_position")
             return
         if self.is_chief and self.init_fn is not None:
             with torch.no_grad():
@@ -532,54 +547,3 @@ class Supervisor:
         self._stopping = StopSignals(self.stop_signals, self.stop_deadline, self._on_stop_signal)
         return self._stopping
 
-
-class _Saver:
-    """``sv.saver``: TensorFlow's ``Saver.save(sess, save_path, global_step=None)`` over the
-    Supervisor's checkpoint manager (whose other attributes it passes through).
-
-    ``save_path`` names the checkpoint directory: ``log/linear/`` as it is,
-    ``log/linear/model.ckpt`` its directory ``log/linear`` (a checkpoint is a
-    directory named by its step, ``ckpt-<step>``, not a file prefix).
-    ``global_step`` (an int or a 0-d tensor) is the step the checkpoint is
-    saved as; by default the session's global step.
-    """
-
-    __slots__ = ("_supervisor", "_manager")
-
-    def __init__(self, supervisor: Supervisor, manager: Any) -> None:
-        self._supervisor = supervisor
-        self._manager = manager
-
-    def save(self, sess: ManagedSession | None, save_path: str | Path | None = None,
-             global_step: int | torch.Tensor | None = None, **tf_options: Any) -> str | None:
-        """Write a checkpoint now (chief only) and return its path, as TensorFlow's does."""
-        if tf_options:
-            raise InvalidArgumentError(
-                f"sv.saver.save() got {', '.join(sorted(tf_options))}, which towerflow has no "
-                "use for (no meta graph, no state file); pass sess, save_path and global_step.")
-        sv = self._supervisor
-        if not sv.is_chief:
-            sv.save(sess)  # says once that only the chief saves
-            return None
-        session = sess or sv._session
-        if session is None:
-            raise FailedPreconditionError("sv.saver.save() needs an open managed_session.")
-        step = None if global_step is None else int(global_step)
-        if save_path is None or _same_dir(save_path, self._manager.directory):
-            path = sv._save_to(self._manager, session, schedule=True, step=step)
-        else:
-            from towerflow.checkpoint import CheckpointManager
-
-            target = Path(save_path)
-            directory = target if str(save_path).endswith(("/", "\\")) or target.is_dir() \
-                else target.parent
-            path = sv._save_to(CheckpointManager(directory, max_to_keep=sv.max_to_keep),
-                               session, schedule=False, step=step)
-        return str(path)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._manager, name)
-
-
-def _same_dir(path: str | Path, directory: Path) -> bool:
-    return Path(path).absolute() == Path(directory).absolute()
