@@ -222,6 +222,11 @@ class Strategy(abc.ABC):
     def barrier(self) -> None:
         """Wait for every replica (no-op for a single process)."""
 
+    def wait_for_peers(self, timeout: float) -> bool:
+        """Before the chief's final checkpoint: wait (bounded) for peers whose updates it
+        must hold; True when it waited. No-op (False) where replicas step together."""
+        return False
+
     def agree_to_stop(self, requested: bool) -> bool:
         """Whether training stops after this step, ``requested`` being this replica's wish.
 

@@ -46,6 +46,8 @@ class TrainConfig:
             take (the step in flight finishes first); past it, or on a second
             signal, the checkpoint is abandoned and no partial one is left
             (0: no deadline).
+        peers_wait: seconds the chief of an asynchronous ps job waits, after its
+            last step, for the other workers to finish before its final checkpoint.
     """
 
     train_dir: str | Path | None = None
@@ -62,6 +64,7 @@ class TrainConfig:
     log_device_placement: bool = False
     restore: bool = True
     stop_deadline: float = 30.0
+    peers_wait: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "log_every"):

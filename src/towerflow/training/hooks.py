@@ -484,8 +484,16 @@ class CheckpointHook(Hook):
         refuse_to_save(trainer.non_finite_state(), step, self.manager)
         return self._write(trainer, step)
 
-    def _write(self, trainer: TrainerView, step: int) -> Path:
+    def save_current(self) -> Path:
+        """The chief's checkpoint of the state as it is now, at the step it holds."""
+        trainer = self._trainer
+        if trainer is None:
+            raise FailedPreconditionError("CheckpointHook.save_current before begin(trainer).")
+        return self._write(trainer, None)
+
+    def _write(self, trainer: TrainerView, step: int | None) -> Path:
         groups, metadata = trainer.checkpoint_state()
+        step = int(metadata["step"]) if step is None else step
         self._path = self.manager.save(step, groups, metadata)
         self.saved_step = step
         log.info("saved checkpoint %s", self._path)

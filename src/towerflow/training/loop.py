@@ -318,6 +318,7 @@ class Trainer:
                 for hook in hooks:
                     hook.after_step(ctx)
             self._save_on_stop(ctx)
+            self._save_after_peers(ctx)
         except PEER_FAILURES as exc:
             error = save_before_stopping(self.strategy, exc, self._save_before_stopping)
             raise error from exc
@@ -344,6 +345,15 @@ class Trainer:
             path = saver.save_now(ctx.step)
         log.info("stopped by signal %d at global step %d; its checkpoint is %s: running the "
                  "same command again resumes from it", signum, ctx.step, path)
+
+    def _save_after_peers(self, ctx: StepContext | None) -> None:
+        """Asynchronous ps training: the chief's final checkpoint again once the other
+        workers finished (bounded), so that it holds every push they were answered."""
+        if ctx is None or self._stop.requested is not None or self._saver is None \
+                or not self.strategy.is_chief:
+            return
+        if self.strategy.wait_for_peers(self.config.peers_wait):
+            self._saver.save_current()
 
     def _steps(self, hooks: Sequence[Hook]) -> Iterator[StepContext]:
         pipeline = self._pipeline
