@@ -14,7 +14,8 @@ children inherit (``/proc/self/fd/N``, a Linux ``memfd``): no copy of the
 secret is ever on disk, and it is gone with the last process holding it,
 whatever kills the launcher. Output lines read ``[worker:1] step 10 ...``.
 The launch ends when the workers (and the chief) have exited — the ps and
-evaluator tasks are then stopped. On SIGINT / SIGTERM the workers and the
+evaluator tasks are then stopped — or as soon as the chief fails (the others
+would wait for it: for the parameters it initialises, for its checkpoints). On SIGINT / SIGTERM the workers and the
 chief are stopped first (the chief writes its final checkpoint while the ps
 tasks still serve), then the ps and evaluator tasks; a second signal is
 passed on at once (the chief abandons its final checkpoint). The exit status
@@ -76,6 +77,7 @@ class _Child:
     env: dict[str, str]
     prefix: str | None
     finishing: bool = True
+    critical: bool = False  # its failure ends the launch (the chief: nothing goes on without it)
     process: subprocess.Popen | None = None
     reader: threading.Thread | None = field(default=None, repr=False)
 
@@ -186,8 +188,13 @@ def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_f
                 codes = [c.process.poll() for c in finishing]
                 if all(code is not None for code in codes):
                     break
-                if fail_fast and any(code not in (None, 0) for code in codes):
-                    failed = {c.name for c in finishing if c.process.poll() not in (None, 0)}
+                broken = [c for c, code in zip(finishing, codes, strict=True)
+                          if code not in (None, 0) and (fail_fast or c.critical)]
+                if broken:
+                    failed = {c.name for c in broken}
+                    if not fail_fast:
+                        logger.info("%s failed (status %d); stopping the others", broken[0].name,
+                                    exit_status(broken[0].process.returncode))
                     break
             _stop(children, grace)
             if signals.received is not None:
@@ -299,7 +306,8 @@ def launch_cluster(
     fds = _secret_fd(base_env, secret)
     children = [
         _Child(str(task), {**base_env, "TF_CONFIG": cluster.tf_config(task)},
-               f"[{task}] " if prefix_output else None, task.job_name in _FINISHING_JOBS)
+               f"[{task}] " if prefix_output else None, task.job_name in _FINISHING_JOBS,
+               critical=cluster.is_chief(task))
         for task in tasks
     ]
     logger.info("launching %s with cluster %s", [c.name for c in children], cluster.as_dict())
