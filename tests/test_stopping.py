@@ -228,3 +228,35 @@ def test_the_deadline_abandons_a_final_checkpoint_that_takes_too_long(tmp_path) 
     with StopSignals(deadline_s=0.2) as stop:
         _save_abandoned(tmp_path, stop, lambda: threading.Event().wait(30))
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+# One replica under a Supervisor, training until a signal stops it.
+_SUPERVISED_REPLICA = r"""
+import os, sys, torch, towerflow
+from towerflow.models.linear import LinearRegression, mse_loss, regression_data
+
+rank = int(os.environ["RANK"])
+sv = towerflow.Supervisor(is_chief=rank == 0, logdir=sys.argv[1], save_model_secs=None)
+data = regression_data(8)
+with sv.managed_session(model=LinearRegression()) as sess:
+    while not sv.should_stop():
+        sess.run_step(mse_loss, data)
+        if sess.global_step == 5:
+            print("training", flush=True)
+print("stopped at", sess.global_step, flush=True)
+"""
+
+_SPAWN = ("import sys; from towerflow.cluster.launcher import spawn_replicas; "
+          "sys.exit(spawn_replicas(sys.argv[1:], 2))")
+
+
+@pytest.mark.slow
+def test_supervised_replicas_stop_at_the_same_step_and_the_chief_saves_it(
+        tmp_path, subprocess_env) -> None:
+    code, text = _stop_mid_run(
+        [sys.executable, "-c", _SPAWN, sys.executable, "-c", _SUPERVISED_REPLICA,
+         str(tmp_path)], subprocess_env, r"^\[replica 1\] training")
+    assert code == 0, text
+    steps = re.findall(r"^(\[replica 1\] )?stopped at (\d+)$", text, re.MULTILINE)
+    assert len(steps) == 2 and steps[0][1] == steps[1][1], text
+    assert _latest_step(tmp_path) == int(steps[0][1])

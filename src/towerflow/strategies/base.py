@@ -227,6 +227,9 @@ class Strategy(abc.ABC):
         must hold; True when it waited. No-op (False) where replicas step together."""
         return False
 
+    #: replicas step together (all-reduce): a stop must be agreed (:meth:`agree_to_stop`)
+    lockstep: bool = False
+
     def agree_to_stop(self, requested: bool) -> bool:
         """Whether training stops after this step, ``requested`` being this replica's wish.
 

@@ -206,6 +206,7 @@ class Mirrored(LocalOptimizerStrategy):
     """
 
     name = "mirrored"
+    lockstep = True
 
     def __init__(self, backend: str | None = None, *, device: str | torch.device | None = None,
                  timeout_s: float = 1800.0, env: Mapping[str, str] | None = None,

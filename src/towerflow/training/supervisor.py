@@ -254,6 +254,8 @@ class Supervisor:
         self.restored_from: int | None = None
         self._restored_position: Any = None  # the data position of the checkpoint restored
         self.preempted = False
+        self._signalled = False  # a stop signal came (replicas in lockstep stop when agreed)
+        self._lockstep = False
         self._preempt_saved = False
         self._stop = threading.Event()
         self._session: ManagedSession | None = None
@@ -405,6 +407,7 @@ class Supervisor:
         """
         owns = strategy is None
         strategy = strategy if strategy is not None else self._strategy_for(master)
+        self._lockstep = strategy.lockstep
         finished = False
         try:
             with self._signals():
@@ -484,6 +487,10 @@ class Supervisor:
     def _after_step(self, session: ManagedSession, result: StepResult) -> None:
         step = result.global_step
         self._sync_global_step(step)
+        if self._lockstep and not self.preempted \
+                and session.strategy.agree_to_stop(self._signalled):
+            self.preempted = True
+            self.request_stop()
         if self.preempted:
             if self._preempt_saved:  # the loop ignores should_stop(): leave now
                 raise SystemExit(0)
@@ -539,8 +546,10 @@ class Supervisor:
                 self.save(session)
 
     def _on_stop_signal(self, signum: int) -> None:
-        self.preempted = True
-        self.request_stop()
+        self._signalled = True
+        if not self._lockstep:  # replicas in lockstep stop at the step they agree on
+            self.preempted = True
+            self.request_stop()
 
     def _signals(self) -> StopSignals:
         """A session's stop signals (installed while it runs, in the main thread)."""
