@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +28,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: seconds a test's threads get to end after it returned
+_THREAD_GRACE_S = 10.0
+
+
+def _owned(thread: threading.Thread) -> bool:
+    """A thread a test must end: not a daemon, or one of towerflow's (a server's handlers...)."""
+    return not thread.daemon or thread.name.startswith("towerflow")
+
+
+@pytest.fixture(autouse=True)
+def no_thread_outlives_its_test() -> Iterator[None]:
+    """Fail a test that leaves a non-daemon or towerflow thread (a server's handler pool,
+    a pipeline...) running after it, and its fixtures, ended; such a thread logs into and
+    takes cores from the tests after it."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + _THREAD_GRACE_S
+    while True:
+        left = [t for t in threading.enumerate() if t not in before and _owned(t) and t.is_alive()]
+        if not left or time.monotonic() > deadline:
+            break
+        left[0].join(0.05)
+    assert not left, (f"threads started by this test still run {_THREAD_GRACE_S:g} s after it "
+                      f"ended: {sorted(t.name for t in left)}; stop the servers, pools and "
+                      "pipelines it starts before it returns")
 
 
 @pytest.fixture

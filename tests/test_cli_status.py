@@ -149,3 +149,27 @@ def test_an_observer_needs_a_positive_timeout():
 
     with pytest.raises(InvalidArgumentError, match=r"timeout=0.*positive number of seconds"):
         ClusterObserver({"ps": ["127.0.0.1:1"]}, SECRET, timeout=0)
+
+
+def test_the_tables_headers_fit_80_columns() -> None:
+    from rich.console import Console
+
+    from towerflow.cli.status import render
+
+    snapshot = {"time": 0.0, "tasks": [
+        {"task": "/job:ps/replica:0/task:0", "address": "localhost:41103", "state": "up",
+         "pid": 10464, "detail": ""}],
+        "ps": [{"shard": 0, "initialized": True, "param_bytes": 38400, "global_step": 10606,
+                "pushes_per_sec": 195.2, "bytes_per_sec": 15_000_000.0, "stale": 0,
+                "refused": 0, "lead": 6, "max_lead": 0, "mode": "async"}],
+        "workers": [{"replica": 0, "task": "/job:worker/replica:0/task:0", "state": "up",
+                     "steps": 3611, "steps_per_sec": 15.0, "behind": 1, "last_push_age": 0.1,
+                     "heartbeat": "up", "last_heartbeat_age": 1.0}]}
+    console = Console(width=80, record=True)
+    console.print(render(snapshot))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for header in ("params", "push/s", "bytes/s", "refused", "lead/max", "replica",
+                   "steps/s", "behind", "last push", "heartbeat", "worker:0"):
+        assert header in text, header
+    assert "…" not in text

@@ -192,3 +192,19 @@ def test_ps_training_with_more_gpus_than_visible_suggests_cpu_workers(monkeypatc
     assert main(["train", "digits", "--num-gpus", "2", "--ps", "1"]) == 2
     assert "--num-gpus 2 asks for 2 GPU(s) but 0 are visible; use --replicas 2 for CPU " \
         "workers." in capsys.readouterr().err
+
+
+def test_a_replica_told_to_writes_its_traceback_to_its_file_and_prints_one_line(
+        tmp_path, monkeypatch, capsys) -> None:
+    from towerflow.cli.train import _traceback_to_file
+    from towerflow.cluster.launcher import TRACEBACK_FILE_ENV
+
+    log = tmp_path / "replica-1.log"
+    monkeypatch.setenv(TRACEBACK_FILE_ENV, str(log))
+    with pytest.raises(SystemExit) as ended, _traceback_to_file():
+        raise RuntimeError("Gloo connectFullMesh failed\n  a long C++ trace")
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == (f"stopped by RuntimeError: Gloo connectFullMesh failed "
+                                       f"(traceback in {log})\n")
+    assert "Traceback (most recent call last)" in log.read_text()
+    assert "a long C++ trace" in log.read_text()

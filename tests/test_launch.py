@@ -137,7 +137,8 @@ def test_ctrl_c_stops_every_child_and_grandchild(child, subprocess_env, python):
         pids = [r[k] for r in reports.values() for k in ("pid", "grandchild")]
         assert all(_alive(pid) for pid in pids)
         launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=60) == 128 + signal.SIGINT
+        # the workers' status: these children do not handle the SIGTERM passed on to them
+        assert launcher.wait(timeout=60) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 20
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             threading.Event().wait(0.05)
@@ -262,9 +263,29 @@ def test_ctrl_c_stops_the_workers_and_chief_before_the_ps(subprocess_env, python
             seen += launcher.stdout.readline()
             assert time.monotonic() < deadline, seen
         launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=60) == 128 + signal.SIGINT
+        assert launcher.wait(timeout=60) == 0  # the chief and the worker stopped cleanly
         assert (tmp_path / "chief").read_text() == "alive"
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
+
+
+CHIEF_FAILS = r'''
+import json, os, sys, threading
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+if task == {"type": "worker", "index": 0}:
+    sys.exit(7)  # the chief could not initialise
+threading.Event().wait()  # the others wait for it
+'''
+
+
+def test_the_chief_failing_ends_the_launch_with_its_status(subprocess_env, python,
+                                                           tmp_path) -> None:
+    script = tmp_path / "chief_fails.py"
+    script.write_text(CHIEF_FAILS)
+    started = time.monotonic()
+    status = launch_cluster([python, str(script)], num_ps=1, num_workers=2,
+                            env=subprocess_env, output=io.StringIO(), grace=5.0)
+    assert status == 7
+    assert time.monotonic() - started < 30  # not the others' init timeout

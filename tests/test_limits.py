@@ -132,6 +132,7 @@ def test_idle_streams_past_the_cap_in_all_are_refused_and_unary_calls_still_answ
         for channel in channels:
             channel.close()
         honest.close()
+    _wait_for(lambda: server.streams.open_streams == 0)  # every handler returned
 
 
 def test_stream_caps_must_leave_threads_for_unary_calls():

@@ -34,6 +34,8 @@ mine = slice(strategy.rank * per_replica, (strategy.rank + 1) * per_replica)
 for _ in range(2):
     strategy.run_step(cross_entropy_loss, (images[mine], labels[mine]))
 towerflow.save(strategy.model, f"{out}/rank{strategy.rank}")
+from towerflow import _identity
+print("devices of", _identity.prefix(), flush=True)
 strategy.shutdown()
 """
 
@@ -62,6 +64,8 @@ def test_two_gloo_replicas_match_one_replica_with_twice_the_batch(
     results = run_replicas([python, "-c", _REPLICA, str(tmp_path), "4"], world_size=2,
                            port=free_ports(1)[0], env=subprocess_env)
     assert [status for status, _ in results] == [0, 0], results
+    for rank, (_, output) in enumerate(results):  # each replica names itself (placement log)
+        assert f"devices of /job:worker/replica:0/task:{rank}\n" in output, output
     expected = _reference(per_replica=4)
     replicas = [load(tmp_path / f"rank{r}") for r in range(2)]
     for name, want in expected.items():

@@ -447,3 +447,20 @@ def test_small_push_retried_on_a_fresh_stream_is_applied_once(ps_cluster) -> Non
     state = services[0].shard[0]
     assert state.step == 1 and state.stats.duplicates == 1
     np.testing.assert_allclose(state.params, values[0] - 1.0)
+
+
+def test_a_wait_for_a_missing_ps_says_so_then_gives_up_in_one_sentence(free_ports,
+                                                                      caplog) -> None:
+    ports = free_ports(2)
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"]})
+    c = PSClient(spec, plan_placement({"w": (4,)}, 1), worker_id=0, credentials=SECRET,
+                 timeout=0.5)
+    try:
+        with caplog.at_level("INFO", logger="towerflow.ps"), \
+                pytest.raises(UnavailableError, match=rf"^the ps task at 127\.0\.0\.1:{ports[0]} "
+                              r"did not answer for [4-7] s: call .* failed with UNAVAILABLE"):
+            c.shards[0]._retrying(c.shards[0].status, 6.0)
+    finally:
+        c.close()
+    assert any(f"waiting for the ps task at 127.0.0.1:{ports[0]} to answer" in r.getMessage()
+               for r in caplog.records)

@@ -316,3 +316,23 @@ def test_the_default_placement_balances_bytes_over_the_ps_tasks(free_ports) -> N
         strategy.shutdown()
         for server in servers:
             server.stop()
+
+
+def test_an_async_chief_waits_for_the_other_workers_done_before_its_final_checkpoint(
+        cluster) -> None:
+    spec, service = cluster
+    two = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:2]})
+    chief, other = worker(two, 0), worker(two, 1)
+    chief.prepare(LinearRegression(torch.Generator().manual_seed(0)), OptimizerConfig("sgd"))
+    try:
+        for _ in range(5):
+            chief.run_step(mse_loss, DATA)
+        with ThreadPoolExecutor(1) as pool:
+            pushes = pool.submit(train, other, 30)  # Done at its shutdown, after its pushes
+            assert chief.wait_for_peers(timeout=60) is True
+            assert len(pushes.result(timeout=60)) > 0
+        chief.state_dict()  # the final checkpoint's snapshot, pulled now
+        assert chief.state_metadata()["global_step"] == service.shard[0].step >= 30
+        assert chief.wait_for_peers(timeout=60) is False  # nobody left to wait for
+    finally:
+        chief.shutdown()

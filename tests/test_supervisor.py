@@ -159,7 +159,8 @@ def test_saver_is_the_checkpoint_manager_it_is_given(tmp_path) -> None:
     manager = CheckpointManager(tmp_path / "mine", max_to_keep=1)
     sv = Supervisor(logdir=tmp_path / "logs", saver=manager, save_model_secs=None)
     run(sv, 2)
-    assert sv.saver is manager and manager.restore().step == 2
+    assert sv.checkpoint_manager is manager and manager.restore().step == 2
+    assert sv.saver.directory == manager.directory  # TensorFlow's name passes through
     assert not (tmp_path / "logs" / "latest").exists()
 
 
@@ -383,3 +384,28 @@ def test_the_trainer_saves_before_stopping_on_a_step_missing_a_peer(tmp_path) ->
         trainer.fit(max_steps=100)
     latest = CheckpointManager(tmp_path).restore()
     assert latest is not None and latest.step == 4
+
+
+def test_the_articles_saver_call_with_a_global_step_saves_there(tmp_path) -> None:
+    sv = Supervisor(is_chief=True, logdir=tmp_path / "logs", save_model_secs=None)
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        for _ in range(3):
+            result = sess.run_step(mse_loss, DATA)
+        path = sv.saver.save(sess, str(tmp_path / "linear" / "model.ckpt"),
+                             global_step=result.global_step)
+        assert path == str(tmp_path / "linear" / "ckpt-00000003")
+        with pytest.raises(InvalidArgumentError, match="write_meta_graph, which towerflow"):
+            sv.saver.save(sess, str(tmp_path / "linear/"), write_meta_graph=False)
+    assert CheckpointManager(tmp_path / "linear").restore().step == 3
+
+
+def test_a_custom_loop_gets_back_the_restored_step_and_its_own_data_position(tmp_path) -> None:
+    sv = Supervisor(is_chief=True, logdir=tmp_path, save_model_secs=None)
+    with sv.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        assert sess.restored_step is None and sess.data_position is None
+        for batch in range(4):
+            sess.run_step(mse_loss, DATA)
+            sess.data_position = {"epoch": 1, "batch": batch + 1}
+    again = Supervisor(is_chief=True, logdir=tmp_path, save_model_secs=None)
+    with again.managed_session(model=LinearRegression(), optimizer=OPT) as sess:
+        assert sess.restored_step == 4 and sess.data_position == {"epoch": 1, "batch": 4}

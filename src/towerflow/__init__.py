@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from towerflow import errors
+from towerflow import _grpc_log, errors  # noqa: F401 - _grpc_log: before gRPC loads
 from towerflow._lazy import lazy_getattr
 from towerflow.errors import (
     AbortedError,

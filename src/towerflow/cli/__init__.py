@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``towerflow`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    from towerflow.cli._absl import absl_booleans
+    from towerflow.errors import TowerflowError
+
+    try:
+        argv = absl_booleans(parser, argv)  # --log_device_placement=true, as TensorFlow's
+    except TowerflowError as exc:
+        parser.error(str(exc))
     args = parser.parse_args(argv)
     args._argv = _command_argv(argv)  # what was given on the command line, for --config
     logging.basicConfig(

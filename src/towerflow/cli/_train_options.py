@@ -105,6 +105,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--checkpoint-every", type=int, default=1000, metavar="N",
                         help="save a checkpoint every N steps, and at the last step "
                         "(0: only at the last)")
+    parser.add_argument("--stop-deadline", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM / SIGINT the step in flight finishes and the chief "
+                        "writes a final checkpoint; S seconds after the signal (or at a second "
+                        "one) it is abandoned, leaving no partial checkpoint (0: no deadline)")
     parser.add_argument("--max-to-keep", type=int, default=5, metavar="N",
                         help="how many recent checkpoints to keep")
     parser.add_argument("--export-dir", default=None, metavar="DIR",

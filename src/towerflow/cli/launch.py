@@ -33,7 +33,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--chief", action="store_true", help="add a chief task")
     parser.add_argument("--evaluator", action="store_true", help="add an evaluator task")
     parser.add_argument("--base-port", type=int, default=None, help="first of consecutive ports")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
+    parser.add_argument("--grace", type=float, default=45.0,
+                        help="seconds between SIGTERM and SIGKILL: longer than the chief's "
+                        "final checkpoint may take (30 s by default; default 45)")
+    parser.add_argument("--train-dir", metavar="DIR",
+                        help="keep the cluster's address book (cluster.json) in DIR, and its "
+                        "secret (cluster.secret, 0600) while it runs: `towerflow status "
+                        "--train-dir DIR` watches it")
     parser.add_argument(
         "--no-prefix", action="store_true", help="do not prefix output lines with the task"
     )
@@ -57,4 +63,5 @@ def run(args: argparse.Namespace) -> int:
         base_port=args.base_port,
         prefix_output=not args.no_prefix,
         grace=args.grace,
+        train_dir=args.train_dir,
     )

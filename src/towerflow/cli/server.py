@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         server = Server(cluster, task.job_name, task.task_index,
                         credentials=credentials_from_args(args), options=options)
         bind(server)
-        print(f"serving {task.device_name} at {server.target}", flush=True)
+        if not any(getattr(s, "announces_serving", False) for s in server.services):
+            print(f"serving {task.device_name} at {server.target}", flush=True)
         try:
             server.join(handle_signals=False)
         finally:

@@ -2,6 +2,7 @@
 
     towerflow status --cluster cluster.json          # refreshed every second until Ctrl-C
     towerflow status --once --json                   # one snapshot as JSON (cluster from TF_CONFIG)
+    towerflow status --train-dir runs/digits-ps      # a local run of launch / train --ps
 
 Shows every task and whether it is up, dead or suspended; per ps shard its
 parameter bytes, pushes/s, bytes/s, stale and refused pushes, global step and
@@ -11,13 +12,16 @@ elastic workers that joined the job (``towerflow train --join``), ``joined``
 or ``left``. It calls
 the tasks as any cluster peer does, with the cluster secret
 (``TOWERFLOW_SECRET_FILE`` / ``TOWERFLOW_SECRET`` or ``--secret-file``) and
-TLS settings of the environment.
+TLS settings of the environment. A run of ``towerflow launch --train-dir D``
+or ``towerflow train --ps`` keeps its address book and, while it runs, its
+secret in its train dir: ``--train-dir D`` reads both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from typing import Any
 
@@ -31,6 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "else from TF_CONFIG, torchrun or Slurm variables.",
     )
     parser.add_argument("--cluster", help="cluster JSON file ({job: [host:port, ...]})")
+    parser.add_argument("--train-dir", metavar="DIR",
+                        help="the train dir of a local run (towerflow launch --train-dir, "
+                        "towerflow train --ps): its cluster and secret")
     parser.add_argument("--secret-file", help="cluster secret file (default: "
                         "TOWERFLOW_SECRET(_FILE))")
     parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
@@ -57,11 +64,22 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"--interval {args.interval:g} is not a positive number of seconds; give how often "
             "the view is refreshed, e.g. --interval 1.")
-    cluster = _cluster(args, resolve_cluster)
+    credentials = Credentials.from_env()
+    if args.train_dir:
+        from towerflow.cluster.address_book import read_address_book
+
+        if args.cluster:
+            raise InvalidArgumentError(
+                f"--train-dir {args.train_dir} and --cluster {args.cluster} both name the "
+                "cluster; give one.")
+        cluster, secret = read_address_book(args.train_dir)
+        credentials = replace(credentials, secret=secret)
+    else:
+        cluster = _cluster(args, resolve_cluster)
     if cluster is None:
         raise InvalidArgumentError(
-            "no cluster given; pass --cluster cluster.json or set TF_CONFIG.")
-    credentials = Credentials.from_env()
+            "no cluster given; pass --cluster cluster.json, --train-dir DIR of a local run, "
+            "or set TF_CONFIG.")
     if args.secret_file:
         credentials = replace(credentials, secret=read_secret_file(args.secret_file))
     with ClusterObserver(cluster, credentials, timeout=args.timeout) as observer:
@@ -146,9 +164,9 @@ def render(snapshot: dict[str, Any]) -> Any:
         tasks.add_row(task["task"], task["address"], f"[{style}]{task['state']}[/]",
                       _num(task["pid"]), escape(str(task["detail"])))
     shards = Table(title="ps shards", title_justify="left")
-    for column in ("shard", "params", "global step", "pushes/s", "bytes/s", "stale", "refused",
-                   "lead (max)", "mode"):
-        shards.add_column(column, justify="right")
+    for column in ("shard", "params", "step", "push/s", "bytes/s", "stale", "refused",
+                   "lead/max", "mode"):
+        shards.add_column(column, justify="right", min_width=len(column))
     for shard in snapshot["ps"]:
         if shard.get("error") or not shard.get("initialized", False):
             shards.add_row(str(shard["shard"]), escape(shard.get("error") or "not initialised"),
@@ -159,22 +177,29 @@ def render(snapshot: dict[str, Any]) -> Any:
                        _num(shard["bytes_per_sec"], "B") + ("/s" if shard["bytes_per_sec"]
                                                             is not None else ""),
                        _num(shard["stale"]), _num(shard["refused"]),
-                       f"{shard['lead']} ({shard['max_lead']})", escape(str(shard["mode"])))
+                       f"{shard['lead']}/{shard['max_lead']}", escape(str(shard["mode"])))
     workers = Table(title="workers", title_justify="left")
     for column in ("replica", "task", "state", "steps", "steps/s", "behind", "last push",
-                   "heartbeat", "last heartbeat"):
-        workers.add_column(column)
+                   "heartbeat"):
+        workers.add_column(column, min_width=len(column))
     for worker in snapshot["workers"]:
         state = worker.get("state") or "-"
         style = _STATE_STYLE.get(state, "red")
-        workers.add_row(str(worker["replica"]), escape(str(worker["task"])),
+        beat = escape(worker.get("heartbeat") or "-")
+        if worker.get("last_heartbeat_age") is not None:
+            beat += f", {_ago(worker['last_heartbeat_age'])}"
+        workers.add_row(str(worker["replica"]), escape(_short(worker["task"])),
                         f"[{style}]{escape(state)}[/]",
                         _num(worker.get("steps")), _num(worker.get("steps_per_sec")),
-                        _num(worker.get("behind")), _ago(worker.get("last_push_age")),
-                        escape(worker.get("heartbeat") or "-"),
-                        _ago(worker.get("last_heartbeat_age")))
+                        _num(worker.get("behind")), _ago(worker.get("last_push_age")), beat)
     stamp = time.strftime("%H:%M:%S", time.localtime(snapshot["time"]))
     return Group(f"[bold]towerflow status[/] at {stamp}", tasks, shards, workers)
+
+
+def _short(task: str) -> str:
+    """``/job:worker/replica:0/task:1`` as ``worker:1`` (other names as they are)."""
+    found = re.fullmatch(r"/job:([^/]+)/replica:\d+/task:(\d+)", task or "")
+    return f"{found.group(1)}:{found.group(2)}" if found else task
 
 
 def _ago(seconds: float | None) -> str:

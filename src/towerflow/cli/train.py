@@ -51,10 +51,11 @@ given with another value; the settings listed below may change.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from towerflow.cli._argv import argv_from_namespace
@@ -95,7 +96,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         checkpoint_every=args.checkpoint_every, max_to_keep=args.max_to_keep,
         ema_decay=args.ema_decay if args.ema_decay else None, seed=args.seed,
         progress=False if args.no_progress else None,
-        log_device_placement=args.log_device_placement)
+        log_device_placement=args.log_device_placement, stop_deadline=args.stop_deadline)
 
 
 def build_data_options(args: argparse.Namespace) -> DataOptions:
@@ -194,20 +195,58 @@ def _launch_local(args: argparse.Namespace, count: int) -> int:
     strategy_options(args, "ps" if args.ps else "mirrored")  # refuse before anything starts
     if args.num_gpus:
         require_gpus(args.num_gpus, role="workers" if args.ps else "replicas")
+    grace = args.stop_deadline + 15.0 if args.stop_deadline else 3600.0  # then SIGKILL
     if not args.ps:
-        return spawn_replicas(replica_argv(args), count)
+        return spawn_replicas(replica_argv(args), count, grace_s=grace,
+                              log_dir=build_config(args).train_dir)
     if args.model == "cifar10" and args.data == "real":
         from towerflow.training.tasks import get_task
 
         get_task(args.model).load("train", build_data_options(args))  # once, for every worker
     return launch_cluster(replica_argv(args), num_ps=args.ps, num_workers=count,
-                          who="towerflow train")
+                          who="towerflow train", grace=grace,
+                          train_dir=build_config(args).train_dir)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train: as this process's task of the environment's cluster (``TF_CONFIG``, torchrun,
     Slurm), else start the local processes asked for (``--ps``, ``--replicas``,
-    ``--num-gpus``), else in this process alone."""
+    ``--num-gpus``), else in this process alone.
+
+    SIGTERM / SIGINT while training stop it after the step in flight with a final
+    checkpoint (exit 0); before training starts or after it ended, they end the
+    process with status 0 (a ps task, and the launcher of local processes, handle
+    them their own way)."""
+    from towerflow.training.stopping import exit_on_signals
+
+    with exit_on_signals(), _traceback_to_file():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _traceback_to_file() -> Iterator[None]:
+    """In a replica told to (``TOWERFLOW_TRACEBACK_FILE``): an error that ends it is one line
+    here, its traceback in that file, so that replica 0's is the error the terminal shows."""
+    from towerflow.cluster.launcher import TRACEBACK_FILE_ENV
+
+    path = os.environ.get(TRACEBACK_FILE_ENV)
+    if not path:
+        yield
+        return
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - written out in full, then one line
+        import traceback
+
+        with open(path, "w") as out:
+            out.write(traceback.format_exc())
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        print(f"stopped by {type(exc).__name__}: {first} (traceback in {path})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     from towerflow.cluster import resolve_cluster
 
     resolve_args(args)

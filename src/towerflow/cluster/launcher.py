@@ -14,10 +14,13 @@ children inherit (``/proc/self/fd/N``, a Linux ``memfd``): no copy of the
 secret is ever on disk, and it is gone with the last process holding it,
 whatever kills the launcher. Output lines read ``[worker:1] step 10 ...``.
 The launch ends when the workers (and the chief) have exited — the ps and
-evaluator tasks are then stopped. On SIGINT / SIGTERM the workers and the
+evaluator tasks are then stopped — or as soon as the chief fails (the others
+would wait for it: for the parameters it initialises, for its checkpoints). On SIGINT / SIGTERM the workers and the
 chief are stopped first (the chief writes its final checkpoint while the ps
-tasks still serve), then the ps and evaluator tasks. The exit status is the
-workers' worst (or ``128 + signal`` when the launch was interrupted).
+tasks still serve), then the ps and evaluator tasks; a second signal is
+passed on at once (the chief abandons its final checkpoint). The exit status
+is the workers' worst, also when the launch was stopped by a signal (0 when
+every worker and the chief stopped cleanly).
 
 :func:`spawn_replicas` runs N replicas of one command with torchrun's
 environment (``towerflow train --replicas N``): replica 0 writes straight to
@@ -32,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -42,17 +46,23 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
-from towerflow._children import spawn_group, stop_groups
+from towerflow._children import signal_group, spawn_group, stop_groups
+from towerflow.cluster.address_book import published
 from towerflow.cluster.spec import ClusterSpec, TaskInfo
 from towerflow.cluster.threads import OMP_ENV, available_cores, share_line, thread_share
 from towerflow.cluster.transport import new_secret
 from towerflow.errors import InvalidArgumentError, NotFoundError
 
-__all__ = ["launch_cluster", "spawn_replicas", "replica_env", "free_ports", "exit_status"]
+__all__ = ["launch_cluster", "spawn_replicas", "replica_env", "free_ports", "exit_status",
+           "TRACEBACK_FILE_ENV"]
 
 logger = logging.getLogger("towerflow.cluster")
+
+#: names the file a replica writes the traceback of the error that ends it to
+TRACEBACK_FILE_ENV = "TOWERFLOW_TRACEBACK_FILE"
 
 #: Roles whose exit ends the launch; the others (ps, evaluator) are then stopped.
 _FINISHING_JOBS = ("chief", "worker")
@@ -67,6 +77,7 @@ class _Child:
     env: dict[str, str]
     prefix: str | None
     finishing: bool = True
+    critical: bool = False  # its failure ends the launch (the chief: nothing goes on without it)
     process: subprocess.Popen | None = None
     reader: threading.Thread | None = field(default=None, repr=False)
 
@@ -104,14 +115,22 @@ def _check_command(command: Sequence[str]) -> None:
 
 
 class _Signals:
-    """Turns SIGINT / SIGTERM into a flag while installed (main thread only)."""
+    """Turns SIGINT / SIGTERM into a flag while installed (main thread only); a second
+    signal goes on at once to every child still running."""
 
-    def __init__(self) -> None:
+    def __init__(self, children: Sequence[_Child]) -> None:
         self.received: int | None = None
         self.event = threading.Event()
+        self._children = children
         self._previous: dict[int, object] = {}
 
     def handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            logger.info("signal %d again: passed on to every task still running", signum)
+            for child in self._children:
+                if child.process is not None and child.process.poll() is None:
+                    signal_group(child.process, signum)
+            return
         self.received = signum
         self.event.set()
 
@@ -163,20 +182,24 @@ def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_f
     failed: set[str] = set()
     finishing = [c for c in children if c.finishing]
     try:
-        with _Signals() as signals:
+        with _Signals(children) as signals:
             _start(children, command, output, pass_fds)
             while not signals.event.wait(_POLL_SECONDS):
                 codes = [c.process.poll() for c in finishing]
                 if all(code is not None for code in codes):
                     break
-                if fail_fast and any(code not in (None, 0) for code in codes):
-                    failed = {c.name for c in finishing if c.process.poll() not in (None, 0)}
+                broken = [c for c, code in zip(finishing, codes, strict=True)
+                          if code not in (None, 0) and (fail_fast or c.critical)]
+                if broken:
+                    failed = {c.name for c in broken}
+                    if not fail_fast:
+                        logger.info("%s failed (status %d); stopping the others", broken[0].name,
+                                    exit_status(broken[0].process.returncode))
                     break
             _stop(children, grace)
             if signals.received is not None:
                 logger.info("interrupted by signal %d; stopped the workers, then the others",
                             signals.received)
-                return 128 + signals.received
     finally:
         _stop(children, grace)
         for child in children:
@@ -209,9 +232,8 @@ def _cluster_tasks(
     return ClusterSpec(jobs), tasks
 
 
-def _secret_fd(env: dict[str, str]) -> list[int]:
-    """Put a fresh secret where the children find it and nothing else does; the fds to pass."""
-    secret = new_secret()
+def _secret_fd(env: dict[str, str], secret: bytes) -> list[int]:
+    """Put ``secret`` where the children find it and nothing else does; the fds to pass."""
     if not hasattr(os, "memfd_create"):  # no anonymous files here: the environment only
         env["TOWERFLOW_SECRET"] = secret.decode()
         return []
@@ -241,10 +263,11 @@ def launch_cluster(
     env: Mapping[str, str] | None = None,
     base_port: int | None = None,
     prefix_output: bool = True,
-    grace: float = 10.0,
+    grace: float = 45.0,
     host: str = "localhost",
     output: IO[str] | None = None,
     who: str = "towerflow launch",
+    train_dir: str | Path | None = None,
 ) -> int:
     """Run ``command`` once per task of a local cluster and return the workers' worst status.
 
@@ -257,11 +280,15 @@ def launch_cluster(
         env: base environment of the children (default: this process's).
         base_port: first of consecutive ports (default: free ports picked at random).
         prefix_output: prefix each output line with ``[job:index]``.
-        grace: seconds between SIGTERM and SIGKILL when stopping children.
+        grace: seconds between SIGTERM and SIGKILL when stopping children (longer
+            than a chief's final checkpoint may take, 30 s by default).
         host: loopback host name used in the cluster addresses.
         output: where prefixed lines go (default ``sys.stdout``).
         who: the command named in the line that reports each child's share of the cores
             (``OMP_NUM_THREADS``: ``cores // tasks``, or the value already set).
+        train_dir: where to keep the cluster's address book and, while it runs, its
+            secret (:mod:`towerflow.cluster.address_book`), for ``towerflow status
+            --train-dir``; None: nowhere.
 
     Raises:
         InvalidArgumentError: no command, no worker, no room for the ports, or an
@@ -275,16 +302,21 @@ def launch_cluster(
         base_env.pop(name, None)
     base_env["PYTHONUNBUFFERED"] = "1"
     _share_threads(base_env, len(tasks), who)
-    fds = _secret_fd(base_env)
+    secret = new_secret()
+    fds = _secret_fd(base_env, secret)
     children = [
         _Child(str(task), {**base_env, "TF_CONFIG": cluster.tf_config(task)},
-               f"[{task}] " if prefix_output else None, task.job_name in _FINISHING_JOBS)
+               f"[{task}] " if prefix_output else None, task.job_name in _FINISHING_JOBS,
+               critical=cluster.is_chief(task))
         for task in tasks
     ]
     logger.info("launching %s with cluster %s", [c.name for c in children], cluster.as_dict())
+    book = (contextlib.nullcontext() if train_dir is None
+            else published(train_dir, cluster, secret))
     try:
-        status = _run(command, children, grace=grace, fail_fast=False, output=output,
-                      pass_fds=fds)
+        with book:
+            status = _run(command, children, grace=grace, fail_fast=False, output=output,
+                          pass_fds=fds)
     finally:
         for fd in fds:
             os.close(fd)
@@ -319,7 +351,8 @@ def replica_env(rank: int, world_size: int, master_port: int,
 
 def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
                    env: Mapping[str, str] | None = None, master_port: int | None = None,
-                   grace_s: float = 10.0, output: IO[str] | None = None) -> int:
+                   grace_s: float = 45.0, output: IO[str] | None = None,
+                   log_dir: str | Path | None = None) -> int:
     """Run ``argv`` as ``num_replicas`` replica processes; return the worst exit status.
 
     Args:
@@ -329,6 +362,10 @@ def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
         master_port: the rendezvous port on 127.0.0.1 (default: a free one).
         grace_s: how long a stopped replica gets between SIGTERM and SIGKILL.
         output: where the other replicas' prefixed lines go (default ``sys.stdout``).
+        log_dir: where replicas 1.. write the traceback of an error that ends them
+            (``replica-<rank>.log``, named in ``TRACEBACK_FILE_ENV``), printing one
+            line instead, so that replica 0's error is the one the terminal shows in
+            full; None: they print it.
 
     Example:
         >>> spawn_replicas([sys.executable, "-c", "import os; assert os.environ['WORLD_SIZE'] == '2'"], 2)
@@ -343,4 +380,8 @@ def spawn_replicas(argv: Sequence[str], num_replicas: int, *,
     children = [_Child(f"replica {rank}", replica_env(rank, num_replicas, port, base),
                        None if rank == 0 else f"[replica {rank}] ")
                 for rank in range(num_replicas)]
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        for rank, child in enumerate(children[1:], start=1):
+            child.env[TRACEBACK_FILE_ENV] = str(Path(log_dir).absolute() / f"replica-{rank}.log")
     return _run(argv, children, grace=grace_s, fail_fast=True, output=output)

@@ -115,6 +115,7 @@ class Server:
         self._factories = factories_for(job_name, services)
         self.services: tuple[HostedService, ...] = ()
         self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None  # its handlers' threads
         self._starting = threading.Lock()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -197,10 +198,10 @@ class Server:
             self.streams = StreamLimiter(self.options.stream_cap(),
                                          self.options.max_streams_per_peer, self.task.device_name)
             interceptors.append(self.streams)
+            self._executor = futures.ThreadPoolExecutor(
+                self.options.max_workers, thread_name_prefix=f"towerflow-{self.task}")
             server = grpc.server(
-                futures.ThreadPoolExecutor(
-                    self.options.max_workers, thread_name_prefix=f"towerflow-{self.task}"
-                ),
+                self._executor,
                 interceptors=interceptors,
                 options=self.options.channel.server_options(),
             )
@@ -215,7 +216,9 @@ class Server:
                 self.services = tuple(service for service, _ in hosted)
             # this process's devices are now this task's (placement log, placer)
             self._identity = _identity.register(self.task.job_name, self.task.task_index)
-        logger.info("started %s at %s", self.task.device_name, self.target)
+        announced = any(getattr(s, "announces_serving", False) for s in self.services)
+        logger.log(logging.DEBUG if announced else logging.INFO,  # one start line per task
+                   "started %s at %s", self.task.device_name, self.target)
         try:
             for service in self.services:
                 service.start()
@@ -318,6 +321,9 @@ class Server:
         _identity.unregister(getattr(self, "_identity", None))
         if server is not None:
             server.stop(grace).wait()
+            # its handler threads end now (a busy one when its call returns), not at exit
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
         for channel in channels.values():
             channel.close()
         self._stopped.set()

@@ -222,6 +222,23 @@ class Strategy(abc.ABC):
     def barrier(self) -> None:
         """Wait for every replica (no-op for a single process)."""
 
+    def wait_for_peers(self, timeout: float) -> bool:
+        """Before the chief's final checkpoint: wait (bounded) for peers whose updates it
+        must hold; True when it waited. No-op (False) where replicas step together."""
+        return False
+
+    #: replicas step together (all-reduce): a stop must be agreed (:meth:`agree_to_stop`)
+    lockstep: bool = False
+
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Whether training stops after this step, ``requested`` being this replica's wish.
+
+        Called by every replica once per step. Replicas that step together
+        (all-reduce) must stop at the same step; here (one process, or a ps
+        task's worker, which stops alone) the wish itself.
+        """
+        return requested
+
     def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
         """How this replica's training ended, for what :meth:`shutdown` tells its peers.
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from towerflow import _identity
 from towerflow.devices import resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.single import LocalOptimizerStrategy
@@ -205,6 +206,7 @@ class Mirrored(LocalOptimizerStrategy):
     """
 
     name = "mirrored"
+    lockstep = True
 
     def __init__(self, backend: str | None = None, *, device: str | torch.device | None = None,
                  timeout_s: float = 1800.0, env: Mapping[str, str] | None = None,
@@ -226,7 +228,13 @@ class Mirrored(LocalOptimizerStrategy):
                 "use backend='gloo'."
             )
         self._owns_group = False
+        self._stop_vote: tuple[Any, torch.Tensor] | None = None  # the last step's, in flight
         self._init_group(timeout_s)
+        # each replica names its devices as its own task (the placement log), as TensorFlow's
+        # multi-worker replicas do; a cluster task already registered (its Server) comes first
+        job, index = (task.job_name, task.task_index) if task is not None else ("worker",
+                                                                                 self.rank)
+        self._identity = _identity.register(job, index) if self.world_size > 1 else None
 
     def _init_group(self, timeout_s: float) -> None:
         if dist.is_initialized():
@@ -299,6 +307,25 @@ class Mirrored(LocalOptimizerStrategy):
                 "(restore_checkpoint), which hands replica 0's checkpoint to every replica."
             )
 
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Every replica stops at the same step: the wishes of each step are all-reduced
+        (max) while the next step runs, so they are read one step later with no wait."""
+        vote = torch.tensor([int(requested)], dtype=torch.int32, device=self._device)
+        pending, self._stop_vote = self._stop_vote, (
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True), vote)
+        if pending is None:
+            return False
+        work, agreed = pending
+        work.wait()
+        return bool(agreed.item())
+
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+        """A replica that finished waits for the last step's stop vote (every replica sent it);
+        one that stopped on an error does not (a peer may be gone)."""
+        vote, self._stop_vote = self._stop_vote, None
+        if vote is not None and finished:
+            vote[0].wait()
+
     def barrier(self) -> None:
         if dist.is_initialized():
             if self.backend == "nccl":
@@ -313,6 +340,8 @@ class Mirrored(LocalOptimizerStrategy):
         # interpreter gone and aborts the process ("terminate called without an active
         # exception").
         self._train_model = self._model
+        self._stop_vote = None
+        _identity.unregister(self._identity)
         gc.collect()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

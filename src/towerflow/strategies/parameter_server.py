@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -507,6 +509,29 @@ class ParameterServer(Strategy):
         self._needs_init = True
 
     # -- lifetime ----------------------------------------------------------------------------
+    def wait_for_peers(self, timeout: float) -> bool:
+        """The chief of an asynchronous job, before its final checkpoint: wait (at most
+        ``timeout`` s) until every other worker said ``Done``, so that the checkpoint
+        holds all their acknowledged pushes; True when it waited for one."""
+        if not self._chief or self.aggregation.mode == "sync" or self._client is None \
+                or self._world <= 1:
+            return False
+        deadline, said = time.monotonic() + timeout, False
+        while True:
+            workers = self._client.shards[0].status().workers
+            left = self._world - 1 - sum(w.done for w in workers if w.worker_id != self._rank)
+            if left <= 0:
+                return said
+            if time.monotonic() >= deadline:
+                log.warning("%d worker(s) did not finish within %g s; the final checkpoint "
+                            "holds the pushes applied so far", left, timeout)
+                return True
+            if not said:
+                log.info("waiting up to %g s for %d other worker(s) to finish before the "
+                         "final checkpoint", timeout, left)
+                said = True
+            threading.Event().wait(0.1)
+
     def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
         """Say how training ended (see :meth:`Strategy.end_training`): an unfinished worker
         sends no ``Done`` at :meth:`shutdown`; the chief's ``Done`` carries ``checkpoint_step``."""

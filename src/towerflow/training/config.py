@@ -42,6 +42,12 @@ class TrainConfig:
         progress: show a progress bar; None shows one when stderr is a terminal.
         log_device_placement: log where each operation of the first step runs.
         restore: resume from the latest checkpoint in ``train_dir`` when there is one.
+        stop_deadline: seconds after SIGTERM / SIGINT that the final checkpoint may
+            take (the step in flight finishes first); past it, or on a second
+            signal, the checkpoint is abandoned and no partial one is left
+            (0: no deadline).
+        peers_wait: seconds the chief of an asynchronous ps job waits, after its
+            last step, for the other workers to finish before its final checkpoint.
     """
 
     train_dir: str | Path | None = None
@@ -57,6 +63,8 @@ class TrainConfig:
     progress: bool | None = None
     log_device_placement: bool = False
     restore: bool = True
+    stop_deadline: float = 30.0
+    peers_wait: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "log_every"):
@@ -72,6 +80,10 @@ class TrainConfig:
                     f"TrainConfig.{name} must be a non-negative integer (0 disables), "
                     f"got {value!r}."
                 )
+        if not isinstance(self.stop_deadline, int | float) or self.stop_deadline < 0:
+            raise InvalidArgumentError(
+                f"TrainConfig.stop_deadline must be a number of seconds >= 0 (0: no deadline), "
+                f"got {self.stop_deadline!r}.")
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise InvalidArgumentError(
                 f"TrainConfig.max_to_keep must be at least 1 or None, got {self.max_to_keep!r}."

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import torch
 
-from towerflow.errors import NanLossDuringTrainingError
+from towerflow.errors import FailedPreconditionError, NanLossDuringTrainingError
 
 if TYPE_CHECKING:
     from towerflow.checkpoint import CheckpointManager
@@ -449,6 +449,7 @@ class CheckpointHook(Hook):
         self.manager = manager
         self.every = every
         self.saved_step: int | None = None  # of the last checkpoint it wrote
+        self._path: Path | None = None
         self._trainer: TrainerView | None = None
         self._period = StepPeriod(every)
 
@@ -471,10 +472,32 @@ class CheckpointHook(Hook):
         self._period.fired(ctx.step)
         refuse_to_save(trainer.non_finite_state(), ctx.step, self.manager)
         if trainer.strategy.is_chief:
-            groups, metadata = trainer.checkpoint_state()
-            path = self.manager.save(ctx.step, groups, metadata)
-            self.saved_step = ctx.step
-            log.info("saved checkpoint %s", path)
+            self._write(trainer, ctx.step)
+
+    def save_now(self, step: int) -> Path:
+        """The chief's checkpoint of ``step`` now (kept when it was just written); its path."""
+        trainer = self._trainer
+        if trainer is None:
+            raise FailedPreconditionError("CheckpointHook.save_now before begin(trainer).")
+        if self.saved_step == step and self._path is not None:
+            return self._path
+        refuse_to_save(trainer.non_finite_state(), step, self.manager)
+        return self._write(trainer, step)
+
+    def save_current(self) -> Path:
+        """The chief's checkpoint of the state as it is now, at the step it holds."""
+        trainer = self._trainer
+        if trainer is None:
+            raise FailedPreconditionError("CheckpointHook.save_current before begin(trainer).")
+        return self._write(trainer, None)
+
+    def _write(self, trainer: TrainerView, step: int | None) -> Path:
+        groups, metadata = trainer.checkpoint_state()
+        step = int(metadata["step"]) if step is None else step
+        self._path = self.manager.save(step, groups, metadata)
+        self.saved_step = step
+        log.info("saved checkpoint %s", self._path)
+        return self._path
 
 
 class ProgressHook(Hook):

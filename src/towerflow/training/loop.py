@@ -70,6 +70,7 @@ from towerflow.training.session import (
     restore_latest,
     save_before_stopping,
 )
+from towerflow.training.stopping import StopSignals
 
 __all__ = ["Trainer", "TrainResult", "default_strategy"]
 
@@ -149,6 +150,7 @@ class Trainer:
         self._restored_from: int | None = None
         self._position: dict[str, Any] | None = None
         self._saver: CheckpointHook | None = None
+        self._stop = StopSignals(deadline_s=None)  # installed by fit()
 
     # -- read-only facts for hooks --------------------------------------------------------
     @property
@@ -267,6 +269,12 @@ class Trainer:
     def fit(self, max_steps: int | None = None) -> TrainResult:
         """Train until the global step reaches ``max_steps`` (default ``config.max_steps``).
 
+        SIGTERM and SIGINT (in the main thread) stop it the way a scheduler
+        expects: every replica finishes the step in flight, the chief writes a
+        checkpoint at that step, and ``fit`` returns; a second signal, or
+        ``config.stop_deadline`` seconds passing, abandons that checkpoint
+        (:class:`~towerflow.training.stopping.FinalCheckpointAbandoned`).
+
         Raises:
             NanLossDuringTrainingError: the loss became NaN or infinite
                 (``Model diverged with loss = NaN``); no checkpoint of the
@@ -275,7 +283,8 @@ class Trainer:
         if max_steps is not None:
             self.config = self.config.replace(max_steps=max_steps)
         try:
-            result = self._fit()
+            with StopSignals(deadline_s=self.config.stop_deadline) as self._stop:
+                result = self._fit()
         except BaseException:
             self.strategy.end_training(finished=False)  # its peers must not count it finished
             raise
@@ -308,6 +317,8 @@ class Trainer:
                     last_loss = ctx.loss
                 for hook in hooks:
                     hook.after_step(ctx)
+            self._save_on_stop(ctx)
+            self._save_after_peers(ctx)
         except PEER_FAILURES as exc:
             error = save_before_stopping(self.strategy, exc, self._save_before_stopping)
             raise error from exc
@@ -320,6 +331,29 @@ class Trainer:
                     hook.end(ctx, error)
             self._close_pipeline()
         return TrainResult(self.global_step, last_loss, self._restored_from)
+
+    def _save_on_stop(self, ctx: StepContext | None) -> None:
+        """After a stop signal: the chief's checkpoint at the step reached, within the deadline."""
+        signum = self._stop.requested
+        if signum is None or ctx is None:
+            return
+        saver = self._saver
+        if saver is None or not self.strategy.is_chief:
+            log.info("stopped by signal %d at global step %d", signum, ctx.step)
+            return
+        with self._stop.final_save():
+            path = saver.save_now(ctx.step)
+        log.info("stopped by signal %d at global step %d; its checkpoint is %s: running the "
+                 "same command again resumes from it", signum, ctx.step, path)
+
+    def _save_after_peers(self, ctx: StepContext | None) -> None:
+        """Asynchronous ps training: the chief's final checkpoint again once the other
+        workers finished (bounded), so that it holds every push they were answered."""
+        if ctx is None or self._stop.requested is not None or self._saver is None \
+                or not self.strategy.is_chief:
+            return
+        if self.strategy.wait_for_peers(self.config.peers_wait):
+            self._saver.save_current()
 
     def _steps(self, hooks: Sequence[Hook]) -> Iterator[StepContext]:
         pipeline = self._pipeline
@@ -342,6 +376,8 @@ class Trainer:
                 loss = guard.read(strategy, result.loss, step)
             global_batch = pipeline.examples_per_batch() * strategy.batches_per_step
             yield StepContext(step, self.config.max_steps, lr, loss, global_batch)
+            if strategy.agree_to_stop(self._stop.requested is not None):
+                return
 
     def _placement_log(self, step: int) -> contextlib.AbstractContextManager[Any]:
         """Log the placement of every operation of the first step when asked to."""

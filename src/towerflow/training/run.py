@@ -111,8 +111,10 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
         optimizer = dataclasses.replace(optimizer or OptimizerConfig("sgd", lr=lr), lr=lr)
         epochs = epochs_per_decay if epochs_per_decay is not None else task.default_epochs_per_decay
         if strategy.is_chief and config.train_dir is not None:  # what eval and a resume read
-            save_run_settings(config.train_dir, {**(settings or {}), **run_settings(
-                task, config, data, optimizer, lr_decay_factor, epochs)})
+            record = {**(settings or {}), **run_settings(
+                task, config, data, optimizer, lr_decay_factor, epochs)}
+            save_run_settings(config.train_dir, {k: v for k, v in record.items()
+                                                 if k not in task.unused_settings})
         decay_steps = decay_steps_for_epochs(task.num_examples_per_epoch,
                                              config.batch_size * strategy.batches_per_step, epochs)
         schedule = ExponentialDecay(lr, decay_steps, lr_decay_factor, staircase=True)

@@ -45,7 +45,7 @@ MAY_CHANGE = frozenset({
     "ps", "replicas", "num_gpus", "max_steps", "log_every", "summary_every", "checkpoint_every",
     "max_to_keep", "data_dir", "no_download", "ps_strategy", "partition_threshold", "ps_timeout",
     "step_timeout", "init_timeout", "on_bad_gradient", "ps_prefetch", "collective_timeout",
-    "table_part_bytes", "serve_forever", "idle_timeout", "max_elastic_workers",
+    "table_part_bytes", "serve_forever", "idle_timeout", "max_elastic_workers", "stop_deadline",
     "export_dir", "export_every_secs",
 })
 

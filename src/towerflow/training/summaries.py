@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,39 +28,51 @@ __all__ = ["SummaryWriter", "parameter_histograms"]
 class SummaryWriter:
     """A TensorBoard event-file writer for one train dir.
 
+    The event file is created with the first summary written: a run that
+    writes none (a resumed run with nothing left to train) leaves no empty one.
+
     Args:
         logdir: the directory (created when missing).
         flush_secs: how often pending events reach the disk.
     """
 
-    __slots__ = ("logdir", "_writer")
+    __slots__ = ("logdir", "_writer", "_flush_secs")
 
     def __init__(self, logdir: str | Path, flush_secs: int = 30) -> None:
-        from torch.utils.tensorboard import SummaryWriter as _TBWriter
-
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        self._writer = _TBWriter(log_dir=str(self.logdir), flush_secs=flush_secs)
+        self._flush_secs = flush_secs
+        self._writer: Any = None
+
+    def _events(self) -> Any:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter as _TBWriter
+
+            self._writer = _TBWriter(log_dir=str(self.logdir), flush_secs=self._flush_secs)
+        return self._writer
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write one scalar summary per entry."""
+        writer = self._events()
         for tag, value in values.items():
-            self._writer.add_scalar(tag, value, global_step=step)
+            writer.add_scalar(tag, value, global_step=step)
 
     def histograms(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write one histogram per tensor (copied to the CPU)."""
         for tag, tensor in tensors.items():
             values = tensor.detach().float().cpu()
             if values.numel() and bool(torch.isfinite(values).all()):
-                self._writer.add_histogram(tag, values, global_step=step)
+                self._events().add_histogram(tag, values, global_step=step)
 
     def flush(self) -> None:
         """Write pending events now."""
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         """Flush and close the event file."""
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
     def __enter__(self) -> SummaryWriter:
         return self

@@ -6,9 +6,12 @@ parameters on the ps tasks, or restores them from the latest checkpoint in
 and when the session ends, and writes summaries. The other workers wait until
 the parameters are initialised and never write anything. A manual save still
 works (to ``logdir`` or another directory; neither changes the schedule of
-``logdir``), and SIGTERM (preemption) makes the chief checkpoint and the
-program leave its loop (``should_stop()``; a loop that does not look is ended
-at its next step with ``SystemExit(0)``). A step that fails because a peer is
+``logdir``), and SIGTERM (preemption) or SIGINT makes the chief checkpoint
+after the step in flight and the program leave its loop (``should_stop()``; a
+loop that does not look is ended at its next step with ``SystemExit(0)``); a
+second signal, or ``stop_deadline`` seconds, abandons that checkpoint
+(:class:`~towerflow.training.stopping.FinalCheckpointAbandoned`, an exit with
+status ``128 + signal``) and leaves no partial one. A step that fails because a peer is
 missing (``DeadlineExceededError``: a sync step waited ``step_timeout`` for a
 dead worker; ``UnavailableError``: a ps task is gone) makes the chief save the
 last consistent state before the error leaves the session; the error then
@@ -63,6 +66,12 @@ from towerflow.training.session import (
     restore_latest,
     save_before_stopping,
 )
+from towerflow.training.stopping import (
+    DEFAULT_STOP_DEADLINE_S,
+    FinalCheckpointAbandoned,
+    StopSignals,
+)
+from towerflow.training.supervisor_saver import SupervisorSaver
 
 __all__ = ["Supervisor", "ManagedSession", "REFUSED_TF_ARGUMENTS"]
 
@@ -105,14 +114,24 @@ class ManagedSession:
     Attributes:
         model: the prepared model (on this worker's device).
         strategy: the strategy running the steps.
+        data_position: the loop's own place in its data (any JSON-able value, e.g.
+            ``{"epoch": 2, "batch": 310}``): saved with every checkpoint the chief
+            writes and, when the session restores one, set from it (None before
+            any), so that a custom loop resumes where the checkpoint was taken.
     """
 
-    __slots__ = ("model", "strategy", "_supervisor")
+    __slots__ = ("model", "strategy", "data_position", "_supervisor")
 
     def __init__(self, supervisor: Supervisor, strategy: Strategy, model: nn.Module) -> None:
         self._supervisor = supervisor
         self.strategy = strategy
         self.model = model
+        self.data_position: Any = supervisor._restored_position
+
+    @property
+    def restored_step(self) -> int | None:
+        """The global step of the checkpoint this session restored, or None."""
+        return self._supervisor.restored_from
 
     @property
     def global_step(self) -> int:
@@ -174,7 +193,9 @@ class Supervisor:
         global_step: an optional 0-d integer tensor kept equal to the global step.
         init_fn: ``init_fn(model)`` run by the chief when there is no checkpoint,
             before the parameters are sent to the ps tasks.
-        stop_signals: signals that request a stop (SIGTERM: preemption).
+        stop_signals: signals that request a stop (SIGTERM: preemption; SIGINT: Ctrl-C).
+        stop_deadline: seconds after a stop signal that the chief's final
+            checkpoint may take (0 or None: no deadline).
         strategy_options: keyword arguments of the strategy the session trains
             with (``mode``, ``replicas_to_aggregate``, ``device_setter``... of the
             ``ParameterServer`` strategy).
@@ -193,7 +214,8 @@ class Supervisor:
                  summary_writer: Any = _UNSET, save_summaries_secs: float | None = 120.0,
                  global_step: torch.Tensor | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None,
-                 stop_signals: tuple[int, ...] = (signal.SIGTERM,),
+                 stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+                 stop_deadline: float | None = DEFAULT_STOP_DEADLINE_S,
                  **strategy_options: Any) -> None:
         _refuse_tf_arguments({**strategy_options, "summary_op": None if summary_op is
                               self._UNSET else summary_op})
@@ -202,7 +224,7 @@ class Supervisor:
             raise InvalidArgumentError(
                 f"Supervisor got unknown argument(s) {', '.join(unknown)}; it takes is_chief, "
                 "logdir, save_model_secs, save_model_steps, max_to_keep, saver, summary_op, "
-                "summary_writer, save_summaries_secs, global_step, init_fn, stop_signals and "
+                "summary_writer, save_summaries_secs, global_step, init_fn, stop_signals, stop_deadline and "
                 f"the strategies' options ({', '.join(sorted(_known_strategy_options()))})."
             )
         for name, value in (("save_model_secs", save_model_secs),
@@ -226,9 +248,14 @@ class Supervisor:
         self.global_step_tensor = global_step
         self.init_fn = init_fn
         self.stop_signals = stop_signals
+        self.stop_deadline = stop_deadline
+        self._stopping = StopSignals(stop_signals, stop_deadline, self._on_stop_signal)
         self.strategy_options = strategy_options
         self.restored_from: int | None = None
+        self._restored_position: Any = None  # the data position of the checkpoint restored
         self.preempted = False
+        self._signalled = False  # a stop signal came (replicas in lockstep stop when agreed)
+        self._lockstep = False
         self._preempt_saved = False
         self._stop = threading.Event()
         self._session: ManagedSession | None = None
@@ -284,9 +311,10 @@ class Supervisor:
         return self._manager
 
     @property
-    def saver(self) -> Any:
-        """TensorFlow's name for :attr:`checkpoint_manager`."""
-        return self._manager
+    def saver(self) -> SupervisorSaver | None:
+        """TensorFlow's ``sv.saver``: ``sv.saver.save(sess, path, global_step=step)`` saves
+        as :meth:`save` does; its other attributes are :attr:`checkpoint_manager`'s."""
+        return None if self._manager is None else SupervisorSaver(self, self._manager)
 
     def save(self, session: ManagedSession | None = None,
              directory: str | Path | None = None) -> Path | None:
@@ -318,10 +346,15 @@ class Supervisor:
         return self._save_to(CheckpointManager(directory, max_to_keep=self.max_to_keep),
                              session, schedule=False)
 
-    def _save_to(self, manager: Any, session: ManagedSession, *, schedule: bool) -> Path:
+    def _save_to(self, manager: Any, session: ManagedSession, *, schedule: bool,
+                 step: int | None = None) -> Path:
         strategy = session.strategy
         groups = strategy.state_dict()
         metadata = checkpoint_metadata(strategy)
+        if step is not None:  # TensorFlow's saver.save(..., global_step=step) names the step
+            metadata["step"] = step
+        if session.data_position is not None:
+            metadata["data_position"] = session.data_position
         step = metadata["step"]
         refuse_non_finite({n: p.detach() for n, p in session.model.named_parameters()},
                           step, manager)
@@ -374,6 +407,7 @@ class Supervisor:
         """
         owns = strategy is None
         strategy = strategy if strategy is not None else self._strategy_for(master)
+        self._lockstep = strategy.lockstep
         finished = False
         try:
             with self._signals():
@@ -391,6 +425,8 @@ class Supervisor:
                                                ) from exc
                 self._final_save(session)
                 finished = True
+        except FinalCheckpointAbandoned:
+            raise
         except SystemExit:
             if self.preempted and self._session is not None:
                 self._final_save(self._session)
@@ -437,6 +473,7 @@ class Supervisor:
         ckpt = restore_latest(self._manager if self.is_chief else None, strategy)
         if ckpt is not None:
             self.restored_from = self._saved_step = ckpt.step
+            self._restored_position = ckpt.metadata.get("data_position")
             return
         if self.is_chief and self.init_fn is not None:
             with torch.no_grad():
@@ -450,6 +487,10 @@ class Supervisor:
     def _after_step(self, session: ManagedSession, result: StepResult) -> None:
         step = result.global_step
         self._sync_global_step(step)
+        if self._lockstep and not self.preempted \
+                and session.strategy.agree_to_stop(self._signalled):
+            self.preempted = True
+            self.request_stop()
         if self.preempted:
             if self._preempt_saved:  # the loop ignores should_stop(): leave now
                 raise SystemExit(0)
@@ -498,24 +539,20 @@ class Supervisor:
     def _final_save(self, session: ManagedSession) -> None:
         if self.is_chief and self._manager is not None \
                 and session.strategy.global_step != self._saved_step:
-            self.save(session)
+            if self.preempted:  # a second signal or the deadline abandons it
+                with self._stopping.final_save():
+                    self.save(session)
+            else:
+                self.save(session)
 
-    @contextlib.contextmanager
-    def _signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.getsignal(sig) for sig in self.stop_signals}
-
-        def handle(signum: int, frame: object) -> None:
-            log.info("received signal %d; saving and stopping", signum)
+    def _on_stop_signal(self, signum: int) -> None:
+        self._signalled = True
+        if not self._lockstep:  # replicas in lockstep stop at the step they agree on
             self.preempted = True
             self.request_stop()
 
-        try:
-            for sig in self.stop_signals:
-                signal.signal(sig, handle)
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def _signals(self) -> StopSignals:
+        """A session's stop signals (installed while it runs, in the main thread)."""
+        self._stopping = StopSignals(self.stop_signals, self.stop_deadline, self._on_stop_signal)
+        return self._stopping
+

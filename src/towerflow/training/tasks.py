@@ -64,6 +64,10 @@ class DataOptions:
     download: bool = True
 
 
+#: the data settings of a task whose data needs no files (generated, or bundled)
+_NO_FILES = frozenset({"data_dir", "data", "synthetic_examples", "no_download"})
+
+
 class Task(abc.ABC):
     """A model with its data, loss and transforms."""
 
@@ -76,6 +80,8 @@ class Task(abc.ABC):
     options: Mapping[str, Any] = {}
     #: defaults of general ``towerflow train`` options that this task changes (dest -> value)
     option_defaults: Mapping[str, Any] = {}
+    #: general ``towerflow train`` settings this task never reads (left out of ``run.yaml``)
+    unused_settings: frozenset[str] = frozenset()
     #: what :meth:`score` measures, as ``towerflow eval`` prints it
     metric: str = "precision @ 1"
 
@@ -168,6 +174,7 @@ class DigitsTask(Task):
     """scikit-learn's 8x8 digits: a real data set that needs no network."""
 
     name = "digits"
+    unused_settings = _NO_FILES
     num_examples_per_epoch = 1437
     default_lr = 0.1
     default_epochs_per_decay = 350.0
@@ -195,6 +202,7 @@ class ClickTask(Task):
     """
 
     name = "click"
+    unused_settings = _NO_FILES
     num_examples_per_epoch = 1_000_000  # an endless stream: an epoch counts a million examples
     default_lr = 0.1
     options = {"table_rows": 1_000_000, "embedding_dim": 32, "ids_per_example": 16}

@@ -56,6 +56,9 @@ class ShardHost:
 
     __slots__ = ("server", "service", "monitor", "lifecycle")
 
+    #: it logs the task's one "serving at" line itself (the server's own is not repeated)
+    announces_serving = True
+
     def __init__(self, server: Any) -> None:
         self.server = server
         self.monitor = None

@@ -58,6 +58,9 @@ __all__ = ["ShardClient", "PUSH_RETRY_LOG_EVERY"]
 
 logger = logging.getLogger("towerflow.ps")
 
+#: seconds of waiting for a ps task before a line says so, then between two such lines
+_NOTE_AFTER_S, _NOTE_EVERY_S = 3.0, 10.0
+
 #: a push sent again after its deadline logs a line at its first retry and every this many
 PUSH_RETRY_LOG_EVERY = 5
 
@@ -117,15 +120,27 @@ class ShardClient:
         return channel_address(self.channel)
 
     def _retrying(self, call: Callable[[], _T], timeout: float) -> _T:
-        """Run ``call``, retrying while the ps is unavailable, until ``timeout``."""
-        deadline = time.monotonic() + timeout
+        """Run ``call``, retrying while the ps is unavailable, until ``timeout``.
+
+        While it waits, a line every few seconds says for what; when it gives up,
+        the error says how long it tried.
+        """
+        start = time.monotonic()
+        deadline, note = start + timeout, start + _NOTE_AFTER_S
         delay = 0.05
         while True:
             try:
                 return call()
-            except UnavailableError:
-                if time.monotonic() + delay >= deadline:
-                    raise
+            except UnavailableError as exc:
+                now = time.monotonic()
+                if now + delay >= deadline:
+                    raise UnavailableError(
+                        f"the ps task at {self.address} did not answer for {now - start:.0f} s: "
+                        f"{exc}") from None
+                if now >= note:
+                    logger.info("waiting for the ps task at %s to answer (%.0f s of %.0f s); "
+                                "is it running?", self.address, now - start, timeout)
+                    note = now + _NOTE_EVERY_S
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
