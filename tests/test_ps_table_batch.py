@@ -318,3 +318,18 @@ def test_ids_that_cannot_be_known_ahead_are_pulled_one_by_one_with_one_line(
     finally:
         strategy.shutdown()
     assert isinstance(model.a, ShardedEmbedding)
+
+
+def test_a_model_prepared_again_pulls_through_its_new_strategy_only(start_ps_tasks) -> None:
+    model = deepfm()
+    for _ in range(2):  # a strategy shut down leaves no hook on the model
+        strategy = strategy_for(start_ps_tasks(SECRET))
+        strategy.prepare(model, OptimizerConfig("adagrad", lr=0.05))
+        try:
+            assert len(model._forward_pre_hooks) == 1
+            for batch in batches(3):
+                strategy.run_step(loss, batch)
+            assert strategy._tables.prefetcher.recordings == 1
+        finally:
+            strategy.shutdown()
+        assert len(model._forward_pre_hooks) == 0

@@ -519,6 +519,9 @@ class SparseTables:
             self.client.done()
 
     def close(self) -> None:
-        """Send the deferred pushes and close the client's channels."""
+        """Send the deferred pushes, close the client's channels and take the prefetcher's
+        hooks off the model (a model prepared again gets its own)."""
+        if self.prefetcher is not None:
+            self.prefetcher.remove()
         if self.client is not None:
             self.client.close()
