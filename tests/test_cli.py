@@ -88,7 +88,8 @@ def test_every_command_knows_its_own_name() -> None:
     parser = build_parser()
     for command in COMMANDS:
         argv = {"train": ["train", "digits"], "eval": ["eval", "digits"],
-                "launch": ["launch", "--", "true"]}.get(command, [command])
+                "launch": ["launch", "--", "true"],
+                "export": ["export", "--train-dir", "d", "--out", "e"]}.get(command, [command])
         assert parser.parse_args(argv)._prog == f"towerflow {command}"
 
 

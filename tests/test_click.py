@@ -115,9 +115,22 @@ def test_a_sparse_gradient_is_summarised_by_its_rows() -> None:
 
 
 def _table_checkpoint(tmp_path, parts) -> object:
-    group = ChunkedGroup(({"table": name, "shard": s}, {"ids": ids, "rows": rows})
+    """A checkpoint of sparse table parts ``(table, shard, ids, rows)``, one part per shard,
+    described as tables of 6 x 2 over as many ps tasks as the parts name."""
+    from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.worker.tables.checkpoint import describe_tables
+    from towerflow.ps.worker.tables.config import TableConfig
+
+    group = ChunkedGroup(({"table": name, "shard": s, "part": 0, "rows": len(ids),
+                           "shard_rows": len(ids), "pushes": []}, {"ids": ids, "rows": rows})
                          for name, s, ids, rows in parts)
-    path = write_checkpoint_dir(tmp_path / "c", 7, {"model": {}, "ps_tables": group})
+    shards = len({p[1] for p in parts})
+    tables = describe_tables([TableConfig(name, ModPartitioner(shards, num_rows=6), 2,
+                                          {"name": "sgd", "hyper": {}},
+                                          {"kind": "constant", "value": 0.0})
+                              for name in sorted({p[0] for p in parts})])
+    path = write_checkpoint_dir(tmp_path / "c", 7, {"model": {}, "ps_tables": group},
+                                {"strategy": {"tables": tables}})
     return read_checkpoint_dir(path)
 
 
@@ -133,10 +146,11 @@ def test_a_saved_table_that_is_short_or_not_the_models_is_refused(tmp_path) -> N
     model = ClickNet(6, 2)
     short = _table_checkpoint(tmp_path / "a", [("table", 0, torch.tensor([0, 2]),
                                                 torch.zeros(2, 2))])
-    with pytest.raises(CheckpointError, match=r"the saved rows do not cover table.weight "
-                       r"\(2 of 6 rows\); restore an earlier checkpoint"):
+    with pytest.raises(CheckpointError, match=r"table 'table' is incomplete: it was saved from "
+                       r"1 ps shards but its parts hold shards \[0\] with rows \[\(2, 2\)\]; "
+                       r"restore an earlier checkpoint"):
         table_weights(short, model)
-    other = _table_checkpoint(tmp_path / "b", [("emb", 0, torch.tensor([0]), torch.zeros(1, 2))])
+    other = _table_checkpoint(tmp_path / "b", [("emb", 0, torch.arange(6), torch.zeros(6, 2))])
     with pytest.raises(CheckpointError, match=r"holds table 'emb', which is no table of ClickNet"):
         table_weights(other, model)
 

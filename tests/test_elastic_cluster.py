@@ -77,8 +77,8 @@ def test_a_worker_joins_a_running_async_job_trains_shows_up_and_leaves(tmp_path)
                 (ledger,) = client.ledger()
                 assert worker_id in {e.worker_id for e in ledger.entries}
 
-                joining.terminate()  # SIGTERM: it leaves with Done
-                assert joining.wait(60) != 0
+                joining.terminate()  # SIGTERM: it ends its step, leaves with Done and exits 0
+                assert joining.wait(60) == 0
                 wait_until(lambda: (v := _elastic(observer)) and v["left"], timeout=30,
                            what="the elastic worker shown as left")
                 late = client.push([np.ones(1, np.float32)], lr=0.1)

@@ -87,8 +87,8 @@ def test_default_logdir_rerun_at_steps_and_ctrl_c(tmp_path, python, subprocess_e
     reader.start()
     try:
         assert training.wait(120), "".join(lines)
-        launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=120) == 128 + signal.SIGINT
+        launcher.send_signal(signal.SIGINT)  # a clean stop: every task ends its step, exits 0
+        assert launcher.wait(timeout=120) == 0
         reader.join(10)
     finally:
         if launcher.poll() is None:

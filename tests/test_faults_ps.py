@@ -35,7 +35,8 @@ def test_killed_ps_gives_workers_unavailable_within_the_deadline_and_a_restart_r
         assert latest is not None
         for worker in workers:  # an error within the deadline, never a hang
             assert worker.wait(timeout=60) == 3, worker.tail()
-            worker.wait_for_line(r"^error UnavailableError: call /towerflow\.ps\.PS/\w+ to "
+            worker.wait_for_line(r"^error UnavailableError: the ps task at 127\.0\.0\.1:\d+ did "
+                                 r"not answer for \d+ s: call /towerflow\.ps\.PS/\w+ to "
                                  r"127\.0\.0\.1:\d+ failed with UNAVAILABLE", timeout=5)
         assert time.monotonic() - killed < 60
         reached = max(w.last_number(STEP) for w in workers)

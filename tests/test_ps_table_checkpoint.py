@@ -397,7 +397,7 @@ def test_each_damaged_table_part_is_one_checkpoint_error_at_restore_and_eval(dam
     model = nn.Module()
     model.emb = nn.Embedding(10, 3)
     ckpt = types.SimpleNamespace(chunked={TABLES_GROUP: reader}, path=Path("ckpt-1"),
-                                 metadata={} if saved is None else {"tables": saved})
+                                 metadata={} if saved is None else {"strategy": {"tables": saved}})
     with pytest.raises(CheckpointError, match=pattern):
         table_weights(ckpt, model)
 
@@ -411,6 +411,6 @@ def test_a_sound_table_part_set_is_read_back_at_eval() -> None:
     model = nn.Module()
     model.emb = nn.Embedding(10, 3)
     ckpt = types.SimpleNamespace(chunked={TABLES_GROUP: _Reader(parts)}, path=Path("c"),
-                                 metadata={"tables": saved})
+                                 metadata={"strategy": {"tables": saved}})
     weight = table_weights(ckpt, model)["emb.weight"]
     torch.testing.assert_close(weight[1::2], parts[1][1]["rows"])

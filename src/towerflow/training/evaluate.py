@@ -148,7 +148,8 @@ def table_weights(ckpt: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     reader = ckpt.chunked.get(TABLES_GROUP)
     if reader is None:
         return {}
-    saved = (ckpt.metadata or {}).get(TABLES_KEY)
+    strategy = (ckpt.metadata or {}).get("strategy")  # the ParameterServer's facts
+    saved = strategy.get(TABLES_KEY) if isinstance(strategy, dict) else None
     if saved is None:
         raise CheckpointError(f"{ckpt.path} holds sparse table parts but its metadata has no "
                               f"{TABLES_KEY!r} describing them; restore an earlier checkpoint.")
