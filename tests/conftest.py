@@ -57,6 +57,19 @@ def no_thread_outlives_its_test() -> Iterator[None]:
                       "pipelines it starts before it returns")
 
 
+@pytest.fixture(autouse=True)
+def no_task_identity_outlives_its_test() -> Iterator[None]:
+    """Fail a test that leaves this process registered as a cluster task (a server or an
+    all-reduce replica not stopped): the device names of every test after it would change."""
+    from towerflow import _identity
+
+    before = list(_identity._registered)
+    yield
+    left = [task for token, task in _identity._registered if (token, task) not in before]
+    assert not left, (f"this test left the process registered as task(s) {left}; stop the "
+                      "servers and strategies it starts (shutdown()) before it returns")
+
+
 @pytest.fixture
 def free_ports() -> Callable[[int], list[int]]:
     """Return a function giving ``n`` currently free TCP ports on 127.0.0.1."""

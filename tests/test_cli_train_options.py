@@ -80,8 +80,11 @@ def test_mirrored_flags_reach_the_all_reduce_strategy(monkeypatch) -> None:
            "MASTER_PORT": "1"}
     strategy = build_strategy(_args("--backend", "gloo", "--collective-timeout", "60",
                                     "--device", "cpu"), env=env)
-    assert type(strategy).__name__ == "Mirrored"
-    assert strategy.backend == "gloo" and groups == [60.0]
+    try:
+        assert type(strategy).__name__ == "Mirrored"
+        assert strategy.backend == "gloo" and groups == [60.0]
+    finally:
+        strategy.shutdown()  # its replica's task name is withdrawn
 
 
 def test_every_keyword_of_the_strategies_has_a_flag_or_comes_from_the_cluster() -> None:
