@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
@@ -167,6 +167,7 @@ def test_an_update_that_would_overflow_is_refused_and_changes_nothing(mode, name
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(["sgd", "momentum", "adam", "adagrad"]),
        lr=st.floats(1e-6, 3e38), grad=st.floats(-3e38, 3e38), streamed=st.booleans())
+@example(name="adam", lr=3.402823567797336e+37, grad=0.0, streamed=False)  # lr / bias1 overflows
 def test_no_finite_push_leaves_a_non_finite_parameter_or_slot(name, lr, grad, streamed):
     options = {"momentum": 0.9} if name == "momentum" else {}
     state, agg = _with_optimizer(name, "async", **options)

@@ -163,9 +163,10 @@ class ServerOptimizer:
             m0 = cur["exp_avg"]
             m = self.beta1 * m0 + (1.0 - self.beta1) * g
             v = self.beta2 * cur["exp_avg_sq"] + (1.0 - self.beta2) * g * g
-            step_size = lr / (1.0 - self.beta1 ** step) * m / self.eps
+            rate = lr / (1.0 - self.beta1 ** step)  # a float32 factor of the update itself
+            step_size = rate * m / self.eps
             return {"exp_avg": m, "exp_avg_sq": v, "params": p + step_size,
-                    "intermediate": max(g + m0, g * g)}
+                    "intermediate": max(g + m0, g * g, rate)}
         acc = cur["sum"] + g * g  # adagrad
         return {"sum": acc, "params": p + lr * g / self.eps, "intermediate": g * g}
 
