@@ -237,15 +237,21 @@ class TableService:
                                                   duplicate=outcome.duplicate, applied=applied))
         return reply
 
-    def push_pull_rows_stream(self, requests: Iterator[bytes],
-                              context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
-        """Many ``PushPullRows`` on one long-lived call, one reply per request, in order.
+    @staticmethod
+    def _each_request(handler: Any, requests: Iterator[bytes],
+                      context: grpc.ServicerContext | None) -> Iterator[bytes]:
+        """A stream of ``handler``'s calls: one reply per request, in order.
 
         A refused request ends the call with its status, as it ends a unary
         call; the worker then opens another stream.
         """
         for request in requests_until_closed(iter(requests)):
-            yield self.push_pull_rows(request, context)
+            yield handler(request, context)
+
+    def push_pull_rows_stream(self, requests: Iterator[bytes],
+                              context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
+        """Many ``PushPullRows`` on one long-lived call."""
+        return self._each_request(self.push_pull_rows, requests, context)
 
     def row_batch(self, data: bytes, context: grpc.ServicerContext | None = None) -> bytes:
         """The ``PushPullRows`` of many table shards: every item checked, then each applied.
@@ -278,13 +284,8 @@ class TableService:
 
     def row_batch_stream(self, requests: Iterator[bytes],
                          context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
-        """Many ``RowBatch`` on one long-lived call, one reply per request, in order.
-
-        A refused request ends the call with its status, as it ends a unary
-        call; the worker then opens another stream.
-        """
-        for request in requests_until_closed(iter(requests)):
-            yield self.row_batch(request, context)
+        """Many ``RowBatch`` on one long-lived call (a worker's hot path)."""
+        return self._each_request(self.row_batch, requests, context)
 
     def export_rows(self, data: bytes) -> Iterator[bytes]:
         from towerflow.ps.server.tables.shard import encode
