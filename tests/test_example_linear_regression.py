@@ -77,11 +77,15 @@ def test_default_logdir_rerun_at_steps_and_ctrl_c(tmp_path, python, subprocess_e
     lines: list[str] = []
     training = threading.Event()
 
+    trained: set[str] = set()
+
     def read() -> None:
         for line in launcher.stdout:
             lines.append(line)
-            if line.startswith("[worker:0] step "):
-                training.set()
+            if line.startswith(("[worker:0] step ", "[worker:1] step ")):
+                trained.add(line[:10])
+                if len(trained) == 2:  # both train (a task still starting has no handler yet)
+                    training.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()

@@ -242,8 +242,10 @@ with sv.managed_session(model=LinearRegression()) as sess:
     while not sv.should_stop():
         sess.run_step(mse_loss, data)
         if sess.global_step == 5:
-            print("training", flush=True)
-print("stopped at", sess.global_step, flush=True)
+            sys.stdout.write("training\n")  # one write per line: the replicas share a pipe
+            sys.stdout.flush()
+sys.stdout.write(f"stopped at {sess.global_step}\n")
+sys.stdout.flush()
 """
 
 _SPAWN = ("import sys; from towerflow.cluster.launcher import spawn_replicas; "
