@@ -65,6 +65,8 @@ _LAZY: dict[str, str] = {
     # parameter server
     "replica_device_setter": "towerflow.ps",
     "run_ps_task": "towerflow.ps",
+    "ShardedEmbedding": "towerflow.ps.worker.tables.embedding",
+    "DynamicEmbedding": "towerflow._local_tables",
     # strategies
     "SingleDevice": "towerflow.strategies",
     "Mirrored": "towerflow.strategies",

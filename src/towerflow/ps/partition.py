@@ -57,14 +57,39 @@ __all__ = [
     "ModPartitioner",
     "RangePartitioner",
     "partitioner_from_dict",
+    "HashPartitioner",
     "check_ids",
     "coalesce",
+    "splitmix64",
 ]
 
 
 #: up to this many shards, :meth:`Partitioner.split` finds each shard's ids with a mask
 #: (one pass per shard) rather than a stable sort of the owners (3x slower at 2 shards)
 _MASK_SPLIT_SHARDS = 8
+
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (as uint64)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser, element-wise on int64 (wrapping arithmetic).
+
+    Example:
+        >>> splitmix64(torch.tensor([0, 1])).tolist() != [0, 1]
+        True
+    """
+    z = x + _GOLDEN
+    z = (z ^ shift_right(z, 30)) * _MIX1
+    z = (z ^ shift_right(z, 27)) * _MIX2
+    return z ^ shift_right(z, 31)
 
 
 def _int_field(name: str, value: object, least: int) -> int:
@@ -341,7 +366,59 @@ class RangePartitioner(Partitioner):
         return {"kind": self.kind, "num_shards": self.num_shards, "num_rows": self.num_rows}
 
 
-_KINDS: dict[str, type[Partitioner]] = {"mod": ModPartitioner, "range": RangePartitioner}
+@dataclass(frozen=True, slots=True)
+class HashPartitioner(Partitioner):
+    """Shard ``splitmix64(id) mod num_shards`` of any int64 id (a dynamic table's default).
+
+    Raw feature ids are often multiples of a stride (``id % num_shards`` would
+    put them all on one shard); a 64-bit mixing hash spreads any id set
+    evenly. The table is unbounded (``num_rows`` None): a shard's row store
+    keeps the ids it holds, so :meth:`local_index` is the id itself.
+
+    Example:
+        >>> part = HashPartitioner(3)
+        >>> sorted(torch.bincount(part.shard_of(torch.arange(0, 3000, 3)), minlength=3).tolist()) \
+        ...     [0] > 300
+        True
+    """
+
+    kind: ClassVar[str] = "hash"
+    num_shards: int
+    num_rows: None = None
+
+    def __post_init__(self) -> None:
+        _int_field("num_shards", self.num_shards, 1)
+        if self.num_rows is not None:
+            raise InvalidArgumentError(
+                f"A 'hash' partitioner spans every int64 id; num_rows must be None, got "
+                f"{self.num_rows!r}. Use 'mod' for a table of fixed size."
+            )
+
+    def _shard_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.remainder(shift_right(splitmix64(ids), 1), self.num_shards)
+
+    def _local(self, ids: torch.Tensor, shard: int) -> torch.Tensor:
+        return ids
+
+    def _all_in(self, ids: torch.Tensor, shard: int) -> bool:
+        return self.num_shards == 1 or not bool((self._shard_of(ids) != shard).any())
+
+    def rows_in_shard(self, shard: int) -> int:
+        raise InvalidArgumentError(
+            f"{self!r} spans every int64 id, so its shards have no fixed rows; ask the "
+            "shard's row store which ids it holds (export)."
+        )
+
+    def global_ids(self, shard: int) -> torch.Tensor:
+        self.rows_in_shard(shard)  # raises: no fixed ids
+        return torch.empty(0, dtype=torch.int64)  # pragma: no cover
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "num_shards": self.num_shards, "num_rows": None}
+
+
+_KINDS: dict[str, type[Partitioner]] = {"mod": ModPartitioner, "range": RangePartitioner,
+                                        "hash": HashPartitioner}
 
 
 def partitioner_from_dict(data: Mapping[str, Any]) -> Partitioner:
@@ -374,4 +451,6 @@ def partitioner_from_dict(data: Mapping[str, Any]) -> Partitioner:
         raise InvalidArgumentError(
             "A 'range' partitioner needs num_rows; use 'mod' for an unbounded id space."
         )
+    if kind == "hash":
+        return HashPartitioner(num_shards=data["num_shards"], num_rows=data["num_rows"])
     return _KINDS[kind](num_shards=data["num_shards"], num_rows=data["num_rows"])

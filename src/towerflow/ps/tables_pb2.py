@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from towerflow.ps import ps_pb2 as towerflow_dot_ps_dot_ps__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19towerflow/ps/tables.proto\x12\x0ctowerflow.ps\x1a\x15towerflow/ps/ps.proto\"\x93\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0bpartitioner\x18\x05 \x01(\t\x12\x11\n\toptimizer\x18\x06 \x01(\t\x12\x13\n\x0binitializer\x18\x07 \x01(\t\x12\r\n\x05shard\x18\x08 \x01(\x05\"N\n\x10InitTableRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x13\n\x0b\x61ggregation\x18\x02 \x01(\t\"?\n\x0eInitTableReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"M\n\x0fPullRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0f\n\x07num_ids\x18\x03 \x01(\x03\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\"J\n\rPullRowsReply\x12\x0f\n\x07num_ids\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x01(\x0c\"o\n\x13PushPullRowsRequest\x12+\n\x04pull\x18\x01 \x01(\x0b\x32\x1d.towerflow.ps.PullRowsRequest\x12+\n\x04push\x18\x02 \x01(\x0b\x32\x1d.towerflow.ps.PushRowsRequest\"i\n\x11PushPullRowsReply\x12)\n\x04pull\x18\x01 \x01(\x0b\x32\x1b.towerflow.ps.PullRowsReply\x12)\n\x04push\x18\x02 \x01(\x0b\x32\x1b.towerflow.ps.PushRowsReply\"C\n\x0fRowBatchRequest\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.towerflow.ps.PushPullRowsRequest\"?\n\rRowBatchReply\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.towerflow.ps.PushPullRowsReply\"\xba\x01\n\x0fPushRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x0f\n\x07num_ids\x18\x08 \x01(\x03\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0b\n\x03ids\x18\n \x01(\x0c\x12\r\n\x05grads\x18\x0b \x01(\x0c\"T\n\rPushRowsReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\"h\n\x11\x45xportRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nchunk_rows\x18\x03 \x01(\x03\x12\x10\n\x08id_start\x18\x04 \x01(\x03\x12\x0f\n\x07id_stop\x18\x05 \x01(\x03\"\xb9\x01\n\x08RowChunk\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\r\n\x05total\x18\x02 \x01(\x03\x12(\n\x06pushes\x18\x03 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x0f\n\x07num_ids\x18\x04 \x01(\x03\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x12\n\nslot_names\x18\x07 \x03(\t\x12\r\n\x05slots\x18\x08 \x03(\x0c\"\x1f\n\x0fImportRowsReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"2\n\x12TableStatusRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\"\xcc\x01\n\x10TableStatusReply\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\x12\x13\n\x0bpulled_rows\x18\x05 \x01(\x03\x12(\n\x06pushes\x18\x06 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x11\n\tsync_step\x18\x07 \x01(\x03\x12\x10\n\x08max_lead\x18\x08 \x01(\x03\"&\n\x11TablesDoneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x11\n\x0fTablesDoneReply2\xd8\x06\n\x06Tables\x12I\n\tInitTable\x12\x1e.towerflow.ps.InitTableRequest\x1a\x1c.towerflow.ps.InitTableReply\x12\x46\n\x08PullRows\x12\x1d.towerflow.ps.PullRowsRequest\x1a\x1b.towerflow.ps.PullRowsReply\x12\x46\n\x08PushRows\x12\x1d.towerflow.ps.PushRowsRequest\x1a\x1b.towerflow.ps.PushRowsReply\x12R\n\x0cPushPullRows\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply\x12G\n\nExportRows\x12\x1f.towerflow.ps.ExportRowsRequest\x1a\x16.towerflow.ps.RowChunk0\x01\x12\x45\n\nImportRows\x12\x16.towerflow.ps.RowChunk\x1a\x1d.towerflow.ps.ImportRowsReply(\x01\x12O\n\x0bTableStatus\x12 .towerflow.ps.TableStatusRequest\x1a\x1e.towerflow.ps.TableStatusReply\x12\\\n\x12PushPullRowsStream\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply(\x01\x30\x01\x12\x46\n\x08RowBatch\x12\x1d.towerflow.ps.RowBatchRequest\x1a\x1b.towerflow.ps.RowBatchReply\x12P\n\x0eRowBatchStream\x12\x1d.towerflow.ps.RowBatchRequest\x1a\x1b.towerflow.ps.RowBatchReply(\x01\x30\x01\x12\x46\n\x04\x44one\x12\x1f.towerflow.ps.TablesDoneRequest\x1a\x1d.towerflow.ps.TablesDoneReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19towerflow/ps/tables.proto\x12\x0ctowerflow.ps\x1a\x15towerflow/ps/ps.proto\"\xa2\x01\n\tTableSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08num_rows\x18\x02 \x01(\x03\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x13\n\x0bpartitioner\x18\x05 \x01(\t\x12\x11\n\toptimizer\x18\x06 \x01(\t\x12\x13\n\x0binitializer\x18\x07 \x01(\t\x12\r\n\x05shard\x18\x08 \x01(\x05\x12\r\n\x05store\x18\t \x01(\t\"N\n\x10InitTableRequest\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x13\n\x0b\x61ggregation\x18\x02 \x01(\t\"?\n\x0eInitTableReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\"M\n\x0fPullRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x0f\n\x07num_ids\x18\x03 \x01(\x03\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\"J\n\rPullRowsReply\x12\x0f\n\x07num_ids\x18\x01 \x01(\x03\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04rows\x18\x04 \x01(\x0c\"o\n\x13PushPullRowsRequest\x12+\n\x04pull\x18\x01 \x01(\x0b\x32\x1d.towerflow.ps.PullRowsRequest\x12+\n\x04push\x18\x02 \x01(\x0b\x32\x1d.towerflow.ps.PushRowsRequest\"i\n\x11PushPullRowsReply\x12)\n\x04pull\x18\x01 \x01(\x0b\x32\x1b.towerflow.ps.PullRowsReply\x12)\n\x04push\x18\x02 \x01(\x0b\x32\x1b.towerflow.ps.PushRowsReply\"C\n\x0fRowBatchRequest\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.towerflow.ps.PushPullRowsRequest\"?\n\rRowBatchReply\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.towerflow.ps.PushPullRowsReply\"\xba\x01\n\x0fPushRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x11\n\tworker_id\x18\x03 \x01(\x05\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\n\n\x02lr\x18\x06 \x01(\x01\x12\x0c\n\x04step\x18\x07 \x01(\x03\x12\x0f\n\x07num_ids\x18\x08 \x01(\x03\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0b\n\x03ids\x18\n \x01(\x0c\x12\r\n\x05grads\x18\x0b \x01(\x0c\"T\n\rPushRowsReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\"h\n\x11\x45xportRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nchunk_rows\x18\x03 \x01(\x03\x12\x10\n\x08id_start\x18\x04 \x01(\x03\x12\x0f\n\x07id_stop\x18\x05 \x01(\x03\"\xcb\x01\n\x08RowChunk\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\r\n\x05total\x18\x02 \x01(\x03\x12(\n\x06pushes\x18\x03 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x0f\n\x07num_ids\x18\x04 \x01(\x03\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x12\n\nslot_names\x18\x07 \x03(\t\x12\r\n\x05slots\x18\x08 \x03(\x0c\x12\x10\n\x08versions\x18\t \x01(\x0c\"\x1f\n\x0fImportRowsReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\"2\n\x12TableStatusRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\x05\"\x81\x02\n\x10TableStatusReply\x12%\n\x04spec\x18\x01 \x01(\x0b\x32\x17.towerflow.ps.TableSpec\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x03\x12\x13\n\x0bpulled_rows\x18\x05 \x01(\x03\x12(\n\x06pushes\x18\x06 \x03(\x0b\x32\x18.towerflow.ps.PushRecord\x12\x11\n\tsync_step\x18\x07 \x01(\x03\x12\x10\n\x08max_lead\x18\x08 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\t \x01(\x03\x12\x0f\n\x07\x65victed\x18\n \x01(\x03\x12\x10\n\x08\x66iltered\x18\x0b \x01(\x03\"&\n\x11TablesDoneRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x05\"\x11\n\x0fTablesDoneReply2\xd8\x06\n\x06Tables\x12I\n\tInitTable\x12\x1e.towerflow.ps.InitTableRequest\x1a\x1c.towerflow.ps.InitTableReply\x12\x46\n\x08PullRows\x12\x1d.towerflow.ps.PullRowsRequest\x1a\x1b.towerflow.ps.PullRowsReply\x12\x46\n\x08PushRows\x12\x1d.towerflow.ps.PushRowsRequest\x1a\x1b.towerflow.ps.PushRowsReply\x12R\n\x0cPushPullRows\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply\x12G\n\nExportRows\x12\x1f.towerflow.ps.ExportRowsRequest\x1a\x16.towerflow.ps.RowChunk0\x01\x12\x45\n\nImportRows\x12\x16.towerflow.ps.RowChunk\x1a\x1d.towerflow.ps.ImportRowsReply(\x01\x12O\n\x0bTableStatus\x12 .towerflow.ps.TableStatusRequest\x1a\x1e.towerflow.ps.TableStatusReply\x12\\\n\x12PushPullRowsStream\x12!.towerflow.ps.PushPullRowsRequest\x1a\x1f.towerflow.ps.PushPullRowsReply(\x01\x30\x01\x12\x46\n\x08RowBatch\x12\x1d.towerflow.ps.RowBatchRequest\x1a\x1b.towerflow.ps.RowBatchReply\x12P\n\x0eRowBatchStream\x12\x1d.towerflow.ps.RowBatchRequest\x1a\x1b.towerflow.ps.RowBatchReply(\x01\x30\x01\x12\x46\n\x04\x44one\x12\x1f.towerflow.ps.TablesDoneRequest\x1a\x1d.towerflow.ps.TablesDoneReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'towerflow.ps.tables_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TABLESPEC']._serialized_start=67
-  _globals['_TABLESPEC']._serialized_end=214
-  _globals['_INITTABLEREQUEST']._serialized_start=216
-  _globals['_INITTABLEREQUEST']._serialized_end=294
-  _globals['_INITTABLEREPLY']._serialized_start=296
-  _globals['_INITTABLEREPLY']._serialized_end=359
-  _globals['_PULLROWSREQUEST']._serialized_start=361
-  _globals['_PULLROWSREQUEST']._serialized_end=438
-  _globals['_PULLROWSREPLY']._serialized_start=440
-  _globals['_PULLROWSREPLY']._serialized_end=514
-  _globals['_PUSHPULLROWSREQUEST']._serialized_start=516
-  _globals['_PUSHPULLROWSREQUEST']._serialized_end=627
-  _globals['_PUSHPULLROWSREPLY']._serialized_start=629
-  _globals['_PUSHPULLROWSREPLY']._serialized_end=734
-  _globals['_ROWBATCHREQUEST']._serialized_start=736
-  _globals['_ROWBATCHREQUEST']._serialized_end=803
-  _globals['_ROWBATCHREPLY']._serialized_start=805
-  _globals['_ROWBATCHREPLY']._serialized_end=868
-  _globals['_PUSHROWSREQUEST']._serialized_start=871
-  _globals['_PUSHROWSREQUEST']._serialized_end=1057
-  _globals['_PUSHROWSREPLY']._serialized_start=1059
-  _globals['_PUSHROWSREPLY']._serialized_end=1143
-  _globals['_EXPORTROWSREQUEST']._serialized_start=1145
-  _globals['_EXPORTROWSREQUEST']._serialized_end=1249
-  _globals['_ROWCHUNK']._serialized_start=1252
-  _globals['_ROWCHUNK']._serialized_end=1437
-  _globals['_IMPORTROWSREPLY']._serialized_start=1439
-  _globals['_IMPORTROWSREPLY']._serialized_end=1470
-  _globals['_TABLESTATUSREQUEST']._serialized_start=1472
-  _globals['_TABLESTATUSREQUEST']._serialized_end=1522
-  _globals['_TABLESTATUSREPLY']._serialized_start=1525
-  _globals['_TABLESTATUSREPLY']._serialized_end=1729
-  _globals['_TABLESDONEREQUEST']._serialized_start=1731
-  _globals['_TABLESDONEREQUEST']._serialized_end=1769
-  _globals['_TABLESDONEREPLY']._serialized_start=1771
-  _globals['_TABLESDONEREPLY']._serialized_end=1788
-  _globals['_TABLES']._serialized_start=1791
-  _globals['_TABLES']._serialized_end=2647
+  _globals['_TABLESPEC']._serialized_end=229
+  _globals['_INITTABLEREQUEST']._serialized_start=231
+  _globals['_INITTABLEREQUEST']._serialized_end=309
+  _globals['_INITTABLEREPLY']._serialized_start=311
+  _globals['_INITTABLEREPLY']._serialized_end=374
+  _globals['_PULLROWSREQUEST']._serialized_start=376
+  _globals['_PULLROWSREQUEST']._serialized_end=453
+  _globals['_PULLROWSREPLY']._serialized_start=455
+  _globals['_PULLROWSREPLY']._serialized_end=529
+  _globals['_PUSHPULLROWSREQUEST']._serialized_start=531
+  _globals['_PUSHPULLROWSREQUEST']._serialized_end=642
+  _globals['_PUSHPULLROWSREPLY']._serialized_start=644
+  _globals['_PUSHPULLROWSREPLY']._serialized_end=749
+  _globals['_ROWBATCHREQUEST']._serialized_start=751
+  _globals['_ROWBATCHREQUEST']._serialized_end=818
+  _globals['_ROWBATCHREPLY']._serialized_start=820
+  _globals['_ROWBATCHREPLY']._serialized_end=883
+  _globals['_PUSHROWSREQUEST']._serialized_start=886
+  _globals['_PUSHROWSREQUEST']._serialized_end=1072
+  _globals['_PUSHROWSREPLY']._serialized_start=1074
+  _globals['_PUSHROWSREPLY']._serialized_end=1158
+  _globals['_EXPORTROWSREQUEST']._serialized_start=1160
+  _globals['_EXPORTROWSREQUEST']._serialized_end=1264
+  _globals['_ROWCHUNK']._serialized_start=1267
+  _globals['_ROWCHUNK']._serialized_end=1470
+  _globals['_IMPORTROWSREPLY']._serialized_start=1472
+  _globals['_IMPORTROWSREPLY']._serialized_end=1503
+  _globals['_TABLESTATUSREQUEST']._serialized_start=1505
+  _globals['_TABLESTATUSREQUEST']._serialized_end=1555
+  _globals['_TABLESTATUSREPLY']._serialized_start=1558
+  _globals['_TABLESTATUSREPLY']._serialized_end=1815
+  _globals['_TABLESDONEREQUEST']._serialized_start=1817
+  _globals['_TABLESDONEREQUEST']._serialized_end=1855
+  _globals['_TABLESDONEREPLY']._serialized_start=1857
+  _globals['_TABLESDONEREPLY']._serialized_end=1874
+  _globals['_TABLES']._serialized_start=1877
+  _globals['_TABLES']._serialized_end=2733
 # @@protoc_insertion_point(module_scope)

@@ -81,7 +81,9 @@ import torch
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.buffers import check_free_memory
-from towerflow.ps.partition import Partitioner, coalesce, partitioner_from_dict
+from towerflow.ps.partition import _GOLDEN, Partitioner, coalesce, partitioner_from_dict
+from towerflow.ps.partition import shift_right as _shift
+from towerflow.ps.partition import splitmix64 as _splitmix64
 from towerflow.ps.server.tables.optimizers import SparseOptimizer, sparse_optimizer_from_dict
 
 __all__ = [
@@ -109,11 +111,14 @@ class RowExport(NamedTuple):
         ids: int64 ``(n,)`` global ids.
         rows: ``(n, dim)`` rows, ``rows[i]`` for ``ids[i]``.
         slots: optimizer slot name -> ``(n, dim)`` tensor, in the same order.
+        versions: int64 ``(n,)`` step of each row's last update (a dynamic
+            table's), or None.
     """
 
     ids: torch.Tensor
     rows: torch.Tensor
     slots: dict[str, torch.Tensor]
+    versions: torch.Tensor | None = None
 
 
 def split_export(export: RowExport, partitioner: Partitioner) -> list[RowExport]:
@@ -129,7 +134,9 @@ def split_export(export: RowExport, partitioner: Partitioner) -> list[RowExport]
     out = []
     for pos, ids in partitioner.split(export.ids):
         out.append(RowExport(ids, export.rows.index_select(0, pos),
-                             {k: v.index_select(0, pos) for k, v in export.slots.items()}))
+                             {k: v.index_select(0, pos) for k, v in export.slots.items()},
+                             None if export.versions is None
+                             else export.versions.index_select(0, pos)))
     return out
 
 
@@ -169,24 +176,6 @@ class ConstantRows(RowInitializer):
 
     def __call__(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.full((ids.numel(), dim), float(self.value), dtype=dtype)
-
-
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-
-
-def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (as uint64)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser, element-wise on int64 (wrapping arithmetic)."""
-    z = x + _GOLDEN
-    z = (z ^ _shift(z, 30)) * _MIX1
-    z = (z ^ _shift(z, 27)) * _MIX2
-    return z ^ _shift(z, 31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +341,12 @@ class RowStore(abc.ABC):
         ``checked=True``: the caller has checked the ids (as for :meth:`lookup`),
         ``row_grads`` (shape, dtype, finite) and ``optimizer.check_step(lr,
         step)`` already (the ps shard does, outside its lock).
+        """
+
+    def observe(self, ids: torch.Tensor) -> None:
+        """Count a push of ``ids`` (checked), once per push: a dynamic table's admission.
+
+        A fixed table counts nothing.
         """
 
     @abc.abstractmethod
@@ -540,6 +535,11 @@ def row_store_from_dict(data: Mapping[str, Any]) -> RowStore:
             the store's constructor refuses.
     """
     keys = {"kind", "partitioner", "shard", "dim", "dtype", "optimizer", "initializer"}
+    if isinstance(data, Mapping) and data.get("kind") == "dynamic":
+        from towerflow.ps.server.tables.dynamic import DynamicRowStore
+
+        _STORES.setdefault("dynamic", DynamicRowStore)
+        keys.add("options")
     if not isinstance(data, Mapping) or set(data) != keys:
         raise InvalidArgumentError(
             f"A row store is described by a dict with exactly the keys {sorted(keys)}, got "
@@ -550,7 +550,8 @@ def row_store_from_dict(data: Mapping[str, Any]) -> RowStore:
             f"Unknown row store kind {data['kind']!r} or dtype {data['dtype']!r}; kinds are "
             f"{sorted(_STORES)}, dtypes {sorted(_DTYPES)}."
         )
+    extra = {"options": data["options"]} if "options" in data else {}
     return _STORES[data["kind"]](
         partitioner_from_dict(data["partitioner"]), data["shard"], data["dim"],
         sparse_optimizer_from_dict(data["optimizer"]), dtype=_DTYPES[data["dtype"]],
-        initializer=initializer_from_dict(data["initializer"]))
+        initializer=initializer_from_dict(data["initializer"]), **extra)

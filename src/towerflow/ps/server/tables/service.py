@@ -311,6 +311,8 @@ class TableService:
             chunk = tpb.RowChunk(
                 num_ids=piece.ids.numel(), ids=encode(piece.ids), rows=encode(piece.rows),
                 slot_names=names, slots=[encode(piece.slots[k]) for k in names])
+            if piece.versions is not None:
+                chunk.versions = encode(piece.versions)
             if first:
                 chunk.spec.CopyFrom(spec)
                 chunk.total = total
@@ -335,7 +337,10 @@ class TableService:
         reply = tpb.TableStatusReply(rows=status["rows"], nbytes=status["nbytes"],
                                      applied=status["applied"],
                                      pulled_rows=status["pulled_rows"],
-                                     sync_step=status["sync_step"], max_lead=status["max_lead"])
+                                     sync_step=status["sync_step"], max_lead=status["max_lead"],
+                                     admitted=status.get("admitted", 0),
+                                     evicted=status.get("evicted", 0),
+                                     filtered=status.get("filtered", 0))
         reply.spec.CopyFrom(tpb.TableSpec.FromString(shard.spec_bytes))
         reply.pushes.extend(push_records(status["pushes"]))
         return reply.SerializeToString()

@@ -75,15 +75,28 @@ def describe_spec(spec: Any) -> dict[str, Any]:
     if not spec.name:
         raise InvalidArgumentError("A table needs a name; give TableSpec.name.")
     partitioner = _json("partitioner", spec.partitioner)
-    if not isinstance(partitioner, dict) or partitioner.get("num_rows") != spec.num_rows:
+    store = _json("store", spec.store) if spec.store else {"kind": "dense"}
+    dynamic = isinstance(store, dict) and store.get("kind") == "dynamic"
+    rows = None if dynamic else spec.num_rows
+    if not isinstance(partitioner, dict) or partitioner.get("num_rows") != rows or (
+            dynamic and spec.num_rows):
         raise InvalidArgumentError(
             f"Table {spec.name!r}: the partitioner {partitioner!r:.200} does not have the "
-            f"table's num_rows={spec.num_rows}; describe both with the same size."
+            f"table's num_rows={spec.num_rows}; describe both with the same size (a dynamic "
+            "table: num_rows 0 and an unbounded partitioner)."
         )
-    return {"kind": "dense", "partitioner": partitioner, "shard": spec.shard,
-            "dim": spec.dim, "dtype": spec.dtype,
-            "optimizer": _json("optimizer", spec.optimizer),
-            "initializer": _json("initializer", spec.initializer)}
+    out = {"kind": "dynamic" if dynamic else "dense", "partitioner": partitioner,
+           "shard": spec.shard, "dim": spec.dim, "dtype": spec.dtype,
+           "optimizer": _json("optimizer", spec.optimizer),
+           "initializer": _json("initializer", spec.initializer)}
+    if dynamic:
+        out["options"] = {k: v for k, v in store.items() if k != "kind"}
+    elif store != {"kind": "dense"}:
+        raise InvalidArgumentError(
+            f"Table {spec.name!r}: unknown store {store!r:.200}; leave TableSpec.store empty "
+            "(a fixed table) or describe a dynamic one."
+        )
+    return out
 
 
 def decode(data: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
@@ -290,6 +303,7 @@ class TableShard:
             return PushOutcome(outcome.status, outcome.step, outcome.message, True), \
                 self._applied
         self._mode.check(header.worker_id)
+        self.store.observe(ids)  # a dynamic table's admission counts each push once
         pending = self._pushes.register(header)
         try:
             outcome = self._mode.accept(header, pending, ids, grads, lr, step, active)
@@ -330,6 +344,9 @@ class TableShard:
                ) -> Iterator[tuple[RowExport, int, list]]:
         """The export (of the ids in ``[start, stop)``) in pieces of ``chunk_rows`` rows:
         ``(piece, total, push rows)``."""
+        if hasattr(self.store, "begin_export"):
+            yield from self._dynamic_chunks(chunk_rows)
+            return
         export, pushes = self.snapshot(start, stop)
         total = export.ids.numel()
         for start in range(0, max(total, 1), chunk_rows):
@@ -337,6 +354,24 @@ class TableShard:
             piece = RowExport(export.ids[start:stop], export.rows[start:stop],
                               {k: v[start:stop] for k, v in export.slots.items()})
             yield piece, total, pushes if start == 0 else []
+
+    def _dynamic_chunks(self, chunk_rows: int) -> Iterator[tuple[RowExport, int, list]]:
+        """A dynamic table's export: the ids of one moment (sorted, with their slots; no row
+        copied), then each piece's rows, slots and versions read under the lock in turn
+        (eviction waits until the export ends, so the slots stay their ids')."""
+        store: Any = self.store
+        with self._lock:
+            plan = store.begin_export()
+            pushes = self._pushes.rows()
+        try:
+            total = plan[0].numel()
+            for start in range(0, max(total, 1), chunk_rows):
+                with self._lock:
+                    piece = store.export_piece(plan, start, start + chunk_rows)
+                yield piece, total, pushes if start == 0 else []
+        finally:
+            with self._lock:
+                store.end_export()
 
     def import_chunks(self, chunks: Sequence[Any]) -> int:
         """Set the rows (and slots) of every ``RowChunk``; all checked before any is set."""
@@ -354,7 +389,9 @@ class TableShard:
                 slots = {name: self._values(data, str(self.dtype).removeprefix("torch."), ids,
                                             f"slot {name!r}")
                          for name, data in zip(chunk.slot_names, chunk.slots, strict=True)}
-            parts.append((ids, rows, slots))
+            versions = decode(chunk.versions, torch.int64, ids.numel(),
+                              f"Table {self.name!r} versions") if chunk.versions else None
+            parts.append((ids, rows, slots, versions))
         if not parts:
             return 0
         if len({p[2] is None for p in parts}) > 1:
@@ -366,6 +403,15 @@ class TableShard:
         rows = torch.cat([p[1] for p in parts])
         slots = None if parts[0][2] is None else {
             k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        versions = None
+        if any(p[3] is not None for p in parts):
+            if not all(p[3] is not None or not p[0].numel() for p in parts):
+                raise InvalidArgumentError(
+                    f"Table {self.name!r}: some chunks carry row versions and some do not; "
+                    "send them with every chunk or with none."
+                )
+            versions = torch.cat([p[3] if p[3] is not None else torch.empty(0, dtype=torch.int64)
+                                  for p in parts])
         records = getattr(chunks[0], "pushes", ())
         if len(records) > MAX_REPLICAS_TRACKED:
             raise InvalidArgumentError(
@@ -375,7 +421,10 @@ class TableShard:
             )
         pushes = list(push_rows(records))
         with self._lock:
-            self.store.import_(ids, rows, slots)  # checks every value before any change
+            if versions is None:  # checks every value before any change
+                self.store.import_(ids, rows, slots)
+            else:
+                self.store.import_(ids, rows, slots, versions)  # type: ignore[call-arg]
             self._pushes.merge(pushes, self._applied)
         return ids.numel()
 
@@ -385,7 +434,8 @@ class TableShard:
             return {"rows": self.store.num_rows, "nbytes": self.store.nbytes,
                     "applied": self._applied, "pulled_rows": self._pulled_rows,
                     "pushes": self._pushes.rows(), "sync_step": self._mode.sync_step,
-                    "max_lead": self._mode.max_lead}
+                    "max_lead": self._mode.max_lead,
+                    **getattr(self.store, "counters", {})}
 
     def same_table(self, description: Mapping[str, Any], aggregation: Any = None) -> bool:
         """Whether ``description`` and ``aggregation`` describe this table shard."""

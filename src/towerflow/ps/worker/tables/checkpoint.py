@@ -71,6 +71,7 @@ PART_BYTES = 64 << 20
 #: bytes of rows per ExportRows message (slots add as much again each)
 _EXPORT_CHUNK_BYTES = 512 << 10
 _SLOT = "slot."
+_VERSIONS = "versions"
 _RESTORE = "restore an earlier checkpoint"
 #: most ps shards a saved table may name
 MAX_SHARDS = 1 << 16
@@ -92,7 +93,8 @@ def describe_tables(configs: Sequence[TableConfig]) -> dict[str, dict[str, Any]]
     return {c.name: {"num_rows": c.num_rows, "dim": c.dim,
                      "dtype": str(c.dtype).removeprefix("torch."),
                      "partitioner": c.partitioner.to_dict(), "optimizer": dict(c.optimizer),
-                     "initializer": dict(c.initializer)} for c in configs}
+                     "initializer": dict(c.initializer),
+                     **({} if c.store is None else {"store": dict(c.store)})} for c in configs}
 
 
 # ----------------------------------------------------------------------------- save
@@ -123,6 +125,8 @@ def _chunk_tensors(config: TableConfig, chunk: Any) -> dict[str, torch.Tensor]:
                "rows": _decode(chunk.rows, config.dtype, shape)}
     for name, data in zip(chunk.slot_names, chunk.slots, strict=True):
         tensors[_SLOT + name] = _decode(data, config.dtype, shape)
+    if chunk.versions:  # a dynamic table's rows: each one's last update step
+        tensors[_VERSIONS] = _decode(chunk.versions, torch.int64, (n,))
     return tensors
 
 
@@ -193,7 +197,8 @@ def checked_descriptions(saved: Any) -> dict[str, tuple[dict[str, Any], Partitio
                               f"{_RESTORE}.")
     out = {}
     for name, d in saved.items():
-        ok = (isinstance(d, Mapping) and set(d) == _DESCRIPTION_KEYS and _count(d["num_rows"])
+        ok = (isinstance(d, Mapping) and set(d) - {"store"} == _DESCRIPTION_KEYS
+              and isinstance(d.get("store", {}), Mapping) and _count(d["num_rows"])
               and _count(d["dim"], 1 << 20) and d["dim"] > 0 and d["dtype"] in _DTYPES
               and all(isinstance(d[k], Mapping) for k in ("partitioner", "optimizer",
                                                           "initializer")))
@@ -208,7 +213,8 @@ def checked_descriptions(saved: Any) -> dict[str, tuple[dict[str, Any], Partitio
         except InvalidArgumentError as exc:
             raise CheckpointError(f"The checkpoint's table {name!r} has a partitioner that "
                                   f"cannot be: {exc} {_RESTORE}.") from None
-        if partitioner.num_rows != d["num_rows"]:
+        if (partitioner.num_rows or 0) != d["num_rows"] or (
+                (partitioner.num_rows is None) != ("store" in d)):
             raise CheckpointError(f"The checkpoint's table {name!r} says {d['num_rows']} rows "
                                   f"but its partitioner {partitioner.num_rows}; {_RESTORE}.")
         out[name] = (dict(d), partitioner)
@@ -248,14 +254,16 @@ def _check_tensors(table: str, shard: int, part: int, n: int, tensors: Mapping[s
     dtype, dim = _DTYPES[description["dtype"]], description["dim"]
     names = set(tensors)
     if "ids" not in names or "rows" not in names or any(
-            k not in ("ids", "rows") and not k.startswith(_SLOT) for k in names):
+            k not in ("ids", "rows", _VERSIONS) and not k.startswith(_SLOT) for k in names):
         raise CheckpointError(f"{where} holds tensors {sorted(names)[:8]}, not ids, rows and "
                               f"slots; {_RESTORE}.")
+    for key in ("ids", _VERSIONS):
+        value = tensors.get(key, tensors["ids"])
+        if value.dtype != torch.int64 or tuple(value.shape) != (n,):
+            raise CheckpointError(f"{where}: its {key} are {value.dtype} {list(value.shape)}, "
+                                  f"not int64 [{n}]; {_RESTORE}.")
     ids = tensors["ids"]
-    if ids.dtype != torch.int64 or tuple(ids.shape) != (n,):
-        raise CheckpointError(f"{where}: its ids are {ids.dtype} {list(ids.shape)}, not int64 "
-                              f"[{n}]; {_RESTORE}.")
-    for key in sorted(names - {"ids"}):
+    for key in sorted(names - {"ids", _VERSIONS}):
         value = tensors[key]
         if value.dtype != dtype or tuple(value.shape) != (n, dim):
             raise CheckpointError(f"{where}: {key} is {value.dtype} {list(value.shape)}, not "
@@ -339,7 +347,8 @@ def import_tables(client: TableClient, configs: Sequence[TableConfig],
         config = by_name[info["table"]]
         slots = {k.removeprefix(_SLOT): v for k, v in tensors.items() if k.startswith(_SLOT)}
         _send(client, config, tensors["ids"], tensors["rows"],
-              slots if keep_slots[config.name] else None, pushes[config.name], sent)
+              slots if keep_slots[config.name] else None, pushes[config.name], sent,
+              versions=tensors.get(_VERSIONS))
     for config in by_name.values():  # shards given no row still take their push records
         empty = torch.empty(0, dtype=torch.int64)
         _send(client, config, empty, torch.empty((0, config.dim), dtype=config.dtype), None,
@@ -360,7 +369,7 @@ def _match(configs: Sequence[TableConfig], saved: Mapping[str, Any]) -> dict[str
             continue
         want = describe_tables([config])[name]
         problems += [f"table {name!r} has {key}={want[key]!r} but the checkpoint's has "
-                     f"{saved[name].get(key)!r}" for key in ("num_rows", "dim", "dtype")
+                     f"{saved[name].get(key)!r}" for key in ("num_rows", "dim", "dtype", "store")
                      if saved[name].get(key) != want[key]]
     if problems:
         raise InvalidArgumentError(
@@ -390,7 +399,8 @@ def _layout(reader: ChunkedReader | None, tables: Mapping[str, Any]
         count = description["partitioner"]["num_shards"]
         found = layout[name]
         if len(found) != count or any(
-                s["expect"] != s["rows"] or s["rows"] != partitioner.rows_in_shard(i)
+                s["expect"] != s["rows"] or (partitioner.num_rows is not None
+                                             and s["rows"] != partitioner.rows_in_shard(i))
                 for i, s in found.items()):
             raise CheckpointError(
                 f"The checkpoint's table {name!r} is incomplete: it was saved from {count} ps "
@@ -413,7 +423,8 @@ def _pushes_for(shards: Mapping[int, Mapping[str, Any]], num_shards: int
 
 def _send(client: TableClient, config: TableConfig, ids: torch.Tensor, rows: torch.Tensor,
           slots: Mapping[str, torch.Tensor] | None, pushes: list[list[Any]],
-          sent: set[tuple[str, int]], *, only_unsent: bool = False) -> None:
+          sent: set[tuple[str, int]], *, only_unsent: bool = False,
+          versions: torch.Tensor | None = None) -> None:
     """Import ``ids``' rows (and slots) into their new owners, in pieces of a call's size."""
     step = max(1, client.max_call_bytes // max(1, config.row_bytes * (1 + len(slots or {}))))
     for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
@@ -424,9 +435,11 @@ def _send(client: TableClient, config: TableConfig, ids: torch.Tensor, rows: tor
         shard_rows = rows.index_select(0, positions)
         shard_slots = None if slots is None else {
             k: v.index_select(0, positions) for k, v in slots.items()}
+        shard_versions = None if versions is None else versions.index_select(0, positions)
         pieces = ((shard_ids[i:i + step], shard_rows[i:i + step],
                    None if shard_slots is None else {k: v[i:i + step] for k, v in
-                                                     shard_slots.items()})
+                                                     shard_slots.items()},
+                   None if shard_versions is None else shard_versions[i:i + step])
                   for i in range(0, max(1, shard_ids.numel()), step))
         client.import_rows(config, shard, pieces, pushes=pushes[shard])
         sent.add((config.name, shard))

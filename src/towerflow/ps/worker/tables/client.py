@@ -506,10 +506,10 @@ class TableClient:
             yield chunk
 
     def import_rows(self, config: TableConfig, shard: int,
-                    pieces: Iterable[tuple[torch.Tensor, torch.Tensor,
-                                           Mapping[str, torch.Tensor] | None]],
+                    pieces: Iterable[tuple[Any, ...]],
                     pushes: Sequence[tuple[int, int, int, str]] = ()) -> int:
-        """Set rows (and slots) of shard ``shard`` from ``(ids, rows, slots)`` pieces.
+        """Set rows (and slots) of shard ``shard`` from ``(ids, rows, slots)`` pieces
+        (``(ids, rows, slots, versions)``: a dynamic table's rows with their last update step).
 
         The ps checks every piece before it sets any row; returns the rows set.
         Deferred pushes of the table are sent first (the import overwrites them).
@@ -520,11 +520,13 @@ class TableClient:
 
         def chunks() -> Iterator[bytes]:
             first = True
-            for ids, rows, slots in pieces:
+            for ids, rows, slots, *versions in pieces:
                 names = sorted(slots) if slots else []
                 chunk = tpb.RowChunk(num_ids=ids.numel(), ids=encode(ids + offset),
                                      rows=encode(rows.to(config.dtype)), slot_names=names,
                                      slots=[encode(slots[k].to(config.dtype)) for k in names])
+                if versions and versions[0] is not None and ids.numel():
+                    chunk.versions = encode(versions[0].to(torch.int64))
                 if first:
                     chunk.spec.CopyFrom(spec)
                     chunk.pushes.extend(push_records(pushes))

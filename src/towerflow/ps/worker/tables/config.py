@@ -59,6 +59,9 @@ class TableConfig:
         optimizer: the row-wise optimizer's description (``{"name", "hyper"}``).
         initializer: the rows' start (``{"kind", ...}``).
         dtype: ``torch.float32`` or ``torch.float64``.
+        store: None (a fixed table of ``num_rows`` rows), or a dynamic table's
+            ``{"kind": "dynamic", "admit_after", "evict_after_steps",
+            "capacity"}`` (any int64 id; its partitioner unbounded).
     """
 
     name: str
@@ -67,6 +70,12 @@ class TableConfig:
     optimizer: Mapping[str, Any]
     initializer: Mapping[str, Any]
     dtype: torch.dtype = torch.float32
+    store: Mapping[str, Any] | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether this is a dynamic table (any int64 id, rows made on first update)."""
+        return self.store is not None
 
     @property
     def num_rows(self) -> int:
@@ -85,4 +94,5 @@ class TableConfig:
             dtype=_DTYPE_NAMES[self.dtype],
             partitioner=json.dumps(self.partitioner.to_dict(), sort_keys=True),
             optimizer=json.dumps(dict(self.optimizer), sort_keys=True),
-            initializer=json.dumps(dict(self.initializer), sort_keys=True), shard=shard)
+            initializer=json.dumps(dict(self.initializer), sort_keys=True), shard=shard,
+            store="" if self.store is None else json.dumps(dict(self.store), sort_keys=True))

@@ -51,7 +51,7 @@ def _seeded(initializer: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _kind(config: TableConfig, extra: Hashable) -> Hashable | None:
     """What a table must share with another to be fused with it (None: never fused)."""
-    if config.partitioner.kind != "mod":
+    if config.partitioner.kind != "mod" or config.dynamic:  # a dynamic table stands alone
         return None
     init = {k: v for k, v in config.initializer.items() if k != "seed"}
     return (config.dim, str(config.dtype), json.dumps(config.optimizer, sort_keys=True),
