@@ -297,7 +297,7 @@ def checked_parts(reader: ChunkedReader | None, saved: Any
         table, shard, part, n = _checked_info(info, tables)
         description, partitioner = tables[table]
         last[table, shard] = _check_tensors(table, shard, part, n, tensors, description,
-                                            partitioner, last.get((table, shard), -1))
+                                            partitioner, last.get((table, shard), -(2**63) - 1))
         yield info, tensors
 
 
