@@ -327,3 +327,28 @@ def test_a_checkpoint_restores_onto_another_number_of_ps_tasks(free_ports, tmp_p
         assert restored.train(2, seed=50) == 6  # training goes on
     finally:
         restored.close()
+
+
+@pytest.mark.slow
+def test_a_trained_dynamic_table_exports_to_serving_as_sorted_keys_and_rows(free_ports, tmp_path):
+    zero = {"kind": "constant", "value": 0.0}
+    manager = CheckpointManager(tmp_path / "run", max_to_keep=None)
+    model = Click(capacity=24)
+    model.emb.initializer = zero
+    cluster = Cluster(free_ports, 2, model)
+    unseen = torch.tensor([[2**62 + 1, -5, 3]])  # no row on any shard: the default (zeros)
+    try:
+        cluster.train(5)
+        cluster.save(manager)
+        with torch.no_grad():
+            want = cluster.model(torch.cat([POOL.view(-1, 3), unseen]))
+        stats = cluster.model.emb.stats()
+    finally:
+        cluster.close()
+    assert 0 < stats["rows"] <= 24 and stats["evicted"] > 0
+    towerflow.export(tmp_path / "run", tmp_path / "exports" / "full")
+    served = towerflow.serving.load(tmp_path / "exports" / "full", Click())
+    assert isinstance(served.emb, towerflow.serving.DynamicLookup)
+    with torch.no_grad():
+        got = served(torch.cat([POOL.view(-1, 3), unseen]))
+    assert torch.allclose(got, want, atol=1e-6)

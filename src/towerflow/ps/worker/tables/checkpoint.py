@@ -78,6 +78,8 @@ MAX_SHARDS = 1 << 16
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _DESCRIPTION_KEYS = {"num_rows", "dim", "dtype", "partitioner", "optimizer", "initializer"}
 _STATUSES = (*FINAL, REFUSED)
+#: what a dynamic table's description adds (:func:`_dynamic`)
+_DYNAMIC_KEYS = {"kind", "store", "default"}
 
 
 def describe_tables(configs: Sequence[TableConfig]) -> dict[str, dict[str, Any]]:
@@ -93,8 +95,21 @@ def describe_tables(configs: Sequence[TableConfig]) -> dict[str, dict[str, Any]]
     return {c.name: {"num_rows": c.num_rows, "dim": c.dim,
                      "dtype": str(c.dtype).removeprefix("torch."),
                      "partitioner": c.partitioner.to_dict(), "optimizer": dict(c.optimizer),
-                     "initializer": dict(c.initializer),
-                     **({} if c.store is None else {"store": dict(c.store)})} for c in configs}
+                     "initializer": dict(c.initializer), **_dynamic(c)} for c in configs}
+
+
+def _dynamic(config: TableConfig) -> dict[str, Any]:
+    """A dynamic table's extra description: its kind, store and serving default row.
+
+    The default (an id the table does not hold) is the initializer's value where
+    that is one row for every id (a constant); None otherwise (serving answers zeros).
+    """
+    if config.store is None:
+        return {}
+    init = dict(config.initializer)
+    default = [float(init.get("value", 0.0))] * config.dim if init.get("kind") == "constant" \
+        else None
+    return {"kind": "dynamic", "store": dict(config.store), "default": default}
 
 
 # ----------------------------------------------------------------------------- save
@@ -197,7 +212,7 @@ def checked_descriptions(saved: Any) -> dict[str, tuple[dict[str, Any], Partitio
                               f"{_RESTORE}.")
     out = {}
     for name, d in saved.items():
-        ok = (isinstance(d, Mapping) and set(d) - {"store"} == _DESCRIPTION_KEYS
+        ok = (isinstance(d, Mapping) and set(d) - _DYNAMIC_KEYS == _DESCRIPTION_KEYS
               and isinstance(d.get("store", {}), Mapping) and _count(d["num_rows"])
               and _count(d["dim"], 1 << 20) and d["dim"] > 0 and d["dtype"] in _DTYPES
               and all(isinstance(d[k], Mapping) for k in ("partitioner", "optimizer",
