@@ -19,6 +19,7 @@ from towerflow.ps.partition import HashPartitioner
 from towerflow.ps.server.tables.rows import UniformRows
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import TableConfig
+from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.ps.worker.tables.dynamic import DynamicEmbedding as ClusterDynamicEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
@@ -352,3 +353,29 @@ def test_a_trained_dynamic_table_exports_to_serving_as_sorted_keys_and_rows(free
     with torch.no_grad():
         got = served(torch.cat([POOL.view(-1, 3), unseen]))
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_stats_sum_the_shards_and_status_shows_each_table_shard(free_ports):
+    from rich.console import Console
+
+    from towerflow.cli.status import render
+
+    cluster = Cluster(free_ports, 2, Click(admit_after=2, capacity=16))
+    try:
+        cluster.train(6)
+        stats = cluster.model.emb.stats()
+        with ClusterObserver(cluster.spec, SECRET, probe_tasks=False) as observer:
+            snapshot = observer.snapshot()
+    finally:
+        cluster.close()
+    assert stats["admitted"] > 0 and stats["filtered"] > 0 and stats["evicted"] > 0
+    assert stats["rows"] <= 16
+    lines = [t for t in snapshot["tables"] if t["name"] == "emb"]
+    assert [t["shard"] for t in lines] == [0, 1] and {t["kind"] for t in lines} == {"dynamic"}
+    for key, total in (("rows", "rows"), ("admitted", "admitted"), ("evicted", "evicted"),
+                       ("filtered", "filtered"), ("nbytes", "bytes")):
+        assert sum(t[key] for t in lines) == stats[total], key
+    console = Console(width=200, record=True)
+    console.print(render({**snapshot, "tasks": [], "ps": [], "workers": []}))
+    text = console.export_text()
+    assert "sparse tables" in text and "admitted" in text and "dynamic" in text

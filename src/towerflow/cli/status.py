@@ -193,7 +193,29 @@ def render(snapshot: dict[str, Any]) -> Any:
                         _num(worker.get("steps")), _num(worker.get("steps_per_sec")),
                         _num(worker.get("behind")), _ago(worker.get("last_push_age")), beat)
     stamp = time.strftime("%H:%M:%S", time.localtime(snapshot["time"]))
-    return Group(f"[bold]towerflow status[/] at {stamp}", tasks, shards, workers)
+    parts = [f"[bold]towerflow status[/] at {stamp}", tasks, shards, workers]
+    if snapshot.get("tables"):
+        parts.append(_tables(snapshot["tables"]))
+    return Group(*parts)
+
+
+def _tables(rows: list[dict[str, Any]]) -> Any:
+    """Sparse tables per shard: rows held and bytes; a dynamic table's admitted, evicted and
+    filtered counts."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="sparse tables", title_justify="left")
+    for column in ("table", "shard", "kind", "rows", "bytes", "pushes", "admitted", "evicted",
+                   "filtered"):
+        table.add_column(column, justify="left" if column in ("table", "kind") else "right")
+    for row in rows:
+        dynamic = row["kind"] == "dynamic"
+        table.add_row(escape(str(row["name"])), str(row["shard"]), escape(str(row["kind"])),
+                      _num(row["rows"]), _num(row["nbytes"], "B"), _num(row["applied"]),
+                      *(_num(row[k]) if dynamic else "-"
+                        for k in ("admitted", "evicted", "filtered")))
+    return table
 
 
 def _short(task: str) -> str:

@@ -46,11 +46,16 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps import ps_pb2 as pb
+from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.protocol import method_path
 
 __all__ = ["ClusterObserver", "ClusterScalars", "ChiefClusterScalars", "summary_scalars"]
 
 STATUS_METHOD = method_path("Status")
+TABLE_STATS_METHOD = "/towerflow.ps.Tables/TableStats"
+#: a table shard's figures copied into a snapshot
+_TABLE_FIELDS = ("name", "shard", "kind", "rows", "nbytes", "applied", "admitted", "evicted",
+                 "filtered")
 
 #: a shard's counters copied into a snapshot
 _COUNTERS = ("pushes", "applied", "stale", "refused", "duplicates", "pulls", "bytes_in",
@@ -163,9 +168,20 @@ class ClusterObserver:
 
     def _shard_entry(self, index: int) -> dict[str, Any]:
         try:
-            return {"shard": index, "reply": self.shard_status(index), "error": ""}
+            return {"shard": index, "reply": self.shard_status(index), "error": "",
+                    "tables": self.table_stats(index)}
         except TowerflowError as exc:
-            return {"shard": index, "reply": None, "error": _first_sentence(exc)}
+            return {"shard": index, "reply": None, "error": _first_sentence(exc), "tables": []}
+
+    def table_stats(self, index: int) -> list[dict[str, Any]]:
+        """The sparse table shards ps task ``index`` holds, each with its figures
+        (none when the status calls are given, as in tests of the dense view)."""
+        if self._status_calls is not None:
+            return []
+        address = self.cluster.task_address("ps", index)
+        data = unary(self._channel(address), TABLE_STATS_METHOD, b"", timeout=self.timeout)
+        return [{k: getattr(t, k) for k in _TABLE_FIELDS}
+                for t in tpb.TableStatsReply.FromString(data).tables]
 
     # -- snapshots ------------------------------------------------------------------------
     def snapshot(self, sample: float = 0.0) -> dict[str, Any]:
@@ -233,8 +249,9 @@ def _render(cluster: ClusterSpec, current: Mapping[str, Any],
     states = {(t["job"], t["index"]): t for t in current["tasks"]}
     shards = [_shard_view(s, before, seconds) for s in current["shards"]]
     workers = _worker_views(cluster, current["shards"], states, before, seconds)
+    tables = [{**t, "task": s["shard"]} for s in current["shards"] for t in s.get("tables", ())]
     return {"time": current["time"], "interval": seconds, "tasks": current["tasks"],
-            "ps": shards, "workers": workers}
+            "ps": shards, "workers": workers, "tables": tables}
 
 
 def _shard_view(shard: Mapping[str, Any], before: Mapping[str, Any],

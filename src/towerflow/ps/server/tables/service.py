@@ -129,6 +129,7 @@ class TableService:
             "ImportRows": ("stream_unary", self.import_rows),
             "TableStatus": ("unary_unary", self.table_status),
             "Done": ("unary_unary", self.done),
+            "TableStats": ("unary_unary", self.table_stats),
         })
 
     def table(self, name: str, shard: int) -> Any:
@@ -343,6 +344,22 @@ class TableService:
                                      filtered=status.get("filtered", 0))
         reply.spec.CopyFrom(tpb.TableSpec.FromString(shard.spec_bytes))
         reply.pushes.extend(push_records(status["pushes"]))
+        return reply.SerializeToString()
+
+
+    def table_stats(self, data: bytes) -> bytes:
+        """One ``TableShardStats`` per table shard held here, by name and shard."""
+        parse_message(tpb.TableStatsRequest, data, "TableStats")
+        with self._lock:
+            held = sorted(self._tables.items())
+        reply = tpb.TableStatsReply()
+        for (name, index), shard in held:
+            status = shard.status()
+            reply.tables.add(name=name, shard=index, kind=shard.description["kind"],
+                             rows=status["rows"], nbytes=status["nbytes"],
+                             applied=status["applied"], admitted=status.get("admitted", 0),
+                             evicted=status.get("evicted", 0),
+                             filtered=status.get("filtered", 0))
         return reply.SerializeToString()
 
 
