@@ -18,6 +18,16 @@ over the table's rows; Adagrad (row-wise on the ps); async. Figures:
   and net of a bare ps task's (interpreter, torch, gRPC, no table) measured
   in the same run.
 
+With ``--dynamic``, the same workload also runs on a ``DynamicEmbedding``
+(``benchmarks/dynamic_tables.py``): the Zipf ranks mapped through a fixed
+random 64-bit permutation (raw ids over the whole int64 range), side by side
+with the fixed table in each round; then ``admit_after=2`` (stored rows
+against the distinct ids seen, and the logloss of the last steps against
+``admit_after=1``), ``capacity`` a tenth of the distinct ids seen (the ps
+tasks' resident memory sampled through the run), and, in this process, a
+store of ``--memory-rows`` rows (bytes per stored row) and one of ``capacity``
+fed ten times as many distinct ids (bytes as they pass).
+
 The table is built with ``defer_push=True`` (a step's row gradients travel
 with the next step's pull: one round trip per shard and step);
 ``--no-defer-push`` measures a pull and a push per shard and step.
@@ -26,6 +36,7 @@ Commands::
 
     python benchmarks/sparse_embedding.py --tf-python /tmp/tfvenv/bin/python --repeats 2
     python benchmarks/sparse_embedding.py --rows 100000 --seconds 5
+    python benchmarks/sparse_embedding.py --dynamic --repeats 3 --seconds 10
 """
 
 from __future__ import annotations
@@ -114,9 +125,21 @@ def gpu_ceiling(rows: int, seconds: float, device: str) -> float:
     return done * BATCH / (time.perf_counter() - start)
 
 
+def make_table(args: argparse.Namespace) -> nn.Module:
+    """The benchmark's table: fixed (``ShardedEmbedding``) or ``DynamicEmbedding``."""
+    import towerflow
+
+    optimizer = {"name": "adagrad", "hyper": {"initial_accumulator_value": 0.1}}
+    if args.table == "fixed":
+        return towerflow.ShardedEmbedding(args.rows, DIM, mode="sum",
+                                          defer_push=args.defer_push, optimizer=optimizer)
+    return towerflow.DynamicEmbedding(DIM, mode="sum", defer_push=args.defer_push,
+                                      optimizer=optimizer, admit_after=args.admit_after,
+                                      capacity=args.capacity or None)
+
+
 def worker(args: argparse.Namespace) -> None:
     from towerflow.cluster import ClusterSpec, TaskInfo
-    from towerflow.ps.worker.tables.embedding import ShardedEmbedding
     from towerflow.strategies import OptimizerConfig
     from towerflow.strategies.parameter_server import ParameterServer
 
@@ -125,26 +148,29 @@ def worker(args: argparse.Namespace) -> None:
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device=args.device,
                                server=False)
     model = nn.Sequential()
-    model.emb = ShardedEmbedding(args.rows, DIM, mode="sum", defer_push=args.defer_push,
-                                 optimizer={"name": "adagrad",
-                                            "hyper": {"initial_accumulator_value": 0.1}})
+    model.emb = make_table(args)
     model.out = nn.Linear(DIM, 1)
     strategy.prepare(model, OptimizerConfig("adagrad", lr=0.1))
 
-    def loss_fn(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        out = m.out(m.emb(ids)).squeeze(1)
-        return F.binary_cross_entropy_with_logits(out, labels_of(ids))
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        out = m.out(m.emb(batch[0])).squeeze(1)
+        return F.binary_cross_entropy_with_logits(out, batch[1])
 
-    batches = zipf_batches(args.rows, 50, args.index)
-    unique = [torch.unique(b).numel() for b in batches]
-    batches = [b.to(args.device) for b in batches]
+    ranks = zipf_batches(args.rows, 50, args.index)
+    unique = [torch.unique(b).numel() for b in ranks]
+    if args.table == "dynamic":
+        from dynamic_tables import raw_ids
+        batches = [(raw_ids(b).to(args.device), labels_of(b).to(args.device)) for b in ranks]
+    else:
+        batches = [(b.to(args.device), labels_of(b).to(args.device)) for b in ranks]
     for b in batches[:5]:
         strategy.run_step(loss_fn, b)
     wire = model.emb.client.wire
     wire.clear()
+    losses: list[torch.Tensor] = []
     steps, start, cpu, began = 0, time.perf_counter(), time.process_time(), time.time()
     while time.perf_counter() - start < args.seconds:
-        strategy.run_step(loss_fn, batches[steps % len(batches)])
+        losses.append(strategy.run_step(loss_fn, batches[steps % len(batches)]).loss)
         steps += 1
     elapsed, cpu, ended = time.perf_counter() - start, time.process_time() - cpu, time.time()
     sums = {k: [0, 0] for k in ("pull", "push")}
@@ -157,6 +183,7 @@ def worker(args: argparse.Namespace) -> None:
             sums["pull"][0] += sent
     calls = sum(c for c, _, _ in wire.values())
     total = sum(sent + received for _, sent, received in wire.values())
+    stats = model.emb.stats() if args.table == "dynamic" else {}
     strategy.shutdown()
     rows_seen = sum(unique[i % len(unique)] for i in range(steps))
     report = {"examples_per_s": steps * BATCH / elapsed, "steps": steps, "began": began,
@@ -165,8 +192,15 @@ def worker(args: argparse.Namespace) -> None:
               "unique_rows_per_step": rows_seen / steps,
               "pull_recv": sums["pull"][1] / steps, "push_sent": sums["push"][0] / steps,
               "wire_bytes_per_step": total / steps,
-              "row_bytes_per_step": rows_seen / steps * DIM * 4}
+              "row_bytes_per_step": rows_seen / steps * DIM * 4,
+              "logloss_last_100": float(torch.stack(losses[-100:]).mean()), "stats": stats}
     Path(args.report).write_text(json.dumps(report))
+
+
+def distinct_ids(rows: int) -> int:
+    """Distinct ids the two workers see (each cycles through its 50 batches)."""
+    return int(torch.unique(torch.cat([torch.cat(zipf_batches(rows, 50, i)).reshape(-1)
+                                       for i in range(2)])).numel())
 
 
 def free_port() -> int:
@@ -195,7 +229,18 @@ PS_CODE = ("import sys, json, towerflow; from towerflow.cluster import ClusterSp
 BARE_PS_CODE = "import torch, towerflow.ps.server.tables.shard; " + PS_CODE
 
 
-def run_cluster(args: argparse.Namespace) -> dict:
+def current_rss(pid: int) -> int:
+    """A process's resident memory now (VmRSS), 0 once it has exited."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in text.splitlines()
+                 if line.startswith("VmRSS:")), 0)
+
+
+def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int = 1,
+                capacity: int = 0) -> dict:
     spec = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(2)],
             "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
     bare_spec = {"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]}
@@ -203,7 +248,8 @@ def run_cluster(args: argparse.Namespace) -> dict:
            "TOWERFLOW_SECRET": os.environ.get("TOWERFLOW_SECRET", "bench-secret")}
     base = [sys.executable, __file__, "--cluster", json.dumps(spec), "--rows", str(args.rows),
             "--seconds", str(args.seconds), "--device", args.device,
-            *([] if args.defer_push else ["--no-defer-push"])]
+            *([] if args.defer_push else ["--no-defer-push"]), "--table", table,
+            "--admit-after", str(admit_after), "--capacity", str(capacity)]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
           for i in range(2)]
     bare = subprocess.Popen([sys.executable, "-c", BARE_PS_CODE, json.dumps(bare_spec), "0"],
@@ -213,10 +259,11 @@ def run_cluster(args: argparse.Namespace) -> dict:
         workers = [subprocess.Popen([*base, "--role", "worker", "--index", str(i),
                                      "--report", str(tmp / f"{i}.json")], env=env)
                    for i in range(2)]
-        rss, cpu = [0, 0], [[], []]
+        rss, cpu, now_rss = [0, 0], [[], []], []
         deadline = time.monotonic() + args.seconds + 300
         while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
             rss = [max(r, peak_rss(p.pid)) for r, p in zip(rss, ps, strict=True)]
+            now_rss.append((time.time(), sum(current_rss(p.pid) for p in ps)))
             for samples, p in zip(cpu, ps, strict=True):
                 samples.append((time.time(), cpu_seconds(p.pid)))
             time.sleep(0.5)  # sampling interval of the ps tasks' high-water marks
@@ -231,8 +278,9 @@ def run_cluster(args: argparse.Namespace) -> dict:
     begin, end = max(r["began"] for r in reports), min(r["ended"] for r in reports)
     steps = sum(r["examples_per_s"] for r in reports) / BATCH * (end - begin)
     ps_ms = [1e3 * window_cpu(samples, begin, end) / steps for samples in cpu]
+    window = [r for t, r in now_rss if begin <= t <= end]
     return {"workers": reports, "ps_peak_rss": rss, "bare_ps_rss": bare_rss,
-            "ps_cpu_ms_per_step": ps_ms}
+            "ps_cpu_ms_per_step": ps_ms, "ps_rss_in_window": window}
 
 
 def measure_tensorflow(tf_python: str, rows: int, seconds: float) -> dict:
@@ -260,6 +308,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu",
                         help="where the workers compute (cuda: the tables stay on the CPU ps "
                         "tasks; the ceiling is the same model on the GPU in one process)")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also run the workload on a DynamicEmbedding (raw 64-bit ids), "
+                        "with admission and capacity runs and the store's memory per row")
+    parser.add_argument("--memory-rows", type=int, default=10_000_000,
+                        help="rows of the in-process store whose bytes per row are measured")
+    parser.add_argument("--table", default="fixed", help=argparse.SUPPRESS)
+    parser.add_argument("--admit-after", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--capacity", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--role", default="main")
     parser.add_argument("--cluster")
     parser.add_argument("--index", type=int, default=0)
@@ -267,6 +323,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "worker":
         worker(args)
+        return
+    if args.dynamic:
+        from dynamic_report import run_dynamic
+        run_dynamic(args, run_cluster, distinct_ids(args.rows))
         return
     rounds = []
     for index in range(args.repeats):  # interleaved: the machine's load reaches every side

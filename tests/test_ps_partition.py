@@ -143,7 +143,9 @@ def test_unbounded_mod_partitioner_has_no_fixed_rows():
     ("data", "pattern"),
     [
         ([1], r"described by a dict, got list"),
-        ({"kind": "hash", "num_shards": 2, "num_rows": 4}, r"Unknown partitioner kind 'hash'"),
+        ({"kind": "hash", "num_shards": 2, "num_rows": 4},
+         r"'hash' partitioner spans every int64 id; num_rows must be None"),
+        ({"kind": "nope", "num_shards": 2, "num_rows": 4}, r"Unknown partitioner kind 'nope'"),
         ({"kind": "mod", "num_shards": 2}, r"exactly the keys"),
         ({"kind": "mod", "num_shards": 2, "num_rows": 4, "x": 1}, r"exactly the keys"),
         ({"kind": "mod", "num_shards": 0, "num_rows": 4}, r"num_shards must be an integer >= 1"),

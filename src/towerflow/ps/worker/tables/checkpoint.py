@@ -383,9 +383,10 @@ def _match(configs: Sequence[TableConfig], saved: Mapping[str, Any]) -> dict[str
         if name not in saved:
             continue
         want = describe_tables([config])[name]
-        problems += [f"table {name!r} has {key}={want[key]!r} but the checkpoint's has "
-                     f"{saved[name].get(key)!r}" for key in ("num_rows", "dim", "dtype", "store")
-                     if saved[name].get(key) != want[key]]
+        # a dynamic table may be restored with other admission / eviction options
+        problems += [f"table {name!r} has {key}={want.get(key)!r} but the checkpoint's has "
+                     f"{saved[name].get(key)!r}" for key in ("num_rows", "dim", "dtype", "kind")
+                     if saved[name].get(key) != want.get(key)]
     if problems:
         raise InvalidArgumentError(
             "The checkpoint's sparse tables do not match the model's: " + "; ".join(problems)
