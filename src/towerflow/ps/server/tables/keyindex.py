@@ -7,7 +7,7 @@ map with no Python object per key:
 - ``keys``: int64 ``(capacity,)``, the key held in each slot;
 - ``table``: int32 ``(2**k,)``, an open-addressing hash table of slot
   numbers (``-1`` empty, ``-2`` a deleted entry), probed linearly from
-  ``splitmix64(key ^ salt) & (2**k - 1)``;
+  the top ``k`` bits of ``key * 0x9E3779B97F4A7C15`` (Fibonacci hashing);
 - a free list of slots (an int64 stack) that :meth:`remove` fills and
   :meth:`insert` takes from first.
 
@@ -24,7 +24,8 @@ one (at 10M rows, ~80 MB per step); an open-addressing table inserts in
 place.
 
 Example:
-    >>> import torch
+    >>> import numpy as np
+import torch
     >>> index = KeyIndex()
     >>> index.insert(torch.tensor([-2**63, 7, 2**63 - 1])).tolist()
     [0, 1, 2]
@@ -36,17 +37,17 @@ Example:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-
-from towerflow.ps.partition import splitmix64
 
 __all__ = ["KeyIndex", "MAX_LOAD"]
 
 #: most entries (live and deleted) per table position before a rebuild
 MAX_LOAD = 0.6
 _EMPTY, _DELETED = -1, -2
-_SALT = 0x5BD1E995  # the table's hash differs from the partitioner's (its low bits)
+_FIB = -7046029254386353131  # 0x9E3779B97F4A7C15 (2**64 / golden ratio) as int64
 _MIN_TABLE = 1 << 10
+_WINDOW = 8  # table positions a probe round reads per key
 
 
 class KeyIndex:
@@ -85,27 +86,45 @@ class KeyIndex:
         return (self.keys.numel() * 8 + self._table.numel() * 4 + self._free.numel() * 8)
 
     def _home(self, keys: torch.Tensor) -> torch.Tensor:
-        return splitmix64(keys ^ _SALT) & self._mask
+        # Fibonacci hashing: the top bits of key * 2**64 / golden ratio (three element-wise
+        # ops; independent of the partitioner's splitmix64, which picked this shard)
+        bits = self._mask.bit_length()
+        return ((keys * _FIB) >> (64 - bits)) & self._mask
 
     def _probe(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot or -1, table position or -1) of each key."""
-        n = keys.numel()
-        slot = torch.full((n,), -1, dtype=torch.int64)
-        where = torch.full((n,), -1, dtype=torch.int64)
-        active = torch.arange(n)
-        pos = self._home(keys)
-        look = keys
-        while active.numel():
-            entry = self._table.index_select(0, pos).to(torch.int64)
-            held = entry >= 0
-            match = held & (self.keys.index_select(0, entry.clamp(min=0)) == look)
-            if bool(match.any()):
-                hit = active[match]
-                slot.index_copy_(0, hit, entry[match])
-                where.index_copy_(0, hit, pos[match])
-            going = ~(match | (entry == _EMPTY))
-            active, pos, look = active[going], (pos[going] + 1) & self._mask, look[going]
-        return slot, where
+        """(slot or -1, table position or -1) of each key.
+
+        A first pass reads each key's home position (most keys sit there: the
+        table is at most ``MAX_LOAD`` full); then each round reads a window of
+        ``_WINDOW`` positions per key still looking. A key stops at its match
+        or at the first empty position (no key lies past an empty one on its
+        path: a removal leaves a deleted mark, not an empty). Run in numpy over
+        the tensors' memory: on arrays of a batch's size its calls cost a few
+        microseconds each, torch's several times more.
+        """
+        table, held, look = self._table.numpy(), self.keys.numpy(), keys.numpy()
+        mask = np.int64(self._mask)
+        pos = self._home(keys).numpy()
+        entry = table[pos].astype(np.int64)
+        match = (entry >= 0) & (held[np.maximum(entry, 0)] == look)
+        slot = np.where(match, entry, -1)
+        where = np.where(match, pos, -1)
+        active = np.flatnonzero(~(match | (entry == _EMPTY)))
+        pos = (pos[active] + 1) & mask
+        offsets = np.arange(_WINDOW, dtype=np.int64)
+        while active.size:
+            cand = (pos[:, None] + offsets) & mask
+            entry = table[cand].astype(np.int64)
+            match = (entry >= 0) & (held[np.maximum(entry, 0)] == look[active][:, None])
+            stop = match | (entry == _EMPTY)
+            ended = stop.any(1)
+            first = stop.argmax(1)
+            rows = np.arange(active.size)
+            hit = ended & match[rows, first]
+            slot[active[hit]] = entry[rows, first][hit]
+            where[active[hit]] = cand[rows, first][hit]
+            active, pos = active[~ended], (pos[~ended] + _WINDOW) & mask
+        return torch.from_numpy(slot), torch.from_numpy(where)
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """The slot of each key, ``-1`` where it is not held."""
