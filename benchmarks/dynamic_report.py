@@ -16,7 +16,14 @@ def _total(result: dict) -> float:
 
 
 def _loss(result: dict) -> float:
-    return statistics.mean(w["logloss_last_100"] for w in result["workers"])
+    return statistics.mean(w["logloss"] for w in result["workers"])
+
+
+def _cpu(results: list[dict]) -> str:
+    """Median CPU ms per step: each worker's, and the two ps tasks' (per cluster step)."""
+    worker = statistics.median(w["cpu_ms_per_step"] for r in results for w in r["workers"])
+    ps = statistics.median(sum(r["ps_cpu_ms_per_step"]) for r in results)
+    return f"{worker:.2f} ms CPU per worker step, {ps:.2f} ms of the 2 ps tasks per step"
 
 
 def _stats(result: dict) -> dict:
@@ -35,8 +42,8 @@ def run_dynamic(args: argparse.Namespace, run_cluster: Callable[..., dict],
               f"({_total(dynamic[-1]) / _total(fixed[-1]):.2f}x)", flush=True)
     admit = run_cluster(args, "dynamic", admit_after=2)
     capped = run_cluster(args, "dynamic", capacity=max(1, distinct // 10))
+    flat = capacity_memory(max(1, args.memory_rows // 100), DIM)  # first: the smaller store
     memory = memory_per_row(args.memory_rows, DIM)
-    flat = capacity_memory(max(1, args.memory_rows // 100), DIM)
     fixed_median = statistics.median(map(_total, fixed))
     dynamic_median = statistics.median(map(_total, dynamic))
     print(f"2 ps + 2 workers, {args.rows:,} Zipf(1.2) ranks x {DIM}, batch 512 x 16, Adagrad, "
@@ -45,9 +52,10 @@ def run_dynamic(args: argparse.Namespace, run_cluster: Callable[..., dict],
           f"ids) {dynamic_median:,.0f}: {dynamic_median / fixed_median:.2f}x (target >= 0.8x); "
           "per round " + ", ".join(f"{_total(d) / _total(f):.2f}x"
                                    for f, d in zip(fixed, dynamic, strict=True)))
+    print(f"  CPU, median: fixed {_cpu(fixed)}; dynamic {_cpu(dynamic)}")
     last = dynamic[-1]
     print(f"  dynamic, admit_after=1: {_stats(last)['rows']:,} rows stored of {distinct:,} "
-          f"distinct ids seen; logloss of the last 100 steps {_loss(last):.4f} (fixed "
+          f"distinct ids seen; logloss of steps 301-400 {_loss(last):.4f} (fixed "
           f"{_loss(fixed[-1]):.4f})")
     stats = _stats(admit)
     print(f"  dynamic, admit_after=2: {stats['rows']:,} rows stored of {distinct:,} distinct "
