@@ -26,36 +26,15 @@ id ``partitioner.global_ids(shard)[i]``, and one tensor of the same shape per
 optimizer slot. Rows are gathered with ``index_select`` (several times faster
 than advanced indexing) and the optimizers update the touched rows only.
 
-A dynamic table (64-bit hashed feature ids, rows created on first touch,
-admission and eviction, as DeepRec's ``EmbeddingVariable`` and Monolith's
-collisionless tables) implements the same interface, so neither the worker nor
-the wire changes. It would be built as:
-
-- partitioner: ``ModPartitioner(num_shards)`` with no ``num_rows`` (any int64
-  id; ``id % num_shards`` picks the shard);
-- an id -> slot-index map: an open-addressing hash table of int64 keys to
-  int64 slot indices (vectorised probing over torch tensors, or a small C++
-  extension), grown by rehashing at a load factor;
-- storage: the same contiguous ``(capacity, dim)`` row tensor and slot
-  tensors as here, grown by doubling, plus a free list of slot indices that
-  eviction returns and insertion takes first; the optimizers
-  (:meth:`~towerflow.ps.server.tables.optimizers.SparseOptimizer.apply` takes storage
-  indices) run unchanged;
-- per-row counters: access count and last step touched (``int64`` tensors
-  indexed like the rows), updated by ``lookup`` / ``apply`` (``apply``'s
-  ``step`` is the clock);
-- admission: an id not yet admitted is looked up as its initializer's rows
-  (:class:`UniformRows` is a function of the id, so the answer is the same
-  before and after admission) and its gradients are dropped; it is admitted
-  (a slot taken, rows initialised, slots at
-  :meth:`~towerflow.ps.server.tables.optimizers.SparseOptimizer.slot_initial_value`) after
-  ``min_count`` touches (counted in a counting Bloom filter, so unadmitted ids
-  cost no row) or with probability ``p`` per touch;
-- eviction: every N steps (or at a checkpoint), rows with ``step - last_step
-  > ttl`` or a count below a floor go back to the free list;
-- ``export`` returns the present ids with their rows, slots (and counters as
-  extra slots); ``import_`` inserts them; ``num_rows`` and ``nbytes`` count
-  present rows.
+A dynamic table (any int64 id, rows made on first touch, admission and
+eviction, as DeepRec's ``EmbeddingVariable`` and Monolith's collisionless
+tables) implements the same interface, so neither the worker nor the wire
+changes: :class:`~towerflow.ps.server.tables.dynamic.DynamicRowStore`
+(``kind: "dynamic"``), its ids in an open-addressing
+:class:`~towerflow.ps.server.tables.keyindex.KeyIndex`, spread over the ps
+tasks by :class:`~towerflow.ps.partition.HashPartitioner`.
+:meth:`RowStore.observe` counts a push's ids once per push (its admission);
+a fixed table ignores it.
 
 Example:
     >>> import torch

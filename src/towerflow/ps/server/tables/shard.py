@@ -16,7 +16,10 @@ its lock and its counters; nothing else reaches into them:
   counts it in its step, ssp applies it and waits for the slowest worker),
   which records its answer;
 - an export copies rows, slots and the push table under the lock (one moment)
-  and is cut into chunks outside it;
+  and is cut into chunks outside it; a dynamic table's lists its ids (sorted,
+  with their slots: 16 bytes a row) under the lock and reads each chunk's
+  rows, slots and versions under it in turn, so no copy of the whole shard
+  is made (each chunk is of one moment, its rows with their slots);
 - an import checks every chunk before it sets any row.
 
 Buffers arrive as raw little-endian bytes (int64 ids, rows in the table's
