@@ -218,3 +218,15 @@ def test_an_export_in_progress_holds_eviction_back():
     s.end_export()
     s.apply(torch.tensor([200]), torch.ones(1, 3), 0.1, 3)
     assert s.num_rows <= 8
+
+
+def test_age_eviction_scans_a_bounded_window_per_update_and_sweeps_round():
+    s = store(evict_after_steps=1)
+    old = torch.arange(70_000)
+    s.apply(old, torch.ones(70_000, 3), 0.1, 1)
+    fresh = torch.tensor([-7])
+    s.apply(fresh, torch.ones(1, 3), 0.1, 3)  # one window scanned: the 70,000 - 65,536 after
+    assert s.counters["evicted"] == 70_000 - 65_536  # the first update's window
+    s.apply(fresh, torch.ones(1, 3), 0.1, 4)  # the sweep goes round: the first 65,536
+    assert s.counters["evicted"] == 70_000 and s.num_rows == 1
+    assert s.export().ids.tolist() == [-7]

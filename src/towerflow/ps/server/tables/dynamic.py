@@ -22,13 +22,16 @@ differs is where a row lives:
   is admitted at its ``N``-th push, and until then its gradients are
   dropped (counted as ``filtered``);
 - eviction: ``evict_after_steps=S`` removes the rows not updated in the
-  last ``S`` steps (the clock is the largest ``step`` applied), scanned at
-  most every ``max(1, S // 8)`` steps; ``capacity`` keeps at most its
-  share of rows (``ceil(capacity / num_shards)``), evicting the least
-  recently updated first, down to 1/32 below the share so a scan is paid
-  once per many inserts. A row's slots go with it. Eviction runs inside
-  an update, bounded by the rows that update made, and is paused while an
-  export is under way (so the slots an export plans to read stay theirs).
+  last ``S`` steps (the clock is the largest ``step`` applied): each update
+  scans the next 65,536 slots (a bounded window; a sweep of the shard goes
+  round), so a stale row goes within ``S`` steps and one sweep; the
+  admission counters of ids not seen for ``S`` steps go alike.
+  ``capacity`` keeps at most its share of rows (``ceil(capacity /
+  num_shards)``), evicting the least recently updated first (a ``topk``
+  of the slots' versions), down to 1/32 below the share so that selection
+  is paid once per ``share / 32`` new rows. A row's slots go with it.
+  Eviction runs inside an update and is paused while an export is under
+  way (so the slots an export plans to read stay theirs).
 
 Stats (:meth:`DynamicRowStore.stats`): ``rows`` held, ``admitted`` (rows
 made), ``evicted``, ``filtered`` (gradients dropped before admission),
@@ -62,7 +65,9 @@ from towerflow.ps.server.tables.rows import RowExport, RowInitializer, RowStore
 
 __all__ = ["DynamicRowStore"]
 
-_NEVER = torch.iinfo(torch.int32).max
+_NEVER = torch.iinfo(torch.int32).max  # the version of a free slot
+#: slots an update scans for rows (and counters) too old (a sweep of the shard goes round)
+_SCAN = 1 << 16
 
 
 class DynamicRowStore(RowStore):
@@ -105,7 +110,7 @@ class DynamicRowStore(RowStore):
         self._count = torch.zeros(self._counts.keys.numel(), dtype=torch.int32)
         self._seen = torch.zeros(self._counts.keys.numel(), dtype=torch.int32)
         self.clock = 0
-        self._next_scan = 0
+        self._cursor = {"rows": 0, "counters": 0}  # where the next age scan starts
         self._exporting = 0
         self.counters = {"admitted": 0, "evicted": 0, "filtered": 0}
 
@@ -241,44 +246,56 @@ class DynamicRowStore(RowStore):
         count = torch.zeros(ids.numel(), dtype=torch.int32)
         count[counted] = self._count.index_select(0, slots[counted])
         admit = count >= need
-        self._counts.remove(slots[admit & counted])
+        done = slots[admit & counted]
+        self._counts.remove(done)
+        self._seen.index_fill_(0, done, _NEVER)  # a free counter is never the stalest
         return admit
 
     def _drop(self, slots: torch.Tensor, *, evicted: bool = True) -> None:
         if slots.numel():
             self._index.remove(slots)
+            self._version.index_fill_(0, slots, _NEVER)  # a free slot is never the oldest
             if evicted:
                 self.counters["evicted"] += slots.numel()
             else:
                 self.counters["admitted"] -= slots.numel()
 
     def _evict(self) -> None:
-        """Evict by age (every few steps) and by capacity (when over the share)."""
+        """Evict by age (a window of slots per update) and by capacity (over the share)."""
         if self._exporting:
             return
         ttl = self.options["evict_after_steps"]
-        if ttl is not None and self.clock >= self._next_scan:
-            self._next_scan = self.clock + max(1, ttl // 8)
-            live = self._index.live_slots()
-            old = live[self._version.index_select(0, live) < self.clock - ttl]
+        if ttl is not None:
+            old = self._age_window("rows", self._index, self._version, ttl)
             self._drop(old)
-            if self._counts.live:  # admission counters age out too
-                counted = self._counts.live_slots()
-                self._counts.remove(counted[self._seen.index_select(0, counted)
-                                            < self.clock - ttl])
+            stale = self._age_window("counters", self._counts, self._seen, ttl)
+            if stale.numel():  # admission counters age out too
+                self._counts.remove(stale)
+                self._seen.index_fill_(0, stale, _NEVER)
         if self.share is not None and self._index.live > self.share:
-            target = self.share - self.share // 32
-            live = self._index.live_slots()
-            excess = live.numel() - target
-            oldest = torch.topk(self._version.index_select(0, live), excess,
-                                largest=False, sorted=False).indices
-            self._drop(live.index_select(0, oldest))
+            excess = self._index.live - (self.share - self.share // 32)
+            used = self._version[:self._index.used]  # free slots hold _NEVER: never picked
+            oldest = torch.topk(used, excess, largest=False, sorted=False).indices
+            self._drop(oldest)
         if self.share is not None and self._counts.live > 4 * self.share + 1024:
-            counted = self._counts.live_slots()  # counters bounded too: the stalest go
-            keep = 2 * self.share + 1024
-            stale = torch.topk(self._seen.index_select(0, counted), counted.numel() - keep,
+            seen = self._seen[:self._counts.used]  # counters bounded too: the stalest go
+            stale = torch.topk(seen, self._counts.live - (2 * self.share + 1024),
                                largest=False, sorted=False).indices
-            self._counts.remove(counted.index_select(0, stale))
+            self._counts.remove(stale)
+            self._seen.index_fill_(0, stale, _NEVER)
+
+    def _age_window(self, which: str, index: KeyIndex, stamps: torch.Tensor, ttl: int
+                    ) -> torch.Tensor:
+        """The slots of the next :data:`_SCAN` slots of ``index`` last stamped more than
+        ``ttl`` steps ago (one update scans a bounded window; a sweep goes round)."""
+        used = index.used
+        if not index.live or not used:
+            return torch.empty(0, dtype=torch.int64)
+        start = self._cursor[which] % used
+        stop = min(start + _SCAN, used)
+        self._cursor[which] = 0 if stop >= used else stop
+        window = stamps[start:stop]
+        return (window < self.clock - ttl).nonzero().view(-1) + start
 
     # -- export / import -------------------------------------------------------------------
     def export(self, start: int = 0, stop: int | None = None) -> RowExport:
