@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dynamic_tables import capacity_memory, memory_per_row
 
 DIM = 32
+#: batches per worker in the admission and capacity runs: ids seen once are common
+FRESH = 1000
 
 
 def _total(result: dict) -> float:
@@ -27,11 +29,19 @@ def _cpu(results: list[dict]) -> str:
 
 
 def _stats(result: dict) -> dict:
-    return result["workers"][0]["stats"]  # the table's, summed over the shards
+    """The table's stats (summed over the shards) as the worker that ended last read them
+    (after every push of the other, which had flushed its own)."""
+    return max(result["workers"], key=lambda w: w["ended"])["stats"]
+
+
+def _seen(result: dict, distinct_ids: Callable[..., int], rows: int) -> int:
+    """Distinct ids the workers of a run of :data:`FRESH` batches saw."""
+    steps = tuple(w["steps"] for w in result["workers"])
+    return distinct_ids(rows, FRESH, steps)
 
 
 def run_dynamic(args: argparse.Namespace, run_cluster: Callable[..., dict],
-                distinct: int) -> None:
+                distinct_ids: Callable[..., int]) -> None:
     """Fixed and dynamic tables side by side per round, then admission, capacity, memory."""
     fixed, dynamic = [], []
     for index in range(args.repeats):  # interleaved: the machine's load reaches both
@@ -40,8 +50,11 @@ def run_dynamic(args: argparse.Namespace, run_cluster: Callable[..., dict],
         print(f"round {index + 1}: fixed {_total(fixed[-1]):,.0f}, dynamic "
               f"{_total(dynamic[-1]):,.0f} examples/s "
               f"({_total(dynamic[-1]) / _total(fixed[-1]):.2f}x)", flush=True)
-    admit = run_cluster(args, "dynamic", admit_after=2)
-    capped = run_cluster(args, "dynamic", capacity=max(1, distinct // 10))
+    distinct = distinct_ids(args.rows)
+    once = run_cluster(args, "dynamic", batches=FRESH)
+    admit = run_cluster(args, "dynamic", admit_after=2, batches=FRESH)
+    capacity = max(1, _seen(once, distinct_ids, args.rows) // 10)
+    capped = run_cluster(args, "dynamic", capacity=capacity, batches=FRESH)
     flat = capacity_memory(max(1, args.memory_rows // 100), DIM)  # first: the smaller store
     memory = memory_per_row(args.memory_rows, DIM)
     fixed_median = statistics.median(map(_total, fixed))
@@ -57,15 +70,20 @@ def run_dynamic(args: argparse.Namespace, run_cluster: Callable[..., dict],
     print(f"  dynamic, admit_after=1: {_stats(last)['rows']:,} rows stored of {distinct:,} "
           f"distinct ids seen; logloss of steps 301-400 {_loss(last):.4f} (fixed "
           f"{_loss(fixed[-1]):.4f})")
-    stats = _stats(admit)
-    print(f"  dynamic, admit_after=2: {stats['rows']:,} rows stored of {distinct:,} distinct "
-          f"ids seen ({stats['rows'] / distinct:.2f}); {stats['filtered']:,} row gradients "
-          f"dropped before admission; logloss {_loss(admit):.4f} vs {_loss(last):.4f} at "
-          f"admit_after=1; {_total(admit):,.0f} examples/s")
+    for name, result in (("admit_after=1", once), ("admit_after=2", admit)):
+        stats, seen = _stats(result), _seen(result, distinct_ids, args.rows)
+        print(f"  dynamic, {FRESH} batches per worker (ids seen once are common), {name}: "
+              f"{stats['rows']:,} rows stored of {seen:,} distinct ids seen "
+              f"({stats['rows'] / seen:.2f}); {stats['filtered']:,} row gradients dropped "
+              f"before admission; logloss of steps 301-400 {_loss(result):.4f}; "
+              f"{_total(result):,.0f} examples/s")
     stats, window = _stats(capped), capped["ps_rss_in_window"]
+    seen = _seen(capped, distinct_ids, args.rows)
     quarters = [window[i] for i in (0, len(window) // 4, len(window) // 2, -1)] if window \
         else []
-    print(f"  dynamic, capacity {max(1, distinct // 10):,} (a tenth of the distinct ids seen): "
+    print(f"  dynamic, capacity {capacity:,} (a tenth of the distinct ids the admit_after=1 "
+          f"run saw), {FRESH} batches per worker: {seen:,} distinct ids seen "
+          f"({seen / capacity:.1f}x capacity); "
           f"{stats['rows']:,} rows, {stats['evicted']:,} evicted; the 2 ps tasks' RSS through "
           f"the run {', '.join(f'{r / 2**20:.0f}' for r in quarters)} MiB "
           f"(last / first {quarters[-1] / quarters[0]:.3f}); logloss {_loss(capped):.4f}; "

@@ -159,7 +159,7 @@ def worker(args: argparse.Namespace) -> None:
         out = m.out(m.emb(batch[0])).squeeze(1)
         return F.binary_cross_entropy_with_logits(out, batch[1])
 
-    ranks = zipf_batches(args.rows, 50, args.index)
+    ranks = zipf_batches(args.rows, args.batches, args.index)
     unique = [torch.unique(b).numel() for b in ranks]
     if args.table == "dynamic":
         from dynamic_tables import raw_ids
@@ -201,10 +201,15 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.report).write_text(json.dumps(report))
 
 
-def distinct_ids(rows: int) -> int:
-    """Distinct ids the two workers see (each cycles through its 50 batches)."""
-    return int(torch.unique(torch.cat([torch.cat(zipf_batches(rows, 50, i)).reshape(-1)
-                                       for i in range(2)])).numel())
+def distinct_ids(rows: int, batches: int = 50, steps: tuple[int, int] | None = None) -> int:
+    """Distinct ids the two workers see: each cycles through its ``batches`` batches (5 of
+    warm-up, then ``steps[i]`` measured steps; None: all of them)."""
+    seen = []
+    for i in range(2):
+        mine = zipf_batches(rows, batches, i)
+        used = len(mine) if steps is None else min(len(mine), max(5, steps[i]))
+        seen.append(torch.cat(mine[:used]).reshape(-1))
+    return int(torch.unique(torch.cat(seen)).numel())
 
 
 def free_port() -> int:
@@ -244,7 +249,7 @@ def current_rss(pid: int) -> int:
 
 
 def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int = 1,
-                capacity: int = 0) -> dict:
+                capacity: int = 0, batches: int = 50) -> dict:
     spec = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(2)],
             "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
     bare_spec = {"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]}
@@ -253,7 +258,8 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
     base = [sys.executable, __file__, "--cluster", json.dumps(spec), "--rows", str(args.rows),
             "--seconds", str(args.seconds), "--device", args.device,
             *([] if args.defer_push else ["--no-defer-push"]), "--table", table,
-            "--admit-after", str(admit_after), "--capacity", str(capacity)]
+            "--admit-after", str(admit_after), "--capacity", str(capacity),
+            "--batches", str(batches)]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
           for i in range(2)]
     bare = subprocess.Popen([sys.executable, "-c", BARE_PS_CODE, json.dumps(bare_spec), "0"],
@@ -318,6 +324,7 @@ def main() -> None:
     parser.add_argument("--memory-rows", type=int, default=10_000_000,
                         help="rows of the in-process store whose bytes per row are measured")
     parser.add_argument("--table", default="fixed", help=argparse.SUPPRESS)
+    parser.add_argument("--batches", type=int, default=50, help=argparse.SUPPRESS)
     parser.add_argument("--admit-after", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--capacity", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--role", default="main")
@@ -330,7 +337,7 @@ def main() -> None:
         return
     if args.dynamic:
         from dynamic_report import run_dynamic
-        run_dynamic(args, run_cluster, distinct_ids(args.rows))
+        run_dynamic(args, run_cluster, distinct_ids)
         return
     rounds = []
     for index in range(args.repeats):  # interleaved: the machine's load reaches every side

@@ -68,6 +68,8 @@ __all__ = ["DynamicRowStore"]
 _NEVER = torch.iinfo(torch.int32).max  # the version of a free slot
 #: slots an update scans for rows (and counters) too old (a sweep of the shard goes round)
 _SCAN = 1 << 16
+#: lookups whose slots are kept for the pushes that follow them (about one per worker)
+_RECENT = 8
 
 
 class DynamicRowStore(RowStore):
@@ -111,6 +113,9 @@ class DynamicRowStore(RowStore):
         self._seen = torch.zeros(self._counts.keys.numel(), dtype=torch.int32)
         self.clock = 0
         self._cursor = {"rows": 0, "counters": 0}  # where the next age scan starts
+        #: the slots of the last few lookups, while no row has been removed since: a push's
+        #: ids are mostly those its worker pulled the step before (one probe saved)
+        self._recent: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._exporting = 0
         self.counters = {"admitted": 0, "evicted": 0, "filtered": 0}
 
@@ -160,9 +165,22 @@ class DynamicRowStore(RowStore):
         return ids  # type: ignore[return-value]
 
     # -- the interface ---------------------------------------------------------------------
+    def _find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slots of ``ids`` (-1: no row), from a recent lookup of the same ids when no
+        row has been removed since (its missing ids looked up again: made since)."""
+        for seen, slots in self._recent:
+            if seen.numel() == ids.numel() and torch.equal(seen, ids):
+                slots = slots.clone()
+                missing = (slots < 0).nonzero().view(-1)
+                if missing.numel():
+                    slots.index_copy_(0, missing, self._index.find(ids.index_select(0, missing)))
+                return slots
+        return self._index.find(ids)
+
     def lookup(self, ids: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
         ids = self._checked_ids(ids, checked)
         slots = self._index.find(ids)
+        self._recent = [(ids, slots), *self._recent[:_RECENT - 1]]
         present = slots >= 0
         if bool(present.all()):
             return self._rows.index_select(0, slots)
@@ -198,7 +216,7 @@ class DynamicRowStore(RowStore):
         self.clock = max(self.clock, int(step))
         if ids.numel():
             ids, grads = coalesce(ids, grads)
-            slots = self._index.find(ids)
+            slots = self._find(ids)
             missing = slots < 0
             made = torch.empty(0, dtype=torch.int64)
             if bool(missing.any()):
@@ -253,6 +271,7 @@ class DynamicRowStore(RowStore):
 
     def _drop(self, slots: torch.Tensor, *, evicted: bool = True) -> None:
         if slots.numel():
+            self._recent.clear()  # their slots may be another id's from now on
             self._index.remove(slots)
             self._version.index_fill_(0, slots, _NEVER)  # a free slot is never the oldest
             if evicted:
