@@ -230,3 +230,18 @@ def test_age_eviction_scans_a_bounded_window_per_update_and_sweeps_round():
     s.apply(fresh, torch.ones(1, 3), 0.1, 4)  # the sweep goes round: the first 65,536
     assert s.counters["evicted"] == 70_000 and s.num_rows == 1
     assert s.export().ids.tolist() == [-7]
+
+
+def test_a_push_after_its_lookup_updates_the_right_rows_when_rows_moved_in_between():
+    s = store(capacity=4)
+    ids = torch.tensor([1, 2, 3])
+    s.apply(ids, torch.ones(3, 3), 0.1, 1)
+    s.lookup(ids)  # the slots of this lookup are kept for the push that follows
+    s.apply(torch.tensor([10, 11, 12]), torch.ones(3, 3), 0.1, 2)  # evicts 1, 2: slots reused
+    s.apply(torch.tensor([5]), torch.ones(1, 3), 0.1, 3)  # evicts 3
+    s.apply(ids, torch.ones(3, 3), 0.1, 4)  # made again; nobody else's row is touched
+    held = s.export()
+    assert held.ids.tolist() == sorted(held.ids.tolist()) and s.num_rows <= 4
+    # every row held was made, then updated once: its initializer's value - 0.1
+    assert torch.allclose(held.rows, INIT(held.ids, 3, torch.float32) - 0.1)
+    assert set(held.ids.tolist()) >= {1, 2, 3}
