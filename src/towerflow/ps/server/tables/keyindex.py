@@ -11,12 +11,14 @@ map with no Python object per key:
 - a free list of slots (an int64 stack) that :meth:`remove` fills and
   :meth:`insert` takes from first.
 
-Every operation is on a whole batch: a probe round is a handful of tensor
-ops over the keys still looking, so a batch of ``n`` keys costs a few
-rounds of ``O(n)`` work, not ``n`` Python steps. The table is kept at most
+Every operation is on a whole batch, never a Python step per key: a
+lookup reads each key's home position in one element-wise pass, then
+windows of 8 positions for the few keys not settled there (numpy over the
+tensors' memory); an insert places keys round by round, one key per free
+position and round (the first of those that want it). The table is kept at most
 :data:`MAX_LOAD` full (entries and deleted entries); past it, it is rebuilt
 (at twice the size when the live keys need it). Per key: 8 bytes of key
-plus 4 to 16 bytes of table (load between 0.25 and 0.6).
+plus 7 to 13 bytes of table (load between 0.3 and 0.6).
 
 Why not sorted keys with ``searchsorted``: a lookup is one call there, but
 each batch of new keys is a merge that moves every key after the first new
@@ -24,8 +26,7 @@ one (at 10M rows, ~80 MB per step); an open-addressing table inserts in
 place.
 
 Example:
-    >>> import numpy as np
-import torch
+    >>> import torch
     >>> index = KeyIndex()
     >>> index.insert(torch.tensor([-2**63, 7, 2**63 - 1])).tolist()
     [0, 1, 2]
