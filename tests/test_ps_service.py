@@ -464,3 +464,28 @@ def test_a_wait_for_a_missing_ps_says_so_then_gives_up_in_one_sentence(free_port
         c.close()
     assert any(f"waiting for the ps task at 127.0.0.1:{ports[0]} to answer" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_chief_failure_before_init_reaches_waiting_workers_until_an_init_clears_it(
+        ps_cluster) -> None:
+    from towerflow.errors import AbortedError
+    from towerflow.ps.worker.dense.client import tell_chief_failure
+
+    cluster, services = ps_cluster
+    with client(cluster, worker_id=1) as other:  # a worker is no chief: its failure is ignored
+        other.close(done=False, failure="RuntimeError: not the chief")
+    assert [s.failure for s in services] == ["", ""]
+    # the chief fails before it has a client (e.g. its model was refused at declaration)
+    tell_chief_failure(cluster, SECRET, "CheckpointError: bad\x07 digest\nTraceback (most ...")
+    assert [s.failure for s in services] == ["CheckpointError: bad  digest"] * 2
+    waiting = client(cluster, worker_id=1)
+    with pytest.raises(AbortedError, match=r"^The chief failed before it initialised the job "
+                       r"\(ps task 0 says so\): CheckpointError: bad  digest\. Fix the chief"):
+        waiting.wait_until_initialized(timeout=5)
+    assert all(1 in s.finished for s in services)  # it said Done: the ps tasks may end
+    with client(cluster) as chief:  # the chief restarted and initialised: the failure is gone
+        init(chief)
+        tell_chief_failure(cluster, SECRET, "RuntimeError: too late")  # after Init: ignored
+        assert [s.failure for s in services] == ["", ""]
+        with client(cluster, worker_id=1) as again:
+            assert again.wait_until_initialized(timeout=5) == 0

@@ -117,6 +117,8 @@ __all__ = [
     "PushHeader",
     "PushOutcome",
     "bounded",
+    "CHIEF_REPLICA",
+    "failure_line",
     "chunks",
     "pack",
     "unpack",
@@ -162,6 +164,22 @@ def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:
     if len(message) <= limit:
         return message
     return f"{message[:limit]}... ({len(message) - limit} more characters)"
+
+
+#: the replica that initialises the shards (the chief: replica 0 of the cluster)
+CHIEF_REPLICA = 0
+
+
+def failure_line(error: str) -> str:
+    """The first line of a chief's error as a ``Done`` carries it: printable, bounded.
+
+    Example:
+        >>> failure_line("CheckpointError: bad\\x07 digest\\nTraceback ...")
+        'CheckpointError: bad  digest'
+    """
+    lines = error.strip().splitlines()
+    text = "".join(c if c.isprintable() else " " for c in (lines[0] if lines else ""))
+    return bounded(text) if text else "an error it did not name"
 
 
 @dataclass(frozen=True, slots=True)

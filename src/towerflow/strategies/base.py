@@ -239,13 +239,16 @@ class Strategy(abc.ABC):
         """
         return requested
 
-    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None,
+                     error: BaseException | None = None) -> None:
         """How this replica's training ended, for what :meth:`shutdown` tells its peers.
 
         The Supervisor and the Trainer call it when training stops. Args:
         ``finished``: False when it stopped on an error (its peers must not
         count it as finished); ``checkpoint_step``: the global step of the final
-        checkpoint this task wrote, if any. No-op by default.
+        checkpoint this task wrote, if any; ``error``: what it stopped on (a
+        chief that fails before initialising a cluster tells its peers). No-op
+        by default.
         """
 
     def shutdown(self) -> None:

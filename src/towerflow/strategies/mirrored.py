@@ -319,7 +319,8 @@ class Mirrored(LocalOptimizerStrategy):
         work.wait()
         return bool(agreed.item())
 
-    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None,
+                     error: BaseException | None = None) -> None:
         """A replica that finished waits for the last step's stop vote (every replica sent it);
         one that stopped on an error does not (a peer may be gone)."""
         vote, self._stop_vote = self._stop_vote, None

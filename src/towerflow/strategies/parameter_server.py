@@ -200,6 +200,8 @@ class ParameterServer(Strategy):
         self._unfinished = False  # stopped on an error (a missing peer...): no Done at shutdown
         self._checkpoint_step: int | None = None  # the chief's final checkpoint, for its Done
         self._needs_init = False
+        self._initialised = False  # the chief: it initialised the ps tasks (or restored them)
+        self._failure = ""  # the chief's error when it stopped before initialising: its Done says it
         self._restore: DenseRestore | None = None
         self._step = 0
         self._meta: dict[str, Any] = {}
@@ -363,6 +365,7 @@ class ParameterServer(Strategy):
                                step=restore.step, slots=restore.slots,
                                optimizer_step=restore.optimizer_step, pushes=restore.pushes)
         self._needs_init, self._restore, self._step = False, None, restore.step
+        self._initialised = True
         log.info("chief initialised %d ps task(s) at step %d (mode %s)",
                  buffers.placement.num_shards, restore.step, self.aggregation.mode)
         self._pull()
@@ -532,11 +535,19 @@ class ParameterServer(Strategy):
                 said = True
             threading.Event().wait(0.1)
 
-    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None,
+                     error: BaseException | None = None) -> None:
         """Say how training ended (see :meth:`Strategy.end_training`): an unfinished worker
-        sends no ``Done`` at :meth:`shutdown`; the chief's ``Done`` carries ``checkpoint_step``."""
+        sends no ``Done`` at :meth:`shutdown`; the chief's ``Done`` carries ``checkpoint_step``.
+
+        A chief that stopped on ``error`` (an exception, not a signal) before it
+        initialised the ps tasks sends it in its ``Done``: the ps tasks tell the
+        waiting workers, and every task of the job ends with the chief's error.
+        """
         self._unfinished = not finished
         self._checkpoint_step = checkpoint_step if finished else None
+        if self._chief and not finished and not self._initialised and isinstance(error, Exception):
+            self._failure = f"{type(error).__name__}: {error}"
 
     def shutdown(self) -> None:
         """Finish a pending push, tell the ps tasks this worker is done, close channels.
@@ -558,7 +569,12 @@ class ParameterServer(Strategy):
         finally:
             if client is not None:  # an elastic worker always leaves: nothing waits for it
                 client.close(done=not self._unfinished or self._elastic,
-                             checkpoint_step=self._checkpoint_step)
+                             checkpoint_step=self._checkpoint_step, failure=self._failure)
+            elif self._failure:  # it failed before it had a client
+                from towerflow.ps.worker.dense.client import tell_chief_failure
+
+                tell_chief_failure(self.cluster, self._credentials, self._failure,
+                                   timeout=min(self._timeout, 5.0))
             if self._sigterm is not None:
                 signal.signal(signal.SIGTERM, self._sigterm)
                 self._sigterm = None

@@ -285,8 +285,8 @@ class Trainer:
         try:
             with StopSignals(deadline_s=self.config.stop_deadline) as self._stop:
                 result = self._fit()
-        except BaseException:
-            self.strategy.end_training(finished=False)  # its peers must not count it finished
+        except BaseException as exc:  # its peers must not count it finished
+            self.strategy.end_training(finished=False, error=exc)
             raise
         self.strategy.end_training(finished=True, checkpoint_step=self._final_checkpoint())
         return result

@@ -408,7 +408,7 @@ class Supervisor:
         owns = strategy is None
         strategy = strategy if strategy is not None else self._strategy_for(master)
         self._lockstep = strategy.lockstep
-        finished = False
+        finished, error = False, None
         try:
             with self._signals():
                 prepared = strategy.prepare(model, optimizer or OptimizerConfig())
@@ -431,9 +431,13 @@ class Supervisor:
             if self.preempted and self._session is not None:
                 self._final_save(self._session)
             raise
+        except Exception as exc:  # a chief that failed before initialising tells its peers
+            error = exc
+            raise
         finally:
             # a session that raised did not finish: its peers are not told it did
-            strategy.end_training(finished=finished, checkpoint_step=self._final_checkpoint())
+            strategy.end_training(finished=finished, checkpoint_step=self._final_checkpoint(),
+                                  error=error)
             ended, self._session = self._session, None
             if self._cluster is not None:
                 self._cluster.close()

@@ -44,6 +44,7 @@ from towerflow.ps.protocol import (
     aggregation_to_proto,
     chunks,
     encode_push_header,
+    failure_line,
     layout_to_proto,
     method_path,
     optimizer_to_proto,
@@ -307,12 +308,15 @@ class ShardClient:
         finally:
             call.cancel()
 
-    def done(self, worker_id: int, checkpoint_step: int | None = None, ticket: bytes = b"") -> None:
+    def done(self, worker_id: int, checkpoint_step: int | None = None, ticket: bytes = b"", *,
+             failure: str = "") -> None:
         """Tell the shard this worker has finished (the chief: after its final checkpoint,
         written at global step ``checkpoint_step``; None: it wrote none; an elastic worker:
-        with its id's ``ticket``)."""
+        with its id's ``ticket``; the chief that failed before initialising: its
+        ``failure``)."""
         request = pb.DoneRequest(worker_id=worker_id, final_checkpoint=checkpoint_step is not None,
-                                 checkpoint_step=checkpoint_step or 0, ticket=ticket)
+                                 checkpoint_step=checkpoint_step or 0, ticket=ticket,
+                                 failure=failure_line(failure) if failure else "")
         unary(self.channel, method_path("Done"), request.SerializeToString(), timeout=self.timeout)
 
     def ledger(self, since: int = 0) -> pb.LedgerReply:
