@@ -124,6 +124,7 @@ __all__ = [
     "unpack",
     "parse_message",
     "layout_to_proto",
+    "layout_from_proto",
     "signature_bytes",
     "encode_push_header",
     "decode_push_header",
@@ -374,6 +375,19 @@ def layout_to_proto(layout: ShardLayout) -> list[pb.Segment]:
     return [pb.Segment(name=s.name, shape=s.shape, var_shape=s.var_shape, start=s.start,
                        numel=s.numel, part=s.part, num_parts=s.num_parts)
             for s in layout.segments]
+
+
+def layout_from_proto(index: int, segments: Iterable[pb.Segment]) -> ShardLayout:
+    """Shard ``index``'s layout from its protobuf segments (:func:`layout_to_proto`'s inverse).
+
+    Example:
+        >>> from towerflow.ps.placement import plan_placement
+        >>> layout = plan_placement({"w": (3, 2)}, 1).shards[0]
+        >>> layout_from_proto(0, layout_to_proto(layout)) == layout
+        True
+    """
+    return ShardLayout.build(index, ((s.name, tuple(s.shape), tuple(s.var_shape), s.start,
+                                      s.numel, s.part, s.num_parts) for s in segments))
 
 
 def signature_bytes(layout: ShardLayout) -> bytes:

@@ -20,9 +20,11 @@ from typing import Any
 from torch import nn
 
 from towerflow.ps.worker.tables.checkpoint import (
+    FUSED_KEY,
     PART_BYTES,
     TABLES_GROUP,
     TABLES_KEY,
+    describe_fused,
     describe_tables,
     export_tables,
     import_tables,
@@ -92,7 +94,10 @@ def table_groups(tables: SparseTables, part_bytes: int | None
     """
     configs = [module.config for _, module in tables.modules]
     group = export_tables(tables.client, configs, part_bytes=part_bytes or PART_BYTES)
-    return {TABLES_GROUP: group}, {TABLES_KEY: describe_tables(configs)}
+    described: dict[str, Any] = {TABLES_KEY: describe_tables(configs)}
+    if tables.fused:  # where they live on the ps, for a live export (towerflow export --cluster)
+        described[FUSED_KEY] = describe_fused(tables.fused, tables.views)
+    return {TABLES_GROUP: group}, described
 
 
 def tables_to_restore(groups: Mapping[str, Any], metadata: Mapping[str, Any]

@@ -40,6 +40,7 @@ from towerflow.ps.protocol import (
     SERVICE_NAME,
     decode_push_header,
     failure_line,
+    layout_to_proto,
     outcome_to_reply,
     pack,
     parse_message,
@@ -250,7 +251,9 @@ class PSService:
         return pb.Empty().SerializeToString()
 
     def status(self, request: bytes) -> bytes:
-        """Report whether the shard is initialised, its step, layout, counters and push table."""
+        """Report whether the shard is initialised, its step, layout, counters and push table
+        (and its variables' segments when the request asks ``with_layout``)."""
+        req = parse_message(pb.StatusRequest, request, "StatusRequest")
         current = self._shard
         workers = self.workers.to_proto(self.replicas, self.describe_peer, self.finished)
         uptime = time.monotonic() - self._started
@@ -265,7 +268,8 @@ class PSService:
             slots=list(state.optimizer.slots), optimizer_step=figures.optimizer_step,
             generation=self._generation, shard=self.shard_index, refusals=figures.refusals,
             staged_bytes=figures.staged, workers=workers, uptime=uptime,
-            pushes=push_records(figures.pushes))
+            pushes=push_records(figures.pushes),
+            segments=layout_to_proto(state.layout) if req.with_layout else ())
         return reply.SerializeToString()
 
     def _push(self, chunks: Iterator[bytes], active: Callable[[], bool] | None = None,
