@@ -489,3 +489,26 @@ def test_a_chief_failure_before_init_reaches_waiting_workers_until_an_init_clear
         assert [s.failure for s in services] == ["", ""]
         with client(cluster, worker_id=1) as again:
             assert again.wait_until_initialized(timeout=5) == 0
+
+
+def test_small_shards_are_pushed_side_by_side_and_a_broken_stream_is_pushed_again_once(
+        ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster, chunk_bytes=1 << 20) as c:  # every shard fits one message
+        assert all(shard.small for shard in c.shards)
+        values = init(c, opt="sgd")
+        fresh = [np.zeros_like(v) for v in values]
+        result = c.push([np.ones_like(v) for v in values], lr=0.5, pull_into=fresh)
+        assert result.applied and result.global_step == 1
+        for got, want in zip(fresh, values, strict=True):
+            np.testing.assert_allclose(got, want - 0.5)
+        # shard 0's request is on its way, then its stream breaks before the reply is read
+        grads = [np.ones_like(v) for v in values]
+        ident = {"worker_id": 0, "incarnation": c.incarnation, "seq": 2, "lr": 0.5}
+        assert c.shards[0].start_push(grads[0], want_params=True, **ident)
+        c.shards[0]._stream._call.cancel()  # the ps may have applied it or not: either way once
+        reply = c.shards[0].finish_push(grads[0], pull_into=fresh[0], **ident)
+        assert reply.status == "applied"
+        assert services[0].shard[0].stats.applied == 2  # the push and its retry: applied once
+        np.testing.assert_allclose(fresh[0], values[0] - 1.25)  # momentum 0.5: 0.5 + 0.75
+        c.shards[1].push(grads[1], **ident)  # the same step's other shard

@@ -255,9 +255,13 @@ class PSClient:
         """
         self._seq += 1
         seq = self._seq
-        replies = self._each(lambda shard, i: shard.push(
-            grads[i], worker_id=self.worker_id, incarnation=self.incarnation, seq=seq, lr=lr,
-            pull_into=None if pull_into is None else pull_into[i]))
+        ident = {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": seq,
+                 "lr": lr}
+        if len(self.shards) > 1 and all(shard.small for shard in self.shards):
+            replies = self._push_small(grads, ident, pull_into)
+        else:
+            replies = self._each(lambda shard, i: shard.push(
+                grads[i], pull_into=None if pull_into is None else pull_into[i], **ident))
         result = PushResult(int(replies[0].step), tuple(r.status for r in replies),
                             tuple(r.message for r in replies))
         if result.refused:
@@ -267,6 +271,25 @@ class PSClient:
                 raise InvalidArgumentError(message)
             logger.warning("gradient skipped: %s", message)
         return result
+
+    def _push_small(self, grads: Sequence[np.ndarray], ident: dict[str, Any],
+                    pull_into: Sequence[np.ndarray] | None) -> list[pb.PushReply]:
+        """Small shards' pushes: every request on its stream first, then every reply read
+        (no thread per shard); a shard whose stream is busy is pushed in its turn."""
+        started = []
+        try:
+            for shard, grad in zip(self.shards, grads, strict=True):
+                started.append(shard.start_push(grad, want_params=pull_into is not None,
+                                                **ident))
+        except BaseException:
+            for shard, begun in zip(self.shards, started, strict=False):
+                if begun:  # its reply will not be read: the stream goes, the push's retry
+                    shard.abandon_push()  # (same seq) is applied once
+            raise
+        return [(shard.finish_push if begun else shard.push)(
+                    grad, pull_into=None if pull_into is None else pull_into[i], **ident)
+                for i, (shard, grad, begun) in enumerate(zip(self.shards, grads, started,
+                                                             strict=True))]
 
     def push_async(self, grads: Sequence[np.ndarray], lr: float, *,
                    pull_into: Sequence[np.ndarray] | None = None) -> Future[PushResult]:
