@@ -43,7 +43,7 @@ from towerflow.training.pipeline import Transform
 from towerflow.training.precision import evaluate
 
 __all__ = ["DataOptions", "Task", "Cifar10Task", "DigitsTask", "ClickTask", "MovieLensTask",
-           "CriteoTask", "TASKS", "get_task"]
+           "CriteoTask", "TASKS", "get_task", "task_class", "default_train_dir"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +139,19 @@ class Task(abc.ABC):
     def num_test_examples(self, data: Any) -> int:
         """How many examples :meth:`score` scores."""
         return len(data.labels)
+
+    def settings(self) -> dict[str, Any]:
+        """This task's own settings for the run's record (``run.yaml``)."""
+        return {dest: getattr(self, dest) for dest in self.options}
+
+    def metadata(self) -> dict[str, Any]:
+        """What every checkpoint of the task records of it (enough to rebuild it)."""
+        return {"task": self.name}
+
+    def own_optimizer(self) -> Any:
+        """The optimizer the task's model comes with (after :meth:`build_model`), or None:
+        the run's (``--optimizer`` and its flags)."""
+        return None
 
 
 class Cifar10Task(Task):
@@ -482,11 +495,33 @@ TASKS: dict[str, type[Task]] = {"cifar10": Cifar10Task, "digits": DigitsTask,
                                 "criteo": CriteoTask}
 
 
-def get_task(name: str, settings: Mapping[str, Any] | None = None) -> Task:
-    """The built-in task called ``name``, for a run's ``settings`` (its own options)."""
+def task_class(name: str) -> type[Task]:
+    """The class of the task ``name``: a built-in one, or ``MODULE:FACTORY`` (the user's own,
+    :class:`~towerflow.training.user_task.UserTask`)."""
+    if ":" in name:
+        from towerflow.training.user_task import UserTask
+
+        return UserTask
     cls = TASKS.get(name)
     if cls is None:
         raise InvalidArgumentError(
-            f"Unknown model {name!r}; use one of {', '.join(sorted(TASKS))}."
+            f"Unknown model {name!r}; use one of {', '.join(sorted(TASKS))}, or your own "
+            "as MODULE:FACTORY (--model mymodels:build)."
         )
-    return cls.from_settings(settings or {})
+    return cls
+
+
+def get_task(name: str, settings: Mapping[str, Any] | None = None) -> Task:
+    """The task called ``name`` (built-in, or ``MODULE:FACTORY``), for a run's ``settings``
+    (its own options)."""
+    return task_class(name).from_settings({**(settings or {}), "model": name})
+
+
+def default_train_dir(name: str) -> str:
+    """Where a run of the model ``name`` writes when no ``--train-dir`` is given.
+
+    Example:
+        >>> default_train_dir("digits"), default_train_dir("my.models:build")
+        ('/tmp/digits_train', '/tmp/my.models_build_train')
+    """
+    return f"/tmp/{name.replace(':', '_').replace('/', '_')}_train"
