@@ -35,6 +35,12 @@ FACTORIES = textwrap.dedent('''
         return {"model": build(), "loss_fn": nn.MSELoss(),
                 "optimizer": OptimizerConfig("adagrad", lr=0.3, initial_accumulator_value=0.01)}
 
+    def build_with_groups():
+        model = build()
+        return {"model": model, "loss_fn": nn.MSELoss(), "optimizer": torch.optim.Adagrad(
+            [{"params": model[0].parameters(), "lr": 0.2}, {"params": model[2].parameters()}],
+            lr=0.05)}
+
     def batches(split, batch_size, rank, world_size, seed, epoch):
         g = torch.Generator().manual_seed(seed * 1000 + epoch * 10 + rank
                                           + (0 if split == "train" else 7))
@@ -111,6 +117,19 @@ def test_the_factory_gives_the_loss_and_the_optimizer(tmp_path, factories) -> No
     manifest = json.loads((run / "ckpt-00000005" / "manifest.json").read_text())
     groups = manifest["metadata"]["strategy"]["optimizer"]["tree"]["param_groups"]
     assert [(g["lr"], g["initial_accumulator_value"]) for g in groups] == [(0.3, 0.01)]
+
+
+def test_the_factorys_torch_optimizer_trains_each_group_with_its_rate(tmp_path,
+                                                                      factories) -> None:
+    run = tmp_path / "run"
+    assert main(["train", f"{factories}:build_with_groups", "--data", f"{factories}:batches",
+                 "--train-dir", str(run), "--max-steps", "3", "--batch-size", "16",
+                 "--device", "/cpu:0", *QUIET]) == 0
+    settings = yaml.safe_load((run / "run.yaml").read_text())
+    assert (settings["optimizer"], settings["lr"]) == ("adagrad", 0.05)
+    manifest = json.loads((run / "ckpt-00000003" / "manifest.json").read_text())
+    groups = manifest["metadata"]["strategy"]["optimizer"]["tree"]["param_groups"]
+    assert sorted((g["lr"], len(g["params"])) for g in groups) == [(0.05, 2), (0.2, 2)]
 
 
 @pytest.mark.slow

@@ -109,7 +109,10 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
                                     world_size=strategy.world_size, batch_size=config.batch_size)
         own = task.own_optimizer()  # the model's own (a user factory's), over the run's
         if own is not None:
-            optimizer, lr = own, own.lr
+            from towerflow.strategies.optim import as_optimizer_config
+
+            optimizer = as_optimizer_config(own, model)  # a torch.optim one by its groups
+            lr = optimizer.lr
         if lr is None:
             lr = optimizer.lr if optimizer is not None else task.default_lr
         optimizer = dataclasses.replace(optimizer or OptimizerConfig("sgd", lr=lr), lr=lr)

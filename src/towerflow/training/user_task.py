@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from towerflow.errors import InvalidArgumentError, NotFoundError
-from towerflow.training.tasks import DataOptions, Task
+from towerflow.training.taskbase import DataOptions, Task
 
 __all__ = ["UserTask", "LOSSES", "DATA_KEYWORDS", "is_factory_spec", "load_factory"]
 
@@ -252,12 +252,15 @@ class UserTask(Task):
                 f"--model {self.name} returns its own optimizer and the command line sets "
                 f"{', '.join(self.optimizer_flags)} too; drop those flags, or return no "
                 "'optimizer' from the factory.")
-        if not isinstance(optimizer, OptimizerConfig):
+        if not isinstance(optimizer, OptimizerConfig | torch.optim.Optimizer):
             raise InvalidArgumentError(
                 f"--model {self.name} returned an optimizer of type "
-                f"{type(optimizer).__name__}; return a towerflow OptimizerConfig, or none and "
-                "pass --optimizer.")
-        return optimizer
+                f"{type(optimizer).__name__}; return a torch.optim SGD, Adagrad or Adam over "
+                "the model's parameters (or a towerflow OptimizerConfig), or none and pass "
+                "--optimizer.")
+        from towerflow.strategies.optim import as_optimizer_config
+
+        return as_optimizer_config(optimizer, model)  # refused here when it has no counterpart
 
     def own_optimizer(self) -> Any:
         """The optimizer the model factory returned (after :meth:`build_model`), or None."""
