@@ -41,6 +41,12 @@ FACTORIES = textwrap.dedent('''
             [{"params": model[0].parameters(), "lr": 0.2}, {"params": model[2].parameters()}],
             lr=0.05)}
 
+    def batches_of_dir(split, data_dir, batch_size=8):
+        import os
+        assert os.path.isabs(data_dir), data_dir
+        x = torch.full((batch_size, 4), float(len(os.listdir(data_dir))))
+        yield x, (x @ TRUTH).unsqueeze(1)
+
     def batches(split, batch_size, rank, world_size, seed, epoch):
         g = torch.Generator().manual_seed(seed * 1000 + epoch * 10 + rank
                                           + (0 if split == "train" else 7))
@@ -132,6 +138,17 @@ def test_the_factorys_torch_optimizer_trains_each_group_with_its_rate(tmp_path,
     assert sorted((g["lr"], len(g["params"])) for g in groups) == [(0.05, 2), (0.2, 2)]
 
 
+def test_the_data_factory_takes_only_the_keywords_it_names(tmp_path, factories) -> None:
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "one").write_text("1")
+    run = tmp_path / "run"
+    assert main(["train", f"{factories}:build", "--data", f"{factories}:batches_of_dir",
+                 "--loss", "mse", "--data-dir", str(tmp_path / "files"), "--train-dir",
+                 str(run), "--max-steps", "2", "--device", "/cpu:0", *QUIET]) == 0
+    settings = yaml.safe_load((run / "run.yaml").read_text())
+    assert settings["data_dir"] == str(tmp_path / "files")
+
+
 @pytest.mark.slow
 def test_own_model_on_1_ps_and_2_workers_resumes_and_evaluates(
         tmp_path, capsys, factories, subprocess_env, python) -> None:
@@ -162,7 +179,7 @@ def test_own_model_on_1_ps_and_2_workers_resumes_and_evaluates(
      r".*; run from its directory or add that directory to PYTHONPATH\."),
     (["--model", "{m}:nothere", "--data", "{m}:batches", "--loss", "mse"],
      r"--model '{m}:nothere': module '{m}' has no attribute 'nothere'; name one of its "
-     r"callables \(.*batches, build, .*\)\."),
+     r"callables \(.*, build, build_with_groups, .*\)\."),
     (["--model", "{m}:NOT_CALLABLE", "--data", "{m}:batches", "--loss", "mse"],
      r"--model '{m}:NOT_CALLABLE' is a int, not a callable; name the function"),
     (["--model", "{m}:not_a_model", "--data", "{m}:batches", "--loss", "mse"],

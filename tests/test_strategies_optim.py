@@ -102,6 +102,22 @@ def test_single_device_trains_each_group_with_its_rate() -> None:
         [0.025, 0.1, 0.25])
 
 
+def test_mirrored_replicas_train_each_group_with_its_rate() -> None:
+    from towerflow.strategies.mirrored import Mirrored
+
+    expected = plain_pytorch()
+    m = model()
+    strategy = Mirrored(device="cpu", env={}, timeout_s=30)
+    try:
+        strategy.prepare(m, adagrad(m))
+        for rate, batch in zip(RATES, batches(), strict=True):
+            strategy.run_step(loss, batch, lr=rate)
+    finally:
+        strategy.shutdown()
+    for name, param in m.named_parameters():
+        torch.testing.assert_close(param.detach(), expected[name], rtol=1e-6, atol=1e-7)
+
+
 def test_a_single_rate_would_train_otherwise() -> None:
     """The check above can fail: one rate for all groups moves the parameters elsewhere."""
     expected = plain_pytorch()

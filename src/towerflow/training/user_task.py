@@ -176,8 +176,9 @@ class UserTask(Task):
     default_lr = 0.1
     default_epochs_per_decay = 1e9  # no decay unless --epochs-per-decay says
     options = {"loss": None}
-    #: no moving averages unless --ema-decay asks (eval scores the parameters)
-    option_defaults = {"ema_decay": 0.0}
+    #: no moving averages unless --ema-decay asks (eval scores the parameters); the data
+    #: factory's ``data_dir`` is the current directory unless --data-dir names one
+    option_defaults = {"ema_decay": 0.0, "data_dir": "."}
     unused_settings = frozenset({"synthetic_examples"})
 
     def __init__(self, model: str, data: str, *, loss: str | None = None, seed: int = 0,
