@@ -15,6 +15,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from towerflow.cluster import TaskInfo
@@ -266,3 +268,29 @@ def test_a_ps_shard_refuses_a_bad_rate_factor(factors, message) -> None:
 
     with pytest.raises(InvalidArgumentError, match=message):
         check_init(_init(factors), 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=6),
+       factors=st.lists(st.sampled_from([0.5, 1.0, 2.0, 4.0]), min_size=6, max_size=6),
+       cuts=st.lists(st.integers(0, 36), max_size=5))
+def test_rates_per_range_match_element_by_element_however_the_gradient_is_cut(
+        sizes, factors, cuts) -> None:
+    import numpy as np
+
+    from towerflow.ps.server.dense.optimizers import make_optimizer
+
+    offsets = np.cumsum([0, *sizes])
+    numel = int(offsets[-1])
+    ranges = [(int(offsets[i]), n, factors[i]) for i, n in enumerate(sizes) if factors[i] != 1]
+    rate = np.ones(numel, np.float32)
+    for start, count, factor in ranges:
+        rate[start:start + count] = factor
+    grad = np.arange(1, numel + 1, dtype=np.float32)
+    opt = make_optimizer("sgd", numel, lr_ranges=ranges)
+    params = np.zeros(numel, np.float32)
+    step = opt.begin()
+    bounds = sorted({0, numel, *(c for c in cuts if c < numel)})
+    for first, stop in zip(bounds, bounds[1:], strict=False):
+        opt.apply_range(params, first, grad[first:stop], 0.5, step)
+    np.testing.assert_array_equal(params, -(np.float32(0.5) * rate) * grad)

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -70,6 +71,7 @@ class ServerOptimizer:
 
     __slots__ = ("name", "numel", "momentum", "weight_decay", "beta1", "beta2", "eps",
                  "initial_accumulator_value", "slots", "step", "lr_ranges", "_max_factor",
+                 "_range_starts",
                  "_scratch", "_decayed", "_maxima")
 
     def __init__(self, name: str, numel: int, *, momentum: float = 0.0,
@@ -100,6 +102,7 @@ class ServerOptimizer:
                 f"Learning-rate ranges {list(self.lr_ranges)[:4]} overlap or leave the "
                 f"{numel} elements; give each variable's range once.")
         self._max_factor = max([1.0, *(f for _, _, f in self.lr_ranges)])
+        self._range_starts = [a for a, _, _ in self.lr_ranges]
         #: upper bounds of the buffers' magnitudes after the updates checked so far
         self._maxima: dict[str, float] | None = None
         self._scratch = np.empty(min(numel, _BLOCK), np.float32)
@@ -204,7 +207,10 @@ class ServerOptimizer:
         (the shard holds its apply lock).
         """
         end, at = first + grad.size, first
-        for start, count, factor in self.lr_ranges:
+        index = max(0, bisect.bisect_right(self._range_starts, first) - 1)
+        for start, count, factor in self.lr_ranges[index:]:
+            if start >= end:
+                break
             lo, hi = max(start, at), min(start + count, end)
             if lo >= hi:
                 continue
