@@ -455,16 +455,21 @@ def aggregation_to_proto(config: AggregationConfig) -> pb.AggregationSpec:
         max_elastic_workers=config.max_elastic_workers)
 
 
-def optimizer_to_proto(config: Any) -> pb.OptimizerSpec:
+def optimizer_to_proto(config: Any, names: Iterable[str] = ()) -> pb.OptimizerSpec:
     """The ``OptimizerSpec`` the ps applies gradients with.
 
     ``config`` has the fields of :class:`towerflow.strategies.OptimizerConfig`
     (``name``, ``momentum``, ``weight_decay``, ``betas``, ``eps``,
-    ``initial_accumulator_value``); an ``OptimizerSpec`` is returned as it is.
+    ``initial_accumulator_value``, and ``lr_factor(name)``, each variable's learning
+    rate over the base one: sent for those of ``names``, the shard's variables,
+    that differ from 1); an ``OptimizerSpec`` is returned as it is.
     """
     if isinstance(config, pb.OptimizerSpec):
         return config
+    factor = getattr(config, "lr_factor", None)
+    factors = {} if factor is None else {n: factor(n) for n in set(names)}
     return pb.OptimizerSpec(
         name=config.name, momentum=config.momentum, weight_decay=config.weight_decay,
         beta1=config.betas[0], beta2=config.betas[1], eps=config.eps,
-        initial_accumulator_value=config.initial_accumulator_value)
+        initial_accumulator_value=config.initial_accumulator_value,
+        lr_factors={n: f for n, f in factors.items() if f != 1.0})

@@ -256,12 +256,20 @@ class ParameterServer(Strategy):
         return self._client
 
     # -- setup -----------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
-        """Place the parameters on the ps tasks; the chief initialises, others wait."""
+    def prepare(self, model: nn.Module,
+                optimizer: OptimizerConfig | torch.optim.Optimizer) -> nn.Module:
+        """Place the parameters on the ps tasks; the chief initialises, others wait.
+
+        A ``torch.optim`` optimizer's parameter groups keep their settings: a
+        table takes its weight's group's, a dense variable its group's learning
+        rate (the ps task applies one of each other setting to all it holds).
+        """
         from towerflow.ps.worker.dense.client import PSClient
+        from towerflow.strategies.optim import as_optimizer_config, check_dense_groups
 
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
+        optimizer = as_optimizer_config(optimizer, model)  # names before tables are swapped in
         self._tables = attach_tables(  # sparse tables: rows on the ps
             model, optimizer, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
             chief=self._chief, credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
@@ -280,6 +288,7 @@ class ParameterServer(Strategy):
                 f"The parameter server keeps float32 parameters; {', '.join(wrong)} are not. "
                 "Call model.float() first (use autocast for lower precision compute)."
             )
+        check_dense_groups(optimizer, [n for n, _ in params])
         placement = self._plan(params, model)
         self._buffers = FlatBuffers(placement, dict(params), self._device)
         self._opt = optimizer

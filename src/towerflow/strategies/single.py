@@ -40,22 +40,30 @@ class LocalOptimizerStrategy(Strategy):
         self._model: nn.Module | None = None
         self._train_model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._lr_factors: list[float] = []
         self._step = 0
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         """The module the loss function calls (the model itself by default)."""
         return model
 
-    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
-        """Move ``model`` to :attr:`device`, wrap it and build the optimizer."""
+    def prepare(self, model: nn.Module,
+                optimizer: OptimizerConfig | torch.optim.Optimizer) -> nn.Module:
+        """Move ``model`` to :attr:`device`, wrap it and build the optimizer (a ``torch.optim``
+        one is rebuilt from its settings, each parameter group's kept)."""
+        from towerflow.strategies.optim import as_optimizer_config
+
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(
                 f"prepare() needs a torch.nn.Module, got {type(model).__name__}."
             )
+        config = as_optimizer_config(optimizer, model)
         model.to(self.device)
         self._model = model
         self._train_model = self._wrap(model)
-        self._optimizer = optimizer.build(self._train_model.parameters())
+        self._optimizer = config.build_named(model.named_parameters())
+        #: each group's learning rate over the base one: a schedule's rate scales them all
+        self._lr_factors = [group["lr"] / config.lr for group in self._optimizer.param_groups]
         return self._train_model
 
     @property
@@ -79,8 +87,8 @@ class LocalOptimizerStrategy(Strategy):
         """Forward, backward and one optimizer update; the loss stays on the device."""
         _, optimizer = self._prepared()
         if lr is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            for group, factor in zip(optimizer.param_groups, self._lr_factors, strict=True):
+                group["lr"] = lr * factor
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(self._train_model, batch)
         loss.backward()

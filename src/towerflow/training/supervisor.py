@@ -389,7 +389,7 @@ class Supervisor:
     # -- the session -----------------------------------------------------------------------
     @contextlib.contextmanager
     def managed_session(self, master: Any = None, *, model: nn.Module,
-                        optimizer: OptimizerConfig | None = None,
+                        optimizer: OptimizerConfig | torch.optim.Optimizer | None = None,
                         strategy: Strategy | None = None) -> Iterator[ManagedSession]:
         """Prepare ``model``, restore or initialise it, and yield a :class:`ManagedSession`.
 
@@ -399,7 +399,9 @@ class Supervisor:
                 there, else the environment's cluster task at that address); None
                 or ``""``: the environment's cluster, else this process alone.
             model: the model to train.
-            optimizer: applied on the ps tasks (default SGD, lr 0.1).
+            optimizer: applied on the ps tasks (default SGD, lr 0.1): an
+                ``OptimizerConfig`` or a ``torch.optim`` SGD / Adagrad / Adam over
+                ``model``'s parameters, its parameter groups' settings kept.
             strategy: use this strategy instead of choosing one.
 
         Raises:
@@ -411,7 +413,8 @@ class Supervisor:
         finished, error = False, None
         try:
             with self._signals():
-                prepared = strategy.prepare(model, optimizer or OptimizerConfig())
+                prepared = strategy.prepare(model, OptimizerConfig() if optimizer is None
+                                            else optimizer)
                 self._restore_or_init(strategy, model)
                 session = ManagedSession(self, strategy, prepared)
                 self._session = session

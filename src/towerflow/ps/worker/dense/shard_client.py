@@ -165,7 +165,8 @@ class ShardClient:
         slots = dict(slots or {})
         req = pb.InitRequest(
             shard=self.layout.index, segments=layout_to_proto(self.layout),
-            optimizer=optimizer_to_proto(optimizer), aggregation=aggregation_to_proto(aggregation),
+            optimizer=optimizer_to_proto(optimizer, (s.name for s in self.layout.segments)),
+            aggregation=aggregation_to_proto(aggregation),
             step=step, slots=list(slots), optimizer_step=optimizer_step,
             pushes=push_records(pushes))
 
