@@ -514,6 +514,15 @@ class ParameterServer(Strategy):
         if not self._chief:
             return
         metadata = dict(metadata or {})
+        if isinstance(metadata.get("optimizer"), Mapping):  # written by one process / replicas
+            from towerflow.strategies.single import local_optimizer_slots
+
+            slots, step = local_optimizer_slots(self._model, self._opt,
+                                                groups.get("optimizer", {}), metadata["optimizer"])
+            groups = {**groups, "optimizer": slots}
+            # torch's SGD keeps no step: its momentum was applied once a global step
+            metadata.update(optimizer=self._opt.name,
+                            optimizer_step=step or int(metadata.get("global_step", 0)))
         if self._tables:
             self._table_restore = tables_to_restore(groups, metadata)
         self._restore = dense_restore(self._buffers.placement, groups, metadata, self._opt.name)

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch import nn
 from towerflow.devices import resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+
+log = logging.getLogger("towerflow.training")
 
 __all__ = ["SingleDevice", "LocalOptimizerStrategy"]
 
@@ -134,7 +137,10 @@ class LocalOptimizerStrategy(Strategy):
         load_into_module(model, groups["model"])
         metadata = metadata or {}
         layout = metadata.get("optimizer")
-        if layout is not None:
+        if isinstance(layout, str):  # a parameter server's: its slots by variable
+            _load_ps_slots(model, optimizer, layout, groups.get("optimizer", {}),
+                           int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
+        elif layout is not None:
             # own copies: torch keeps the given tensors when device and dtype already match
             tensors = {k: v.clone() for k, v in groups.get("optimizer", {}).items()}
             optimizer.load_state_dict(unflatten_state(tensors, layout))
@@ -162,3 +168,73 @@ class SingleDevice(LocalOptimizerStrategy):
 
     def __repr__(self) -> str:
         return f"SingleDevice(device={str(self._device)!r})"
+
+
+#: the ps's optimizer names and the torch.optim class each runs as here
+_PS_OPTIMIZERS = {"sgd": torch.optim.SGD, "momentum": torch.optim.SGD, "adam": torch.optim.Adam,
+                  "adagrad": torch.optim.Adagrad}
+
+
+def _load_ps_slots(model: nn.Module, optimizer: torch.optim.Optimizer, name: str,
+                   slots: Mapping[str, torch.Tensor], step: int) -> None:
+    """A ps checkpoint's optimizer state (``<variable>/<slot>``, one tensor each, the
+    slots named as torch.optim names them) as this optimizer's per-parameter state.
+
+    A checkpoint of another kind of optimizer leaves this one's state fresh (and says so).
+
+    Raises:
+        InvalidArgumentError: a slot of a trained parameter is missing or of another shape.
+    """
+    if not isinstance(optimizer, _PS_OPTIMIZERS.get(name, ())):
+        log.warning("the checkpoint's optimizer state is %s's (trained on a parameter server) and "
+                    "this run's optimizer is %s: it starts afresh", name,
+                    type(optimizer).__name__)
+        return
+    kinds = {key.rpartition("/")[2] for key in slots}
+    for pname, param in model.named_parameters():
+        if not param.requires_grad or not kinds:
+            continue
+        state: dict[str, torch.Tensor] = {}
+        for kind in sorted(kinds):
+            value = slots.get(f"{pname}/{kind}")
+            if value is None or tuple(value.shape) != tuple(param.shape):
+                raise InvalidArgumentError(
+                    f"The checkpoint's optimizer slot {pname}/{kind} is "
+                    f"{'missing' if value is None else tuple(value.shape)}, not "
+                    f"{tuple(param.shape)}; resume with the model it was trained with.")
+            state[kind] = value.detach().to(param.device, param.dtype).clone()
+        if not isinstance(optimizer, torch.optim.SGD):
+            state["step"] = torch.tensor(float(step))
+        optimizer.state[param] = state
+
+
+def local_optimizer_slots(model: nn.Module, config: Any, tensors: Mapping[str, torch.Tensor],
+                          layout: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+    """A one-process (or replicas') checkpoint's optimizer state in a parameter server's
+    form: ``{"<variable>/<slot>": tensor}`` and the optimizer's step.
+
+    The state is read into ``config``'s optimizer built over ``model`` as the run that
+    wrote it built it (the same parameter groups), so each state belongs to its name.
+
+    Raises:
+        InvalidArgumentError: the state does not fit the model's parameter groups.
+    """
+    from towerflow.checkpoint import unflatten_state
+
+    optimizer = config.build_named(model.named_parameters())
+    try:
+        optimizer.load_state_dict(unflatten_state({k: v.clone() for k, v in tensors.items()},
+                                                  layout))
+    except (ValueError, KeyError) as exc:
+        raise InvalidArgumentError(
+            f"The checkpoint's optimizer state does not fit this model's parameter groups "
+            f"({exc}); resume with the model and optimizer it was trained with.") from None
+    names = {id(p): n for n, p in model.named_parameters()}
+    slots, step = {}, 0
+    for param, state in optimizer.state.items():
+        for kind, value in state.items():
+            if kind == "step":
+                step = max(step, int(value))
+            elif isinstance(value, torch.Tensor) and value.shape == param.shape:
+                slots[f"{names[id(param)]}/{kind}"] = value.detach().cpu()
+    return slots, step
