@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from towerflow.checkpoint import CheckpointManager
 from towerflow.cli import main
 
 QUIET = ["--summary-every", "0", "--no-progress", "--log-every", "1000"]
@@ -168,8 +169,11 @@ def test_own_model_on_1_ps_and_2_workers_resumes_and_evaluates(
                            "--max-steps", "60"], env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"restored .*ckpt-00000020", proc.stdout + proc.stderr)
-    assert (run / "ckpt-00000060").is_dir()
+    # async: the other worker's last push may carry the global step past --max-steps
+    restored = re.search(r"restored .*ckpt-(\d+)", proc.stdout + proc.stderr)
+    assert restored and 20 <= int(restored.group(1)) <= 22, proc.stdout + proc.stderr
+    latest = CheckpointManager(run).latest()
+    assert latest is not None and int(latest.name.rsplit("-", 1)[1]) >= 60
     assert _eval_loss(capsys, run) < before
 
 

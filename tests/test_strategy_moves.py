@@ -113,3 +113,88 @@ def test_another_kind_of_optimizer_starts_afresh_and_says_so(caplog) -> None:
         local.load_state(groups, metadata)
     assert "the checkpoint's optimizer state is adagrad's" in caplog.text
     assert not local.optimizer.state
+
+
+class Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(20, 4, sparse=True)  # a table on the ps, a weight in one process
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).squeeze(1)
+
+
+def table_loss(m: nn.Module, batch) -> torch.Tensor:
+    ids, y = batch
+    return nn.functional.mse_loss(m(ids), y)
+
+
+def table_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 20, (8,), generator=g)
+    return ids, (ids % 3).float()
+
+
+def _saved(strategy, directory):
+    """``strategy``'s checkpoint written to ``directory`` and read back (tables as parts)."""
+    from towerflow.checkpoint import CheckpointManager, read_checkpoint
+    from towerflow.training.session import checkpoint_metadata
+
+    groups = strategy.state_dict()
+    metadata = checkpoint_metadata(strategy)
+    return read_checkpoint(CheckpointManager(directory).save(metadata["step"], groups, metadata))
+
+
+def _table(ckpt) -> torch.Tensor:
+    rows = torch.full((20, 4), float("nan"))
+    for _, tensors in ckpt.chunked["ps_tables"].parts():
+        rows.index_copy_(0, tensors["ids"], tensors["rows"])
+    return rows
+
+
+def test_a_ps_runs_tables_resume_in_one_process_as_weights_with_their_accumulators(
+        tmp_path) -> None:
+    config = OptimizerConfig("adagrad", lr=0.3, initial_accumulator_value=0.1)
+    with ps_tasks(SECRET) as spec:
+        ps = _ps(spec)
+        try:
+            ps.prepare(Tables(), config)
+            for seed in range(3):
+                ps.run_step(table_loss, table_batch(seed))
+            first = _saved(ps, tmp_path / "a")
+            ps.run_step(table_loss, table_batch(3))
+            want = _table(_saved(ps, tmp_path / "b"))
+        finally:
+            ps.shutdown()
+    local = SingleDevice("cpu")
+    moved = Tables()
+    local.prepare(moved, config)
+    local.load_state({**first.groups, **first.chunked}, first.metadata["strategy"])
+    torch.testing.assert_close(moved.emb.weight.detach(), _table(first), rtol=0, atol=0)
+    assert set(local.optimizer.state[moved.emb.weight]) == {"sum", "step"}
+    local.run_step(table_loss, table_batch(3))  # the step the ps took: the same rows
+    torch.testing.assert_close(moved.emb.weight.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_one_process_runs_table_weights_start_the_ps_tables(tmp_path) -> None:
+    config = OptimizerConfig("adagrad", lr=0.3)
+    local = SingleDevice("cpu")
+    trained = Tables()
+    local.prepare(trained, config)
+    for seed in range(3):
+        local.run_step(table_loss, table_batch(seed))
+    groups = {g: {k: v.clone() for k, v in t.items()} for g, t in local.state_dict().items()}
+    metadata = local.state_metadata()
+    with ps_tasks(SECRET) as spec:
+        ps = _ps(spec)
+        try:
+            ps.prepare(Tables(), config)
+            ps.load_state(groups, metadata)
+            ckpt = _saved(ps, tmp_path)  # initialises the ps tasks from the checkpoint
+            got, dense = _table(ckpt), ckpt.groups["model"]
+        finally:
+            ps.shutdown()
+    torch.testing.assert_close(got, trained.emb.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(dense["out.weight"], trained.out.weight.detach(), rtol=0, atol=0)

@@ -66,6 +66,7 @@ from towerflow.ps.worker.dense.variables import (
     dense_groups,
     dense_restore,
 )
+from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
@@ -510,24 +511,44 @@ class ParameterServer(Strategy):
             raise InvalidArgumentError(
                 f"The checkpoint has no 'model' group (groups: {sorted(groups)})."
             )
-        load_into_module(self._model, model_group)  # checks names, shapes, dtypes
+        rest = self._tables_as_weights(groups, model_group)
+        load_into_module(self._model, rest)  # checks names, shapes, dtypes
         if not self._chief:
             return
         metadata = dict(metadata or {})
         if isinstance(metadata.get("optimizer"), Mapping):  # written by one process / replicas
             from towerflow.strategies.single import local_optimizer_slots
 
-            slots, step = local_optimizer_slots(self._model, self._opt,
-                                                groups.get("optimizer", {}), metadata["optimizer"])
+            slots, step = local_optimizer_slots(self._model, self._opt, groups, metadata)
             groups = {**groups, "optimizer": slots}
             # torch's SGD keeps no step: its momentum was applied once a global step
             metadata.update(optimizer=self._opt.name,
                             optimizer_step=step or int(metadata.get("global_step", 0)))
-        if self._tables:
+        if self._tables and len(rest) == len(model_group):  # (else they start from weights)
             self._table_restore = tables_to_restore(groups, metadata)
         self._restore = dense_restore(self._buffers.placement, groups, metadata, self._opt.name)
         self._buffers.load_from(self._restore.params)
         self._needs_init = True
+
+    def _tables_as_weights(self, groups: Mapping[str, Any], model_group: Mapping[str, Any]
+                           ) -> Mapping[str, Any]:
+        """A checkpoint written without a ps holds the model's tables as weights: the chief's
+        tables start from them (shipped to their shards when it creates them); the rest of
+        ``model_group`` is returned."""
+        if not self._tables or TABLES_GROUP in groups:
+            return model_group
+        rest, moved = dict(model_group), []
+        for path, module in self._tables.modules:
+            weight = rest.pop(f"{path}.weight", None)
+            if weight is not None:
+                moved.append(path)
+                if self._chief:
+                    module.start_from(weight)
+        if moved and self._chief:
+            log.warning("table(s) %s start from the checkpoint's weights on the ps tasks; their "
+                        "optimizer slots start afresh (a checkpoint written without a ps keeps "
+                        "no row-wise slots)", ", ".join(map(repr, moved)))
+        return rest
 
     # -- lifetime ----------------------------------------------------------------------------
     def wait_for_peers(self, timeout: float) -> bool:

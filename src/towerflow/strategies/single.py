@@ -115,7 +115,10 @@ class LocalOptimizerStrategy(Strategy):
         from towerflow.checkpoint import flatten_state
 
         _, layout = flatten_state(optimizer.state_dict())
-        return {"global_step": self._step, "optimizer": layout}
+        names = {id(p): n for n, p in self._prepared()[0].named_parameters()}
+        # which parameter each optimizer state is, so that a ps run can take it over
+        groups = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
+        return {"global_step": self._step, "optimizer": layout, "optimizer_params": groups}
 
     def load_state_dict(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Restore the model only (the optimizer state needs :meth:`load_state`)."""
@@ -134,11 +137,16 @@ class LocalOptimizerStrategy(Strategy):
                 f"The checkpoint has no 'model' group (groups: {sorted(groups)}); "
                 "restore a checkpoint written by a towerflow trainer."
             )
-        load_into_module(model, groups["model"])
         metadata = metadata or {}
+        # a ps run's tables, saved as parts of rows: here plain weights of the model
+        from towerflow.strategies.ps_tables import table_weights
+
+        table_slots: dict[str, torch.Tensor] = {}
+        load_into_module(model, {**groups["model"], **table_weights(
+            groups, metadata, model, "the checkpoint", slots=table_slots)})
         layout = metadata.get("optimizer")
         if isinstance(layout, str):  # a parameter server's: its slots by variable
-            _load_ps_slots(model, optimizer, layout, groups.get("optimizer", {}),
+            _load_ps_slots(model, optimizer, layout, {**groups.get("optimizer", {}), **table_slots},
                            int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
         elif layout is not None:
             # own copies: torch keeps the given tensors when device and dtype already match
@@ -208,28 +216,37 @@ def _load_ps_slots(model: nn.Module, optimizer: torch.optim.Optimizer, name: str
         optimizer.state[param] = state
 
 
-def local_optimizer_slots(model: nn.Module, config: Any, tensors: Mapping[str, torch.Tensor],
-                          layout: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+def local_optimizer_slots(model: nn.Module, config: Any, groups: Mapping[str, Any],
+                          metadata: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
     """A one-process (or replicas') checkpoint's optimizer state in a parameter server's
     form: ``{"<variable>/<slot>": tensor}`` and the optimizer's step.
 
-    The state is read into ``config``'s optimizer built over ``model`` as the run that
-    wrote it built it (the same parameter groups), so each state belongs to its name.
-
-    Raises:
-        InvalidArgumentError: the state does not fit the model's parameter groups.
+    The state is read into an optimizer of ``config``'s kind built as the run that wrote
+    it built its own: the parameter groups its metadata names (``optimizer_params``;
+    placeholders of the checkpoint's shapes), else ``model``'s parameters as ``config``
+    groups them, so that each state belongs to its parameter's name. A checkpoint whose
+    groups cannot be told apart gives no state (the ps starts its slots afresh, and says so).
     """
     from towerflow.checkpoint import unflatten_state
 
-    optimizer = config.build_named(model.named_parameters())
+    params = groups.get("model", {})
+    recorded = metadata.get("optimizer_params")
+    if isinstance(recorded, list) and all(isinstance(g, list) and all(
+            isinstance(n, str) and n in params for n in g) for g in recorded):
+        named = [[(n, nn.Parameter(torch.empty(params[n].shape))) for n in g] for g in recorded]
+        optimizer = config.build([{"params": [p for _, p in g]} for g in named if g])
+        names = {id(p): n for g in named for n, p in g}
+    else:
+        optimizer = config.build_named(model.named_parameters())
+        names = {id(p): n for n, p in model.named_parameters()}
     try:
-        optimizer.load_state_dict(unflatten_state({k: v.clone() for k, v in tensors.items()},
-                                                  layout))
+        optimizer.load_state_dict(unflatten_state(
+            {k: v.clone() for k, v in groups.get("optimizer", {}).items()},
+            metadata["optimizer"]))
     except (ValueError, KeyError) as exc:
-        raise InvalidArgumentError(
-            f"The checkpoint's optimizer state does not fit this model's parameter groups "
-            f"({exc}); resume with the model and optimizer it was trained with.") from None
-    names = {id(p): n for n, p in model.named_parameters()}
+        log.warning("the checkpoint's optimizer state does not fit this model's parameter groups "
+                    "(%s): the ps tasks start the optimizer afresh", exc)
+        return {}, 0
     slots, step = {}, 0
     for param, state in optimizer.state.items():
         for kind, value in state.items():
