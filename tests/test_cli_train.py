@@ -52,6 +52,26 @@ def test_two_cpu_replicas_train_digits_and_only_the_chief_logs_and_saves(
     assert ckpt.metadata["batch_size"] == 16
 
 
+@pytest.mark.slow
+def test_replicas_without_a_usable_network_fail_with_one_message_and_no_traceback(
+        tmp_path, subprocess_env, python) -> None:
+    env = {**subprocess_env, "GLOO_SOCKET_IFNAME": "nosuchif0"}  # Gloo finds no such interface
+    cmd = [python, "-m", "towerflow", *_train_args(tmp_path, 20, "--replicas", "2")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    shown = proc.stdout + proc.stderr
+    assert proc.returncode == 2, shown
+    assert "Traceback" not in shown
+    errors = [line for line in shown.splitlines() if line.startswith("towerflow train: error:")]
+    assert len(errors) == 1, shown
+    assert re.fullmatch(r"towerflow train: error: Replica 0 of 2 could not join the gloo process "
+                        r"group at 127\.0\.0\.1:\d+: .*Unable to find address for: nosuchif0\. "
+                        r"Check the network the replicas use \(GLOO_SOCKET_IFNAME .*", errors[0])
+    log = tmp_path / "replica-1.log"
+    others = [line for line in shown.splitlines() if line.startswith("[replica 1]")]
+    assert others == [others[0]] and f"(traceback in {log})" in others[0], shown
+    assert "Traceback (most recent call last)" in log.read_text()
+
+
 def test_replica_command_reproduces_the_parsed_options() -> None:
     argv = ["train", "cifar10", "--replicas", "2", "--train-dir", "d", "--max-steps", "5",
             "--data", "synthetic", "--lr", "0.05", "--log-device-placement"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from towerflow.checkpoint import CheckpointManager, read_checkpoint
 from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster, wait_until
 from towerflow.testing.scenarios import STEP_LINE as STEP
 from towerflow.testing.scenarios import TASK_COMMAND as TASK
+from towerflow.testing.task import EXIT_ERROR
 
 
 def _complete_checkpoints(logdir) -> list[str]:
@@ -73,4 +75,29 @@ def test_killed_chief_restores_the_latest_complete_checkpoint_and_no_one_else_sa
         assert int(ready.group(1)) >= restored
         wait_until(lambda: _complete_checkpoints(logdir)[-1:] != listing[-1:], timeout=60,
                    what="a new checkpoint by the restarted chief")
+    assert leftover_processes() == []
+
+
+@pytest.mark.slow
+def test_a_chief_that_fails_before_initialising_ends_every_task_with_its_error(subprocess_env,
+                                                                                 tmp_path):
+    logdir = tmp_path / "train"
+    # a checkpoint of another model (the ledger's one parameter): the linear chief cannot restore it
+    CheckpointManager(logdir).save(7, {"model": {"p": torch.zeros(8)}})
+    with _training(subprocess_env, logdir, save_secs=3600) as lc:
+        ps, other = lc.start("ps", 0), lc.start("worker", 1)
+        other.wait_for_line(r"^started worker:1", timeout=60)
+        chief = lc.start("worker", 0)
+        assert chief.wait(timeout=90) == EXIT_ERROR, chief.tail()
+        failed = time.monotonic()
+        said = chief.wait_for_line(r"^error (\w+): (.+)$", timeout=5)
+        # the worker that waited for the initialisation and the ps task end with the chief's error
+        assert other.wait(timeout=30) == EXIT_ERROR, other.tail()
+        assert ps.wait(timeout=30) == EXIT_ERROR, ps.tail()
+        assert time.monotonic() - failed < 10
+        first_line = f"{said.group(1)}: {said.group(2)}"[:200]
+        for task in (other, ps):
+            line = task.wait_for_line(r"^error AbortedError: (.+)$", timeout=5).group(1)
+            assert "the chief failed before it initialised the job" in line.lower(), line
+            assert first_line in line, (first_line, line)
     assert leftover_processes() == []

@@ -324,3 +324,23 @@ def test_a_worker_that_raises_is_not_finished_and_the_chiefs_done_names_its_chec
         for worker in workers:
             worker.stop()
         thread.join(10.0)
+
+
+def test_a_chiefs_failure_ends_the_ps_with_it_after_the_grace_when_no_worker_asks(
+        spec, monkeypatch):
+    from towerflow.errors import AbortedError
+    from towerflow.ps.server import lifecycle
+    from towerflow.ps.worker.dense.client import tell_chief_failure
+
+    monkeypatch.setattr(lifecycle, "FAILURE_GRACE", 0.5)
+    ps = Server(spec, "ps", 0, credentials=SECRET)
+    thread, outcome = _joined(ps)
+    try:
+        tell_chief_failure(spec, SECRET, "ValueError: the model does not fit")
+        thread.join(10.0)
+        assert len(outcome) == 1 and isinstance(outcome[0], AbortedError), outcome
+        assert re.fullmatch(r"ps task 0: the chief failed before it initialised the job: "
+                            r"ValueError: the model does not fit\. Fix the chief's error and "
+                            r"start the job again\.", str(outcome[0]))
+    finally:
+        ps.stop()

@@ -464,3 +464,51 @@ def test_a_wait_for_a_missing_ps_says_so_then_gives_up_in_one_sentence(free_port
         c.close()
     assert any(f"waiting for the ps task at 127.0.0.1:{ports[0]} to answer" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_chief_failure_before_init_reaches_waiting_workers_until_an_init_clears_it(
+        ps_cluster) -> None:
+    from towerflow.errors import AbortedError
+    from towerflow.ps.worker.dense.client import tell_chief_failure
+
+    cluster, services = ps_cluster
+    with client(cluster, worker_id=1) as other:  # a worker is no chief: its failure is ignored
+        other.close(done=False, failure="RuntimeError: not the chief")
+    assert [s.failure for s in services] == ["", ""]
+    # the chief fails before it has a client (e.g. its model was refused at declaration)
+    tell_chief_failure(cluster, SECRET, "CheckpointError: bad\x07 digest\nTraceback (most ...")
+    assert [s.failure for s in services] == ["CheckpointError: bad  digest"] * 2
+    waiting = client(cluster, worker_id=1)
+    with pytest.raises(AbortedError, match=r"^The chief failed before it initialised the job "
+                       r"\(ps task 0 says so\): CheckpointError: bad  digest\. Fix the chief"):
+        waiting.wait_until_initialized(timeout=5)
+    assert all(1 in s.finished for s in services)  # it said Done: the ps tasks may end
+    with client(cluster) as chief:  # the chief restarted and initialised: the failure is gone
+        init(chief)
+        tell_chief_failure(cluster, SECRET, "RuntimeError: too late")  # after Init: ignored
+        assert [s.failure for s in services] == ["", ""]
+        with client(cluster, worker_id=1) as again:
+            assert again.wait_until_initialized(timeout=5) == 0
+
+
+def test_small_shards_are_pushed_side_by_side_and_a_broken_stream_is_pushed_again_once(
+        ps_cluster) -> None:
+    cluster, services = ps_cluster
+    with client(cluster, chunk_bytes=1 << 20) as c:  # every shard fits one message
+        assert all(shard.small for shard in c.shards)
+        values = init(c, opt="sgd")
+        fresh = [np.zeros_like(v) for v in values]
+        result = c.push([np.ones_like(v) for v in values], lr=0.5, pull_into=fresh)
+        assert result.applied and result.global_step == 1
+        for got, want in zip(fresh, values, strict=True):
+            np.testing.assert_allclose(got, want - 0.5)
+        # shard 0's request is on its way, then its stream breaks before the reply is read
+        grads = [np.ones_like(v) for v in values]
+        ident = {"worker_id": 0, "incarnation": c.incarnation, "seq": 2, "lr": 0.5}
+        assert c.shards[0].start_push(grads[0], want_params=True, **ident)
+        c.shards[0]._stream._call.cancel()  # the ps may have applied it or not: either way once
+        reply = c.shards[0].finish_push(grads[0], pull_into=fresh[0], **ident)
+        assert reply.status == "applied"
+        assert services[0].shard[0].stats.applied == 2  # the push and its retry: applied once
+        np.testing.assert_allclose(fresh[0], values[0] - 1.25)  # momentum 0.5: 0.5 + 0.75
+        c.shards[1].push(grads[1], **ident)  # the same step's other shard

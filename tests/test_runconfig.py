@@ -257,7 +257,8 @@ def test_eval_without_a_model_or_a_record_says_what_to_give(tmp_path, capsys) ->
                      r"movielens or criteo\)", capsys.readouterr().err)
     assert main(["train", "--train-dir", str(tmp_path)]) == 2
     assert re.search(r"towerflow train needs a model: name it \(cifar10, digits, click, "
-                     r"movielens or criteo\), give a --config file", capsys.readouterr().err)
+                     r"movielens or criteo, or your own as --model MODULE:FACTORY\), give a "
+                     r"--config file", capsys.readouterr().err)
 
 
 def test_a_resume_that_cannot_keep_a_recorded_ps_setting_says_how_to_resume(tmp_path,

@@ -20,10 +20,11 @@ from typing import Any
 from towerflow.cli._serving import BIND_ENV, add_lifecycle_arguments
 
 __all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "byte_count_or_off",
-           "flag_of_dest",
+           "data_source", "flag_of_dest", "model_name",
            "option_defaults", "strategy_options"]
 
 _MODELS = ("cifar10", "digits", "click", "movielens", "criteo")  # towerflow.training.tasks.TASKS
+_LOSSES = ("mse", "cross_entropy", "bce_with_logits")  # towerflow.training.user_task.LOSSES
 _MODES = ("async", "sync", "ssp")  # towerflow.ps.server.dense.aggregation.MODES
 _PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
 _PS_STRATEGY = "greedy"  # towerflow.ps.placement.DEFAULT_PS_STRATEGY
@@ -64,9 +65,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     ``--max_steps``, ``--num_gpus``, ``--log_device_placement``,
     ``--batch_size``, ``--data_dir``).
     """
-    parser.add_argument("model", nargs="?", choices=_MODELS, default=None,
-                        help="which built-in model to train; default: the one --config or "
+    parser.add_argument("model", nargs="?", type=model_name, default=None,
+                        help=f"which model to train: a built-in one ({', '.join(_MODELS)}) or "
+                        "your own as MODULE:FACTORY (as --model); default: the one --config or "
                         "the resumed run's run.yaml names")
+    parser.add_argument("--model", dest="model_spec", type=model_name, default=None,
+                        metavar="MODULE:FACTORY",
+                        help="your own model: a function of an importable module (the current "
+                        "directory is) that returns an nn.Module, or {'model': ..., 'loss_fn': "
+                        "..., 'optimizer': ...}; with --data MODULE:FACTORY "
+                        "(docs/recommendation.md)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="a YAML or JSON file of settings named as these options "
                         "(batch_size: 64); flags given here override it")
@@ -88,9 +96,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--data-dir", "--data_dir", default="/tmp/cifar10_data", metavar="DIR",
                         help="the data set's files: CIFAR-10's binary files or MovieLens' "
                         "(downloaded there when absent), Criteo's train.txt[.gz]")
-    parser.add_argument("--data", choices=("real", "synthetic"), default="real",
+    parser.add_argument("--data", type=data_source, default="real",
+                        metavar="real|synthetic|MODULE:FACTORY",
                         help="'synthetic': random CIFAR-10-shaped images, for speed runs "
-                        "or with no network")
+                        "or with no network; MODULE:FACTORY: your own model's data, a function "
+                        "of (split, batch_size, rank, world_size, seed, epoch, data_dir: those "
+                        "it names) returning an iterable of (inputs, targets) batches")
+    parser.add_argument("--loss", choices=_LOSSES, default=None,
+                        help="the loss of your own model (--model MODULE:FACTORY); default: "
+                        "the loss_fn its factory returns")
     parser.add_argument("--synthetic-examples", type=int, default=10000, metavar="N",
                         help="examples in the synthetic data set (with --data synthetic)")
     parser.add_argument("--no-download", action="store_true",
@@ -227,6 +241,33 @@ def _add_ps_arguments(group: Any) -> None:
                        help="(the chief, async) elastic workers (--join) each ps task admits "
                        "at once; 0: none (default 16, towerflow.ps.protocol's)")
     add_lifecycle_arguments(group)
+
+
+def model_name(text: str) -> str:
+    """A built-in model's name or ``MODULE:FACTORY`` (an argparse type).
+
+    Example:
+        >>> model_name("digits"), model_name("mymodels:build")
+        ('digits', 'mymodels:build')
+    """
+    if text in _MODELS or (":" in text and text.partition(":")[0] and text.partition(":")[2]):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in model ({', '.join(_MODELS)}) nor "
+                     "MODULE:FACTORY such as mymodels:build")
+
+
+def data_source(text: str) -> str:
+    """``real``, ``synthetic`` or ``MODULE:FACTORY`` (an argparse type).
+
+    Example:
+        >>> data_source("synthetic"), data_source("mydata:batches")
+        ('synthetic', 'mydata:batches')
+    """
+    if text in ("real", "synthetic") or (":" in text and text.partition(":")[0]
+                                         and text.partition(":")[2]):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither real, synthetic nor MODULE:FACTORY such as "
+                     "mydata:batches")
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000 ** 2,

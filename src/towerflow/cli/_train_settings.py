@@ -55,12 +55,28 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             read_settings_file(args.config), actions, source), source)
         check_exclusive(parser, from_file, source)
         explicit = merge_layers(parser, from_file, explicit)
+    _fold_model_option(explicit)
+    args.model_spec = None
     for dest, value in explicit.items():
         setattr(args, dest, value)
     args.config = None  # its settings are in args now: a replica gets them as flags
     _resume(args, parser, explicit)
     args._explicit = frozenset(explicit)
     return args
+
+
+def _fold_model_option(explicit: dict[str, Any]) -> None:
+    """``--model MODULE:FACTORY`` is the positional model spelled as a flag."""
+    from towerflow.errors import InvalidArgumentError
+
+    spec = explicit.pop("model_spec", None)
+    if spec is None:
+        return
+    if explicit.get("model") not in (None, spec):
+        raise InvalidArgumentError(
+            f"towerflow train names two models, {explicit['model']} and --model {spec}; "
+            "keep one.")
+    explicit["model"] = spec
 
 
 def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -77,9 +93,10 @@ def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
         normalize_settings,
         resume_conflicts,
     )
+    from towerflow.training.tasks import default_train_dir
 
     if args.train_dir is None and args.model is not None:
-        args.train_dir = f"/tmp/{args.model}_train"
+        args.train_dir = default_train_dir(args.model)
     saved = None
     if args.train_dir is not None and holds_checkpoint(args.train_dir):
         saved = load_run_settings(args.train_dir)
@@ -101,10 +118,11 @@ def _resume(args: argparse.Namespace, parser: argparse.ArgumentParser,
                  f" ({', '.join(unusual)})" if unusual else "")
     if args.model is None:
         raise InvalidArgumentError(
-            "towerflow train needs a model: name it (cifar10, digits, click, movielens or criteo), give a --config file "
-            "that names it, or a --train-dir whose run.yaml does.")
+            "towerflow train needs a model: name it (cifar10, digits, click, movielens or "
+            "criteo, or your own as --model MODULE:FACTORY), give a --config file that names "
+            "it, or a --train-dir whose run.yaml does.")
     if args.train_dir is None:
-        args.train_dir = f"/tmp/{args.model}_train"
+        args.train_dir = default_train_dir(args.model)
     _task_options(args, explicit, saved)
 
 
@@ -117,13 +135,22 @@ def _task_options(args: argparse.Namespace, explicit: Mapping[str, Any],
         InvalidArgumentError: an option of another model set to anything but its default.
     """
     from towerflow.errors import InvalidArgumentError
-    from towerflow.training.tasks import TASKS
+    from towerflow.training.tasks import TASKS, task_class
+    from towerflow.training.user_task import UserTask, is_factory_spec, load_factory
 
-    task = TASKS[args.model]
+    task = task_class(args.model)
     for dest, value in task.option_defaults.items():
         if dest not in explicit and (saved is None or dest not in saved):
             setattr(args, dest, value)
-    for name, other in TASKS.items():
+    if is_factory_spec(args.data) and task is not UserTask:
+        raise InvalidArgumentError(
+            f"--data {args.data} is the data of your own model, not of {args.model}; "
+            "remove it, or train your model with --model MODULE:FACTORY.")
+    if task is UserTask:  # refused here, before any process starts
+        user = UserTask.from_settings(vars(args))
+        load_factory(user.name, "--model"), load_factory(user.data, "--data")
+    others = {**TASKS, "MODULE:FACTORY": UserTask}
+    for name, other in others.items():
         for dest, default in other.options.items():
             value = getattr(args, dest)
             if dest not in task.options and value != default:
@@ -134,4 +161,5 @@ def _task_options(args: argparse.Namespace, explicit: Mapping[str, Any],
 
 def run_record(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of this run, for its ``run.yaml``."""
-    return {dest: getattr(args, dest) for dest in option_defaults() if dest != "config"}
+    return {dest: getattr(args, dest) for dest in option_defaults()
+            if dest not in ("config", "model_spec")}

@@ -10,7 +10,9 @@ moving averages when the run kept them; for the click model, ``AUC =
 0.7850`` on held-out click logs and the planted truth's AUC on the same
 examples (a sparse table the ps tasks held is read from the checkpoint's
 parts); for movielens and criteo, ``AUC = 0.781`` and ``logloss = 0.5312``
-on the test split (the latest ratings or lines). Exits non-zero with a message naming the directory when it holds no
+on the test split (the latest ratings or lines); for your own model
+(``--model MODULE:FACTORY``), ``loss = 0.4123``, the mean loss of its data
+factory's test split. Exits non-zero with a message naming the directory when it holds no
 checkpoint.
 
 The model and the test split come from the run's record: ``towerflow
@@ -36,12 +38,15 @@ _AS_TRAINED = "default: as the run was trained (run.yaml in --train-dir), else "
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``towerflow eval``."""
+    from towerflow.cli._train_options import model_name
+
     parser = subparsers.add_parser(
         "eval", help="evaluate the latest checkpoint on the test split",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", choices=_MODELS, default=None,
-                        help="which built-in model; default: the one run.yaml in --train-dir "
-                        "names")
+    parser.add_argument("model", nargs="?", type=model_name, default=None,
+                        help="which model: a built-in one or your own MODULE:FACTORY; default: "
+                        "the one run.yaml in --train-dir names (with your own model's data "
+                        "factory and loss)")
     parser.add_argument("--train-dir", "--train_dir", default=None, metavar="DIR",
                         help="where training wrote its checkpoints; default: /tmp/<model>_train")
     parser.add_argument("--device", default=None,
@@ -105,13 +110,14 @@ def run(args: argparse.Namespace) -> int:
     """Evaluate and print the precision; a missing checkpoint is a NotFoundError."""
     from towerflow.training.evaluate import evaluate_checkpoint
     from towerflow.training.runconfig import RUN_FILE, load_run_settings
+    from towerflow.training.tasks import default_train_dir
 
-    train_dir = args.train_dir or (args.model and f"/tmp/{args.model}_train")
+    train_dir = args.train_dir or (args.model and default_train_dir(args.model))
     saved = load_run_settings(train_dir) if train_dir else None
     if saved is not None:
         log.info("model and test data as trained: %s/%s", train_dir, RUN_FILE)
     model = _model(args, train_dir, saved)
-    train_dir = train_dir or f"/tmp/{model}_train"
+    train_dir = train_dir or default_train_dir(model)
     result = evaluate_checkpoint(model, train_dir, device=args.device,
                                  data=_data_options(args, saved), batch_size=args.batch_size)
     weights = "moving averages" if result.averaged else "parameters"

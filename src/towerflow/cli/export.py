@@ -5,6 +5,8 @@
     towerflow export --train-dir runs/click --out exports/full-1            # a full export
     towerflow export --train-dir runs/click --out exports/delta-2 --since exports/full-1
     towerflow export --train-dir runs/click --out exports/full-1 --with-optimizer
+    towerflow export --train-dir runs/click --out exports/live-1 --live             # a local run now
+    towerflow export --train-dir /shared/run --out exports/live-1 --cluster cluster.json  # any job now
 
 Writes the dense parameters and every table's keys (int64, sorted) and rows as
 safetensors, with a manifest of the step, the tables, their dims, dtypes and partition,
@@ -12,6 +14,13 @@ and the SHA-256 of every file; ``--out`` appears complete or not at all. With
 ``--since`` only the rows that changed (and the ids removed) since that export, and the
 dense parameters: load the chain with ``towerflow.serving.load(delta, model)``. Prints
 one line: the step, what was written and its size.
+
+With ``--cluster`` (a cluster JSON file, the secret from ``--secret-file`` or
+``TOWERFLOW_SECRET(_FILE)``) or ``--live`` (the local run writing to ``--train-dir``:
+its address book and secret), the export is of what the job's ps tasks hold now, read
+while it trains: the dense parameters pulled from each ps task, every table streamed out
+of its shards part by part (never gathered in this process). The train dir's newest
+checkpoint still says what the tables are and gives the model's buffers.
 """
 
 from __future__ import annotations
@@ -40,6 +49,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--with-optimizer", action="store_true",
                         help="keep the tables' optimizer slots and the optimizer's state "
                         "(full exports only)")
+    live = parser.add_mutually_exclusive_group()
+    live.add_argument("--cluster", default=None, metavar="FILE",
+                      help="export what the ps tasks of this running cluster (a JSON file "
+                      "{job: [host:port, ...]}) hold now, not the checkpoint")
+    live.add_argument("--live", action="store_true",
+                      help="export what the ps tasks of the local run writing to --train-dir "
+                      "(towerflow launch / train --ps) hold now")
+    parser.add_argument("--secret-file", default=None,
+                        help="with --cluster: the cluster secret file (default: "
+                        "TOWERFLOW_SECRET(_FILE))")
     return parser
 
 
@@ -53,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
     from towerflow.serving.chain import read_export
 
     start = time.perf_counter()
-    path = export(args.train_dir, args.out, since=args.since,
-                  with_optimizer=args.with_optimizer)
+    if args.cluster or args.live:
+        path = _live_export(args)
+    else:
+        path = export(args.train_dir, args.out, since=args.since,
+                      with_optimizer=args.with_optimizer)
     seconds = time.perf_counter() - start
     description = read_export(path).description
     tables = description["tables"]
@@ -65,3 +87,33 @@ def run(args: argparse.Namespace) -> int:
           f"{len(tables)} table(s){gone}) to {path} ({_bytes(path):,} bytes, {seconds:.2f} s)",
           flush=True)
     return 0
+
+
+def _live_export(args: argparse.Namespace) -> Path:
+    """The export of what the cluster's ps tasks hold now (``--cluster`` / ``--live``)."""
+    from towerflow.checkpoint import read_checkpoint
+    from towerflow.cli.status import cluster_from_args
+    from towerflow.errors import InvalidArgumentError, NotFoundError
+    from towerflow.ps.worker.live import live_state
+    from towerflow.serving import export_source, source_from_state
+
+    if args.live and args.secret_file:
+        raise InvalidArgumentError("--live reads the run's own secret from --train-dir; leave "
+                                   "out --secret-file (or name the cluster with --cluster).")
+    cluster, credentials = cluster_from_args(args.cluster, None if args.cluster else
+                                             args.train_dir, args.secret_file)
+    try:
+        ckpt = read_checkpoint(args.train_dir)
+    except NotFoundError as exc:
+        raise NotFoundError(
+            f"No checkpoint in {args.train_dir!r}: a live export takes the tables' "
+            "descriptions and the model's buffers from the job's newest checkpoint; wait for "
+            "its first checkpoint (or point --train-dir at the job's train dir).") from exc
+    strategy = ckpt.metadata.get("strategy", {})
+    with live_state(cluster, credentials, strategy if isinstance(strategy, dict) else {}) \
+            as (groups, metadata):
+        groups["model"] = {**ckpt.groups.get("model", {}), **groups["model"]}
+        source = source_from_state(groups, metadata)
+        source.origin = f"the cluster's ps tasks at step {source.step}"
+        return export_source(source, args.out, since=args.since,
+                             with_optimizer=args.with_optimizer)

@@ -14,7 +14,9 @@ A ps task ends by itself, with status 0, once every training replica has
 finished (the chief after its final checkpoint); ``--serve-forever`` keeps it
 serving until stopped. When every replica that has not finished is dead or
 suspended, it keeps the parameters for their return for ``--idle-timeout``
-seconds (default one hour), then exits with status 2 naming them. Every task
+seconds (default one hour), then exits with status 2 naming them. A chief that
+fails before it initialised the job ends it too: the ps task tells the waiting
+workers the chief's error, then exits non-zero with it. Every task
 answers the standard gRPC health check (``grpc.health.v1``) without
 credentials, for Kubernetes probes.
 

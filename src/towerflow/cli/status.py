@@ -53,10 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Show the cluster until Ctrl-C (or once); returns 0."""
-    from dataclasses import replace
 
-    from towerflow.cluster import resolve_cluster
-    from towerflow.cluster.transport import Credentials, read_secret_file
     from towerflow.errors import InvalidArgumentError
     from towerflow.ps.worker.observe import ClusterObserver
 
@@ -64,24 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"--interval {args.interval:g} is not a positive number of seconds; give how often "
             "the view is refreshed, e.g. --interval 1.")
-    credentials = Credentials.from_env()
-    if args.train_dir:
-        from towerflow.cluster.address_book import read_address_book
-
-        if args.cluster:
-            raise InvalidArgumentError(
-                f"--train-dir {args.train_dir} and --cluster {args.cluster} both name the "
-                "cluster; give one.")
-        cluster, secret = read_address_book(args.train_dir)
-        credentials = replace(credentials, secret=secret)
-    else:
-        cluster = _cluster(args, resolve_cluster)
-    if cluster is None:
-        raise InvalidArgumentError(
-            "no cluster given; pass --cluster cluster.json, --train-dir DIR of a local run, "
-            "or set TF_CONFIG.")
-    if args.secret_file:
-        credentials = replace(credentials, secret=read_secret_file(args.secret_file))
+    cluster, credentials = cluster_from_args(args.cluster, args.train_dir, args.secret_file)
     with ClusterObserver(cluster, credentials, timeout=args.timeout) as observer:
         if args.once:
             _print(observer.snapshot(sample=args.interval), args.json)
@@ -94,24 +74,59 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace, resolve: Any) -> Any:
-    """The cluster of ``--cluster`` or the environment; any task of it may be "this" one."""
+def cluster_from_args(cluster_file: str | None, train_dir: str | None,
+                      secret_file: str | None) -> tuple[Any, Any]:
+    """``(ClusterSpec, Credentials)`` of a running cluster, for a process outside it.
+
+    The cluster of ``--cluster``, else a local run's address book in its train dir
+    (with the run's secret), else the environment (``TF_CONFIG``, torchrun,
+    Slurm); the secret of ``--secret-file`` overrides.
+
+    Raises:
+        InvalidArgumentError: both or none given, or an unreadable cluster file.
+    """
+    from dataclasses import replace
+
+    from towerflow.cluster import resolve_cluster
+    from towerflow.cluster.transport import Credentials, read_secret_file
+    from towerflow.errors import InvalidArgumentError
+
+    credentials = Credentials.from_env()
+    if train_dir and cluster_file:
+        raise InvalidArgumentError(
+            f"--train-dir {train_dir} and --cluster {cluster_file} both name the cluster; "
+            "give one.")
+    if train_dir:
+        from towerflow.cluster.address_book import read_address_book
+
+        cluster, secret = read_address_book(train_dir)
+        credentials = replace(credentials, secret=secret)
+    elif cluster_file:
+        cluster = _cluster_file(cluster_file)
+    else:
+        cluster, _ = resolve_cluster(None, None, None)
+    if cluster is None:
+        raise InvalidArgumentError(
+            "no cluster given; pass --cluster cluster.json, --train-dir DIR of a local run, "
+            "or set TF_CONFIG.")
+    if secret_file:
+        credentials = replace(credentials, secret=read_secret_file(secret_file))
+    return cluster, credentials
+
+
+def _cluster_file(name: str) -> Any:
+    """The cluster of a ``--cluster`` JSON file; any task of it may be "this" one."""
+    from pathlib import Path
+
     from towerflow.cluster import ClusterSpec
+    from towerflow.errors import InvalidArgumentError
 
-    if args.cluster:
-        from pathlib import Path
-
-        from towerflow.errors import InvalidArgumentError
-
-        path = Path(args.cluster)
-        try:
-            return ClusterSpec(json.loads(path.read_text()))
-        except (OSError, ValueError) as exc:
-            raise InvalidArgumentError(
-                f"--cluster {args.cluster}: cannot read a cluster JSON file ({exc}); give a file "
-                'like {"ps": ["host:2222"], "worker": ["host:2223"]}.') from None
-    cluster, _ = resolve(None, None, None)
-    return cluster
+    try:
+        return ClusterSpec(json.loads(Path(name).read_text()))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"--cluster {name}: cannot read a cluster JSON file ({exc}); give a file "
+            'like {"ps": ["host:2222"], "worker": ["host:2223"]}.') from None
 
 
 def _print(snapshot: dict[str, Any], as_json: bool) -> None:

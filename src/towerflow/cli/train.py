@@ -1,4 +1,4 @@
-"""``towerflow train cifar10|digits|click|movielens|criteo``: article 001's cifar10_multi_gpu_train.py as one command.
+"""``towerflow train cifar10|digits|click|movielens|criteo|--model MODULE:FACTORY``: article 001's cifar10_multi_gpu_train.py as one command.
 
 One process::
 
@@ -34,6 +34,18 @@ split, the latest ratings or lines::
 
     towerflow train movielens --data-dir data --train-dir runs/ml --max-steps 2000
     towerflow train movielens --ps 2 --workers 2 --data-dir data --train-dir runs/ml-ps
+
+Your own model and data: ``--model MODULE:FACTORY`` (a function returning an
+``nn.Module``, or ``{'model': ..., 'loss_fn': ..., 'optimizer': ...}``) and
+``--data MODULE:FACTORY`` (a function of the ``split``, ``batch_size``,
+``rank``, ``world_size``, ``seed``, ``epoch``, ``data_dir`` it names,
+returning an iterable of ``(inputs, targets)`` batches), the loss from the
+factory or ``--loss``; every option below serves them, and ``run.yaml``
+records them for a resume and ``towerflow eval`` (docs/recommendation.md)::
+
+    towerflow train --model mymodels:build --data mydata:batches --train-dir runs/mine
+    towerflow train --model mymodels:build --data mydata:batches --ps 2 --workers 2 \
+        --train-dir runs/mine-ps
 
 Settings from a file: ``--config run.yaml`` (or ``.json``) names any of the
 options below by its name (``batch_size: 64`` or ``batch-size: 64``); flags
@@ -81,7 +93,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"Settings a resumed run may change: {', '.join(sorted(MAY_CHANGE))}; and, never taken "
         f"from the record: {', '.join(sorted(PER_RUN))}.", width=78)
     parser = subparsers.add_parser(
-        "train", help="train a built-in model (cifar10, digits, click, movielens, criteo)", description=__doc__,
+        "train", help="train a built-in model (cifar10, digits, click, movielens, criteo) or your own", description=__doc__,
         epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     return add_train_arguments(parser)
 
@@ -89,9 +101,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` the options describe."""
     from towerflow.training.config import TrainConfig
+    from towerflow.training.tasks import default_train_dir
 
     return TrainConfig(
-        train_dir=args.train_dir or f"/tmp/{args.model}_train", max_steps=args.max_steps,
+        train_dir=args.train_dir or default_train_dir(args.model), max_steps=args.max_steps,
         batch_size=args.batch_size, log_every=args.log_every, summary_every=args.summary_every,
         checkpoint_every=args.checkpoint_every, max_to_keep=args.max_to_keep,
         ema_decay=args.ema_decay if args.ema_decay else None, seed=args.seed,
@@ -111,9 +124,9 @@ def build_data_options(args: argparse.Namespace) -> DataOptions:
 def build_optimizer(args: argparse.Namespace) -> OptimizerConfig:
     """The :class:`OptimizerConfig` the options describe (``lr`` None: the task's)."""
     from towerflow.strategies.base import OptimizerConfig
-    from towerflow.training.tasks import get_task
+    from towerflow.training.tasks import task_class
 
-    lr = args.lr if args.lr is not None else get_task(args.model).default_lr
+    lr = args.lr if args.lr is not None else task_class(args.model).default_lr
     return OptimizerConfig(args.optimizer, lr=lr,
                            momentum=args.momentum, weight_decay=args.weight_decay,
                            betas=(args.adam_beta1, args.adam_beta2), eps=args.eps,

@@ -117,11 +117,14 @@ __all__ = [
     "PushHeader",
     "PushOutcome",
     "bounded",
+    "CHIEF_REPLICA",
+    "failure_line",
     "chunks",
     "pack",
     "unpack",
     "parse_message",
     "layout_to_proto",
+    "layout_from_proto",
     "signature_bytes",
     "encode_push_header",
     "decode_push_header",
@@ -162,6 +165,22 @@ def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:
     if len(message) <= limit:
         return message
     return f"{message[:limit]}... ({len(message) - limit} more characters)"
+
+
+#: the replica that initialises the shards (the chief: replica 0 of the cluster)
+CHIEF_REPLICA = 0
+
+
+def failure_line(error: str) -> str:
+    """The first line of a chief's error as a ``Done`` carries it: printable, bounded.
+
+    Example:
+        >>> failure_line("CheckpointError: bad\\x07 digest\\nTraceback ...")
+        'CheckpointError: bad  digest'
+    """
+    lines = error.strip().splitlines()
+    text = "".join(c if c.isprintable() else " " for c in (lines[0] if lines else ""))
+    return bounded(text) if text else "an error it did not name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +377,19 @@ def layout_to_proto(layout: ShardLayout) -> list[pb.Segment]:
             for s in layout.segments]
 
 
+def layout_from_proto(index: int, segments: Iterable[pb.Segment]) -> ShardLayout:
+    """Shard ``index``'s layout from its protobuf segments (:func:`layout_to_proto`'s inverse).
+
+    Example:
+        >>> from towerflow.ps.placement import plan_placement
+        >>> layout = plan_placement({"w": (3, 2)}, 1).shards[0]
+        >>> layout_from_proto(0, layout_to_proto(layout)) == layout
+        True
+    """
+    return ShardLayout.build(index, ((s.name, tuple(s.shape), tuple(s.var_shape), s.start,
+                                      s.numel, s.part, s.num_parts) for s in segments))
+
+
 def signature_bytes(layout: ShardLayout) -> bytes:
     """The serialised variable signature of ``layout``'s pushes.
 
@@ -423,16 +455,21 @@ def aggregation_to_proto(config: AggregationConfig) -> pb.AggregationSpec:
         max_elastic_workers=config.max_elastic_workers)
 
 
-def optimizer_to_proto(config: Any) -> pb.OptimizerSpec:
+def optimizer_to_proto(config: Any, names: Iterable[str] = ()) -> pb.OptimizerSpec:
     """The ``OptimizerSpec`` the ps applies gradients with.
 
     ``config`` has the fields of :class:`towerflow.strategies.OptimizerConfig`
     (``name``, ``momentum``, ``weight_decay``, ``betas``, ``eps``,
-    ``initial_accumulator_value``); an ``OptimizerSpec`` is returned as it is.
+    ``initial_accumulator_value``, and ``lr_factor(name)``, each variable's learning
+    rate over the base one: sent for those of ``names``, the shard's variables,
+    that differ from 1); an ``OptimizerSpec`` is returned as it is.
     """
     if isinstance(config, pb.OptimizerSpec):
         return config
+    factor = getattr(config, "lr_factor", None)
+    factors = {} if factor is None else {n: factor(n) for n in set(names)}
     return pb.OptimizerSpec(
         name=config.name, momentum=config.momentum, weight_decay=config.weight_decay,
         beta1=config.betas[0], beta2=config.betas[1], eps=config.eps,
-        initial_accumulator_value=config.initial_accumulator_value)
+        initial_accumulator_value=config.initial_accumulator_value,
+        lr_factors={n: f for n, f in factors.items() if f != 1.0})

@@ -39,6 +39,7 @@ from torch import nn
 from towerflow.errors import InvalidArgumentError
 
 __all__ = [
+    "GROUP_SETTINGS",
     "OptimizerConfig",
     "StepResult",
     "Strategy",
@@ -53,9 +54,17 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
 
 
+#: the hyper-parameters a parameter group may set (``OptimizerConfig.param_settings``)
+GROUP_SETTINGS = ("lr", "momentum", "weight_decay", "betas", "eps", "initial_accumulator_value")
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """A declarative optimizer, so that a ps task can apply it server-side.
+
+    Strategies also take a ``torch.optim`` SGD, Adagrad or Adam instance
+    (:func:`towerflow.strategies.optim.as_optimizer_config`): its parameter
+    groups become :attr:`param_settings`.
 
     Attributes:
         name: one of ``sgd``, ``momentum``, ``adam``, ``adagrad``.
@@ -64,6 +73,16 @@ class OptimizerConfig:
         weight_decay: L2 penalty added to the gradient.
         betas, eps: for ``adam``; ``eps`` and ``initial_accumulator_value``
             for ``adagrad``.
+        param_settings: per parameter (its ``named_parameters()`` name), the
+            settings of :data:`GROUP_SETTINGS` that differ from the ones above,
+            as a parameter group of ``torch.optim`` gives them. A schedule
+            scales each parameter's ``lr`` by the same factor as the base one.
+
+    Example:
+        >>> config = OptimizerConfig("adagrad", lr=0.01, param_settings={"emb.weight":
+        ...                                                              {"lr": 0.05}})
+        >>> config.lr_factor("emb.weight"), config.lr_factor("mlp.weight")
+        (5.0, 1.0)
     """
 
     name: str = "sgd"
@@ -74,6 +93,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     initial_accumulator_value: float = 0.1
     extra: Mapping[str, float] = field(default_factory=dict)
+    param_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
@@ -84,9 +104,29 @@ class OptimizerConfig:
             raise InvalidArgumentError(
                 f"Learning rate must be positive, got {self.lr!r}; pass lr > 0."
             )
+        for param, settings in self.param_settings.items():
+            unknown = sorted(set(settings) - set(GROUP_SETTINGS))
+            if unknown:
+                raise InvalidArgumentError(
+                    f"param_settings[{param!r}] sets {unknown}; a parameter group may set "
+                    f"{', '.join(GROUP_SETTINGS)}.")
+            if "lr" in settings and not settings["lr"] > 0:
+                raise InvalidArgumentError(
+                    f"The learning rate of parameter {param!r} must be positive, got "
+                    f"{settings['lr']!r}; give its group lr > 0.")
+
+    def settings_of(self, param: str) -> dict[str, Any]:
+        """Every setting of :data:`GROUP_SETTINGS` that parameter ``param`` trains with."""
+        return {**{key: getattr(self, key) for key in GROUP_SETTINGS},
+                **self.param_settings.get(param, {})}
+
+    def lr_factor(self, param: str) -> float:
+        """``param``'s learning rate over the base :attr:`lr` (what a schedule scales)."""
+        return float(self.param_settings.get(param, {}).get("lr", self.lr)) / self.lr
 
     def build(self, params: Any) -> torch.optim.Optimizer:
-        """Return the equivalent local ``torch.optim`` optimizer over ``params``."""
+        """Return the equivalent local ``torch.optim`` optimizer over ``params`` (tensors or
+        parameter groups)."""
         if self.name in ("sgd", "momentum"):
             return torch.optim.SGD(
                 params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
@@ -100,6 +140,16 @@ class OptimizerConfig:
             params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
             initial_accumulator_value=self.initial_accumulator_value,
         )
+
+    def build_named(self, named_params: Any) -> torch.optim.Optimizer:
+        """:meth:`build` over ``(name, parameter)`` pairs, one parameter group per distinct
+        :attr:`param_settings` (the base settings' group first)."""
+        groups: dict[tuple[tuple[str, Any], ...], list[nn.Parameter]] = {(): []}
+        for name, param in named_params:
+            key = tuple(sorted(self.param_settings.get(name, {}).items()))
+            groups.setdefault(key, []).append(param)
+        return self.build([{"params": params, **dict(key)} for key, params in groups.items()
+                           if params])
 
 
 @dataclass
@@ -155,8 +205,11 @@ class Strategy(abc.ABC):
         return self.rank == 0
 
     @abc.abstractmethod
-    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
-        """Place ``model`` and set up the optimizer; return the model to call."""
+    def prepare(self, model: nn.Module,
+                optimizer: OptimizerConfig | torch.optim.Optimizer) -> nn.Module:
+        """Place ``model`` and set up the optimizer (an :class:`OptimizerConfig`, or a
+        ``torch.optim`` SGD / Adagrad / Adam over ``model``'s parameters); return the model
+        to call."""
 
     @abc.abstractmethod
     def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
@@ -239,13 +292,16 @@ class Strategy(abc.ABC):
         """
         return requested
 
-    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None,
+                     error: BaseException | None = None) -> None:
         """How this replica's training ended, for what :meth:`shutdown` tells its peers.
 
         The Supervisor and the Trainer call it when training stops. Args:
         ``finished``: False when it stopped on an error (its peers must not
         count it as finished); ``checkpoint_step``: the global step of the final
-        checkpoint this task wrote, if any. No-op by default.
+        checkpoint this task wrote, if any; ``error``: what it stopped on (a
+        chief that fails before initialising a cluster tells its peers). No-op
+        by default.
         """
 
     def shutdown(self) -> None:

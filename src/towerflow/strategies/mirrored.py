@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from towerflow import _identity
 from towerflow.devices import resolve_device
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.strategies.single import LocalOptimizerStrategy
 
 __all__ = ["Mirrored", "ReplicaEnv", "replica_device"]
@@ -246,13 +247,22 @@ class Mirrored(LocalOptimizerStrategy):
             return
         host = self.replica.master_addr
         host = f"[{host}]" if ":" in host else host
-        dist.init_process_group(
-            self.backend,
-            init_method=f"tcp://{host}:{self.replica.master_port}",
-            rank=self.replica.rank,
-            world_size=self.replica.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        try:
+            dist.init_process_group(
+                self.backend,
+                init_method=f"tcp://{host}:{self.replica.master_port}",
+                rank=self.replica.rank,
+                world_size=self.replica.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        except RuntimeError as exc:  # Gloo / NCCL / the store: one sentence, not their traceback
+            raise UnavailableError(
+                f"Replica {self.replica.rank} of {self.replica.world_size} could not join the "
+                f"{self.backend} process group at {host}:{self.replica.master_port}: "
+                f"{_first_line(exc)}. Check the network the replicas use (GLOO_SOCKET_IFNAME / "
+                "NCCL_SOCKET_IFNAME must name an interface of this host, MASTER_ADDR must be "
+                "reachable) and that every replica was started."
+            ) from exc
         self._owns_group = True
 
     @property
@@ -319,7 +329,8 @@ class Mirrored(LocalOptimizerStrategy):
         work.wait()
         return bool(agreed.item())
 
-    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None,
+                     error: BaseException | None = None) -> None:
         """A replica that finished waits for the last step's stop vote (every replica sent it);
         one that stopped on an error does not (a peer may be gone)."""
         vote, self._stop_vote = self._stop_vote, None
@@ -350,3 +361,14 @@ class Mirrored(LocalOptimizerStrategy):
     def __repr__(self) -> str:
         return (f"Mirrored(rank={self.rank}, world_size={self.world_size}, "
                 f"device={str(self._device)!r}, backend={self.backend!r})")
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line without a C++ ``[enforce fail at file:line]`` prefix.
+
+    Example:
+        >>> _first_line(RuntimeError("[enforce fail at device.cc:84] ifa != nullptr. Unable"))
+        'ifa != nullptr. Unable'
+    """
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return re.sub(r"^\[enforce fail at [^\]]*\]\s*", "", lines[0]).rstrip(".") or lines[0]

@@ -66,6 +66,7 @@ from towerflow.ps.worker.dense.variables import (
     dense_groups,
     dense_restore,
 )
+from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
@@ -200,6 +201,8 @@ class ParameterServer(Strategy):
         self._unfinished = False  # stopped on an error (a missing peer...): no Done at shutdown
         self._checkpoint_step: int | None = None  # the chief's final checkpoint, for its Done
         self._needs_init = False
+        self._initialised = False  # the chief: it initialised the ps tasks (or restored them)
+        self._failure = ""  # the chief's error when it stopped before initialising: its Done says it
         self._restore: DenseRestore | None = None
         self._step = 0
         self._meta: dict[str, Any] = {}
@@ -254,12 +257,20 @@ class ParameterServer(Strategy):
         return self._client
 
     # -- setup -----------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
-        """Place the parameters on the ps tasks; the chief initialises, others wait."""
+    def prepare(self, model: nn.Module,
+                optimizer: OptimizerConfig | torch.optim.Optimizer) -> nn.Module:
+        """Place the parameters on the ps tasks; the chief initialises, others wait.
+
+        A ``torch.optim`` optimizer's parameter groups keep their settings: a
+        table takes its weight's group's, a dense variable its group's learning
+        rate (the ps task applies one of each other setting to all it holds).
+        """
         from towerflow.ps.worker.dense.client import PSClient
+        from towerflow.strategies.optim import as_optimizer_config, check_dense_groups
 
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
+        optimizer = as_optimizer_config(optimizer, model)  # names before tables are swapped in
         self._tables = attach_tables(  # sparse tables: rows on the ps
             model, optimizer, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
             chief=self._chief, credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
@@ -278,6 +289,7 @@ class ParameterServer(Strategy):
                 f"The parameter server keeps float32 parameters; {', '.join(wrong)} are not. "
                 "Call model.float() first (use autocast for lower precision compute)."
             )
+        check_dense_groups(optimizer, [n for n, _ in params])
         placement = self._plan(params, model)
         self._buffers = FlatBuffers(placement, dict(params), self._device)
         self._opt = optimizer
@@ -363,6 +375,7 @@ class ParameterServer(Strategy):
                                step=restore.step, slots=restore.slots,
                                optimizer_step=restore.optimizer_step, pushes=restore.pushes)
         self._needs_init, self._restore, self._step = False, None, restore.step
+        self._initialised = True
         log.info("chief initialised %d ps task(s) at step %d (mode %s)",
                  buffers.placement.num_shards, restore.step, self.aggregation.mode)
         self._pull()
@@ -498,15 +511,44 @@ class ParameterServer(Strategy):
             raise InvalidArgumentError(
                 f"The checkpoint has no 'model' group (groups: {sorted(groups)})."
             )
-        load_into_module(self._model, model_group)  # checks names, shapes, dtypes
+        rest = self._tables_as_weights(groups, model_group)
+        load_into_module(self._model, rest)  # checks names, shapes, dtypes
         if not self._chief:
             return
         metadata = dict(metadata or {})
-        if self._tables:
+        if isinstance(metadata.get("optimizer"), Mapping):  # written by one process / replicas
+            from towerflow.strategies.single import local_optimizer_slots
+
+            slots, step = local_optimizer_slots(self._model, self._opt, groups, metadata)
+            groups = {**groups, "optimizer": slots}
+            # torch's SGD keeps no step: its momentum was applied once a global step
+            metadata.update(optimizer=self._opt.name,
+                            optimizer_step=step or int(metadata.get("global_step", 0)))
+        if self._tables and len(rest) == len(model_group):  # (else they start from weights)
             self._table_restore = tables_to_restore(groups, metadata)
         self._restore = dense_restore(self._buffers.placement, groups, metadata, self._opt.name)
         self._buffers.load_from(self._restore.params)
         self._needs_init = True
+
+    def _tables_as_weights(self, groups: Mapping[str, Any], model_group: Mapping[str, Any]
+                           ) -> Mapping[str, Any]:
+        """A checkpoint written without a ps holds the model's tables as weights: the chief's
+        tables start from them (shipped to their shards when it creates them); the rest of
+        ``model_group`` is returned."""
+        if not self._tables or TABLES_GROUP in groups:
+            return model_group
+        rest, moved = dict(model_group), []
+        for path, module in self._tables.modules:
+            weight = rest.pop(f"{path}.weight", None)
+            if weight is not None:
+                moved.append(path)
+                if self._chief:
+                    module.start_from(weight)
+        if moved and self._chief:
+            log.warning("table(s) %s start from the checkpoint's weights on the ps tasks; their "
+                        "optimizer slots start afresh (a checkpoint written without a ps keeps "
+                        "no row-wise slots)", ", ".join(map(repr, moved)))
+        return rest
 
     # -- lifetime ----------------------------------------------------------------------------
     def wait_for_peers(self, timeout: float) -> bool:
@@ -532,11 +574,19 @@ class ParameterServer(Strategy):
                 said = True
             threading.Event().wait(0.1)
 
-    def end_training(self, *, finished: bool, checkpoint_step: int | None = None) -> None:
+    def end_training(self, *, finished: bool, checkpoint_step: int | None = None,
+                     error: BaseException | None = None) -> None:
         """Say how training ended (see :meth:`Strategy.end_training`): an unfinished worker
-        sends no ``Done`` at :meth:`shutdown`; the chief's ``Done`` carries ``checkpoint_step``."""
+        sends no ``Done`` at :meth:`shutdown`; the chief's ``Done`` carries ``checkpoint_step``.
+
+        A chief that stopped on ``error`` (an exception, not a signal) before it
+        initialised the ps tasks sends it in its ``Done``: the ps tasks tell the
+        waiting workers, and every task of the job ends with the chief's error.
+        """
         self._unfinished = not finished
         self._checkpoint_step = checkpoint_step if finished else None
+        if self._chief and not finished and not self._initialised and isinstance(error, Exception):
+            self._failure = f"{type(error).__name__}: {error}"
 
     def shutdown(self) -> None:
         """Finish a pending push, tell the ps tasks this worker is done, close channels.
@@ -558,7 +608,12 @@ class ParameterServer(Strategy):
         finally:
             if client is not None:  # an elastic worker always leaves: nothing waits for it
                 client.close(done=not self._unfinished or self._elastic,
-                             checkpoint_step=self._checkpoint_step)
+                             checkpoint_step=self._checkpoint_step, failure=self._failure)
+            elif self._failure:  # it failed before it had a client
+                from towerflow.ps.worker.dense.client import tell_chief_failure
+
+                tell_chief_failure(self.cluster, self._credentials, self._failure,
+                                   timeout=min(self._timeout, 5.0))
             if self._sigterm is not None:
                 signal.signal(signal.SIGTERM, self._sigterm)
                 self._sigterm = None

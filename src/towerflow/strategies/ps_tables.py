@@ -17,12 +17,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
+from towerflow.errors import CheckpointError
 from towerflow.ps.worker.tables.checkpoint import (
+    FUSED_KEY,
     PART_BYTES,
     TABLES_GROUP,
     TABLES_KEY,
+    checked_parts,
+    describe_fused,
     describe_tables,
     export_tables,
     import_tables,
@@ -30,7 +35,7 @@ from towerflow.ps.worker.tables.checkpoint import (
 from towerflow.ps.worker.tables.embedding import SparseTables
 from towerflow.ps.worker.tables.swap import describe_swap, swap_embeddings
 
-__all__ = ["attach_tables", "start_tables", "table_groups", "tables_to_restore"]
+__all__ = ["attach_tables", "start_tables", "table_groups", "table_weights", "tables_to_restore"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -92,7 +97,10 @@ def table_groups(tables: SparseTables, part_bytes: int | None
     """
     configs = [module.config for _, module in tables.modules]
     group = export_tables(tables.client, configs, part_bytes=part_bytes or PART_BYTES)
-    return {TABLES_GROUP: group}, {TABLES_KEY: describe_tables(configs)}
+    described: dict[str, Any] = {TABLES_KEY: describe_tables(configs)}
+    if tables.fused:  # where they live on the ps, for a live export (towerflow export --cluster)
+        described[FUSED_KEY] = describe_fused(tables.fused, tables.views)
+    return {TABLES_GROUP: group}, described
 
 
 def tables_to_restore(groups: Mapping[str, Any], metadata: Mapping[str, Any]
@@ -100,3 +108,64 @@ def tables_to_restore(groups: Mapping[str, Any], metadata: Mapping[str, Any]
     """What :func:`start_tables` restores: the checkpoint's ``ps_tables`` group (a
     :class:`~towerflow.checkpoint.ChunkedReader`, or None) and the tables' descriptions."""
     return groups.get(TABLES_GROUP), metadata.get(TABLES_KEY)
+
+
+#: a row-wise optimizer's slot and the torch.optim state it continues as
+TORCH_SLOTS = {"accumulator": "sum", "m": "exp_avg", "v": "exp_avg_sq"}
+
+
+def table_weights(groups: Mapping[str, Any], strategy_metadata: Any, model: nn.Module,
+                  where: Any, slots: dict[str, torch.Tensor] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """The weights of the model's tables that a ps run saved sharded (``<table>.weight``).
+
+    A table trained on the ps tasks (named by its module's path) is saved as
+    parts of rows by id (``groups``' chunked ``ps_tables`` group); they are
+    written into a weight of the module's shape, so that one process (``towerflow
+    eval``, or a run resumed without a ps) holds the table as a plain weight.
+    Empty when the checkpoint holds no such table. With ``slots``, the rows'
+    optimizer slots go there too, as ``<table>.weight/<torch.optim state>``
+    (:data:`TORCH_SLOTS`: Adagrad's accumulator is ``sum``, lazy Adam's ``m`` and
+    ``v`` are ``exp_avg`` and ``exp_avg_sq``).
+
+    Raises:
+        CheckpointError: a saved table is not a module of ``model``'s, or its
+            parts do not cover its rows (``where``: the checkpoint, for messages).
+    """
+    reader = groups.get(TABLES_GROUP)
+    if reader is None:
+        return {}
+    saved = strategy_metadata.get(TABLES_KEY) if isinstance(strategy_metadata, dict) else None
+    if saved is None:
+        raise CheckpointError(f"{where} holds sparse table parts but its metadata has no "
+                              f"{TABLES_KEY!r} describing them; restore an earlier checkpoint.")
+    params = dict(model.named_parameters())
+    weights: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    for info, tensors in checked_parts(reader, saved):
+        key = f"{info['table']}.weight"
+        if key not in params:
+            raise CheckpointError(
+                f"{where} holds table {info['table']!r}, which is no table of "
+                f"{type(model).__name__}; load it into the model that trained it.")
+        shape = [saved[info["table"]]["num_rows"], saved[info["table"]]["dim"]]
+        if list(params[key].shape) != shape:
+            raise CheckpointError(
+                f"{where} holds table {info['table']!r} of {shape[0]} x {shape[1]} rows, "
+                f"but {type(model).__name__}'s is {list(params[key].shape)}; load it into "
+                "the model that trained it.")
+        if key not in weights:
+            weights[key] = torch.empty_like(params[key], device="cpu")
+        weights[key].index_copy_(0, tensors["ids"], tensors["rows"].to(weights[key].dtype))
+        for name, values in tensors.items():
+            kind = TORCH_SLOTS.get(name.removeprefix("slot."))
+            if slots is not None and name.startswith("slot.") and kind is not None:
+                slot = slots.setdefault(f"{key}/{kind}", torch.zeros_like(weights[key]))
+                slot.index_copy_(0, tensors["ids"], values.to(slot.dtype))
+        filled[key] = filled.get(key, 0) + len(tensors["ids"])
+    short = [f"{k} ({n} of {len(weights[k])} rows)" for k, n in filled.items()
+             if n != len(weights[k])]
+    if short:
+        raise CheckpointError(f"{where}: the saved rows do not cover {', '.join(short)}; "
+                              "restore an earlier checkpoint.")
+    return weights

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch import nn
 from towerflow.devices import resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+
+log = logging.getLogger("towerflow.training")
 
 __all__ = ["SingleDevice", "LocalOptimizerStrategy"]
 
@@ -40,22 +43,30 @@ class LocalOptimizerStrategy(Strategy):
         self._model: nn.Module | None = None
         self._train_model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._lr_factors: list[float] = []
         self._step = 0
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         """The module the loss function calls (the model itself by default)."""
         return model
 
-    def prepare(self, model: nn.Module, optimizer: OptimizerConfig) -> nn.Module:
-        """Move ``model`` to :attr:`device`, wrap it and build the optimizer."""
+    def prepare(self, model: nn.Module,
+                optimizer: OptimizerConfig | torch.optim.Optimizer) -> nn.Module:
+        """Move ``model`` to :attr:`device`, wrap it and build the optimizer (a ``torch.optim``
+        one is rebuilt from its settings, each parameter group's kept)."""
+        from towerflow.strategies.optim import as_optimizer_config
+
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(
                 f"prepare() needs a torch.nn.Module, got {type(model).__name__}."
             )
+        config = as_optimizer_config(optimizer, model)
         model.to(self.device)
         self._model = model
         self._train_model = self._wrap(model)
-        self._optimizer = optimizer.build(self._train_model.parameters())
+        self._optimizer = config.build_named(model.named_parameters())
+        #: each group's learning rate over the base one: a schedule's rate scales them all
+        self._lr_factors = [group["lr"] / config.lr for group in self._optimizer.param_groups]
         return self._train_model
 
     @property
@@ -79,8 +90,8 @@ class LocalOptimizerStrategy(Strategy):
         """Forward, backward and one optimizer update; the loss stays on the device."""
         _, optimizer = self._prepared()
         if lr is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            for group, factor in zip(optimizer.param_groups, self._lr_factors, strict=True):
+                group["lr"] = lr * factor
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(self._train_model, batch)
         loss.backward()
@@ -104,7 +115,10 @@ class LocalOptimizerStrategy(Strategy):
         from towerflow.checkpoint import flatten_state
 
         _, layout = flatten_state(optimizer.state_dict())
-        return {"global_step": self._step, "optimizer": layout}
+        names = {id(p): n for n, p in self._prepared()[0].named_parameters()}
+        # which parameter each optimizer state is, so that a ps run can take it over
+        groups = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
+        return {"global_step": self._step, "optimizer": layout, "optimizer_params": groups}
 
     def load_state_dict(self, groups: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Restore the model only (the optimizer state needs :meth:`load_state`)."""
@@ -123,10 +137,18 @@ class LocalOptimizerStrategy(Strategy):
                 f"The checkpoint has no 'model' group (groups: {sorted(groups)}); "
                 "restore a checkpoint written by a towerflow trainer."
             )
-        load_into_module(model, groups["model"])
         metadata = metadata or {}
+        # a ps run's tables, saved as parts of rows: here plain weights of the model
+        from towerflow.strategies.ps_tables import table_weights
+
+        table_slots: dict[str, torch.Tensor] = {}
+        load_into_module(model, {**groups["model"], **table_weights(
+            groups, metadata, model, "the checkpoint", slots=table_slots)})
         layout = metadata.get("optimizer")
-        if layout is not None:
+        if isinstance(layout, str):  # a parameter server's: its slots by variable
+            _load_ps_slots(model, optimizer, layout, {**groups.get("optimizer", {}), **table_slots},
+                           int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
+        elif layout is not None:
             # own copies: torch keeps the given tensors when device and dtype already match
             tensors = {k: v.clone() for k, v in groups.get("optimizer", {}).items()}
             optimizer.load_state_dict(unflatten_state(tensors, layout))
@@ -154,3 +176,82 @@ class SingleDevice(LocalOptimizerStrategy):
 
     def __repr__(self) -> str:
         return f"SingleDevice(device={str(self._device)!r})"
+
+
+#: the ps's optimizer names and the torch.optim class each runs as here
+_PS_OPTIMIZERS = {"sgd": torch.optim.SGD, "momentum": torch.optim.SGD, "adam": torch.optim.Adam,
+                  "adagrad": torch.optim.Adagrad}
+
+
+def _load_ps_slots(model: nn.Module, optimizer: torch.optim.Optimizer, name: str,
+                   slots: Mapping[str, torch.Tensor], step: int) -> None:
+    """A ps checkpoint's optimizer state (``<variable>/<slot>``, one tensor each, the
+    slots named as torch.optim names them) as this optimizer's per-parameter state.
+
+    A checkpoint of another kind of optimizer leaves this one's state fresh (and says so).
+
+    Raises:
+        InvalidArgumentError: a slot of a trained parameter is missing or of another shape.
+    """
+    if not isinstance(optimizer, _PS_OPTIMIZERS.get(name, ())):
+        log.warning("the checkpoint's optimizer state is %s's (trained on a parameter server) and "
+                    "this run's optimizer is %s: it starts afresh", name,
+                    type(optimizer).__name__)
+        return
+    kinds = {key.rpartition("/")[2] for key in slots}
+    for pname, param in model.named_parameters():
+        if not param.requires_grad or not kinds:
+            continue
+        state: dict[str, torch.Tensor] = {}
+        for kind in sorted(kinds):
+            value = slots.get(f"{pname}/{kind}")
+            if value is None or tuple(value.shape) != tuple(param.shape):
+                raise InvalidArgumentError(
+                    f"The checkpoint's optimizer slot {pname}/{kind} is "
+                    f"{'missing' if value is None else tuple(value.shape)}, not "
+                    f"{tuple(param.shape)}; resume with the model it was trained with.")
+            state[kind] = value.detach().to(param.device, param.dtype).clone()
+        if not isinstance(optimizer, torch.optim.SGD):
+            state["step"] = torch.tensor(float(step))
+        optimizer.state[param] = state
+
+
+def local_optimizer_slots(model: nn.Module, config: Any, groups: Mapping[str, Any],
+                          metadata: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+    """A one-process (or replicas') checkpoint's optimizer state in a parameter server's
+    form: ``{"<variable>/<slot>": tensor}`` and the optimizer's step.
+
+    The state is read into an optimizer of ``config``'s kind built as the run that wrote
+    it built its own: the parameter groups its metadata names (``optimizer_params``;
+    placeholders of the checkpoint's shapes), else ``model``'s parameters as ``config``
+    groups them, so that each state belongs to its parameter's name. A checkpoint whose
+    groups cannot be told apart gives no state (the ps starts its slots afresh, and says so).
+    """
+    from towerflow.checkpoint import unflatten_state
+
+    params = groups.get("model", {})
+    recorded = metadata.get("optimizer_params")
+    if isinstance(recorded, list) and all(isinstance(g, list) and all(
+            isinstance(n, str) and n in params for n in g) for g in recorded):
+        named = [[(n, nn.Parameter(torch.empty(params[n].shape))) for n in g] for g in recorded]
+        optimizer = config.build([{"params": [p for _, p in g]} for g in named if g])
+        names = {id(p): n for g in named for n, p in g}
+    else:
+        optimizer = config.build_named(model.named_parameters())
+        names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        optimizer.load_state_dict(unflatten_state(
+            {k: v.clone() for k, v in groups.get("optimizer", {}).items()},
+            metadata["optimizer"]))
+    except (ValueError, KeyError) as exc:
+        log.warning("the checkpoint's optimizer state does not fit this model's parameter groups "
+                    "(%s): the ps tasks start the optimizer afresh", exc)
+        return {}, 0
+    slots, step = {}, 0
+    for param, state in optimizer.state.items():
+        for kind, value in state.items():
+            if kind == "step":
+                step = max(step, int(value))
+            elif isinstance(value, torch.Tensor) and value.shape == param.shape:
+                slots[f"{names[id(param)]}/{kind}"] = value.detach().cpu()
+    return slots, step

@@ -132,49 +132,8 @@ def evaluate_checkpoint(task: str | Task, train_dir: str | Path, *,
 
 
 def table_weights(ckpt: Any, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights of the model's tables that a ps run saved sharded (``<table>.weight``).
+    """The weights of the model's tables that a ps run saved sharded (``<table>.weight``);
+    see :func:`~towerflow.strategies.ps_tables.table_weights`."""
+    from towerflow.strategies.ps_tables import table_weights as weights_of
 
-    A table trained on the ps tasks (named by its module's path) is saved as
-    parts of rows by id; they are written into a weight of the module's shape.
-    Empty when the checkpoint holds no such table.
-
-    Raises:
-        CheckpointError: a saved table is not a module of ``model``'s, or its
-            parts do not cover its rows.
-    """
-    from towerflow.errors import CheckpointError
-    from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, TABLES_KEY, checked_parts
-
-    reader = ckpt.chunked.get(TABLES_GROUP)
-    if reader is None:
-        return {}
-    strategy = (ckpt.metadata or {}).get("strategy")  # the ParameterServer's facts
-    saved = strategy.get(TABLES_KEY) if isinstance(strategy, dict) else None
-    if saved is None:
-        raise CheckpointError(f"{ckpt.path} holds sparse table parts but its metadata has no "
-                              f"{TABLES_KEY!r} describing them; restore an earlier checkpoint.")
-    params = dict(model.named_parameters())
-    weights: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
-    for info, tensors in checked_parts(reader, saved):
-        key = f"{info['table']}.weight"
-        if key not in params:
-            raise CheckpointError(
-                f"{ckpt.path} holds table {info['table']!r}, which is no table of "
-                f"{type(model).__name__}; evaluate it with the model that trained it.")
-        shape = [saved[info["table"]]["num_rows"], saved[info["table"]]["dim"]]
-        if list(params[key].shape) != shape:
-            raise CheckpointError(
-                f"{ckpt.path} holds table {info['table']!r} of {shape[0]} x {shape[1]} rows, "
-                f"but {type(model).__name__}'s is {list(params[key].shape)}; evaluate it with "
-                "the model that trained it.")
-        if key not in weights:
-            weights[key] = torch.empty_like(params[key], device="cpu")
-        weights[key].index_copy_(0, tensors["ids"], tensors["rows"].to(weights[key].dtype))
-        filled[key] = filled.get(key, 0) + len(tensors["ids"])
-    short = [f"{k} ({n} of {len(weights[k])} rows)" for k, n in filled.items()
-             if n != len(weights[k])]
-    if short:
-        raise CheckpointError(f"{ckpt.path}: the saved rows do not cover {', '.join(short)}; "
-                              "restore an earlier checkpoint.")
-    return weights
+    return weights_of(ckpt.chunked, (ckpt.metadata or {}).get("strategy"), model, ckpt.path)

@@ -112,7 +112,10 @@ class Trainer:
             resumable) or any iterable of batches (shard it yourself with
             ``trainer.strategy.rank`` / ``world_size``).
         strategy: how steps run; see :func:`default_strategy`.
-        optimizer: the optimizer (default SGD, lr 0.1).
+        optimizer: the optimizer (default SGD, lr 0.1): an ``OptimizerConfig`` or a
+            ``torch.optim`` SGD / Adagrad / Adam over ``model``'s parameters, each
+            parameter group's settings kept (under every strategy; a schedule
+            scales every group's learning rate by the same factor).
         schedule: ``step -> learning rate`` (e.g. :class:`ExponentialDecay`);
             None keeps the optimizer's ``lr``.
         config: loop options; keyword ``options`` override single fields of it
@@ -124,7 +127,8 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, data: Any, *,
-                 strategy: Strategy | None = None, optimizer: OptimizerConfig | None = None,
+                 strategy: Strategy | None = None,
+                 optimizer: OptimizerConfig | torch.optim.Optimizer | None = None,
                  schedule: Schedule | None = None, config: TrainConfig | None = None,
                  transform: Transform | None = None, hooks: Sequence[Hook] = (),
                  metadata: dict[str, Any] | None = None, **options: Any) -> None:
@@ -136,7 +140,7 @@ class Trainer:
         self.model = model
         self.loss_fn = loss_fn
         self.schedule = schedule
-        self.optimizer_config = optimizer or OptimizerConfig()
+        self.optimizer_config = OptimizerConfig() if optimizer is None else optimizer
         self._owns_strategy = strategy is None
         self.strategy = strategy if strategy is not None else default_strategy()
         self._data = data
@@ -285,8 +289,8 @@ class Trainer:
         try:
             with StopSignals(deadline_s=self.config.stop_deadline) as self._stop:
                 result = self._fit()
-        except BaseException:
-            self.strategy.end_training(finished=False)  # its peers must not count it finished
+        except BaseException as exc:  # its peers must not count it finished
+            self.strategy.end_training(finished=False, error=exc)
             raise
         self.strategy.end_training(finished=True, checkpoint_step=self._final_checkpoint())
         return result

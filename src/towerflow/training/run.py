@@ -67,7 +67,7 @@ def run_settings(task: Task, config: TrainConfig, data: DataOptions, optimizer: 
         "initial_accumulator_value": optimizer.initial_accumulator_value,
         "lr_decay_factor": lr_decay_factor, "epochs_per_decay": epochs_per_decay,
         "ema_decay": config.ema_decay or 0.0, "seed": config.seed,
-        **{dest: getattr(task, dest) for dest in task.options},
+        **task.settings(),
     }
 
 
@@ -93,7 +93,8 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
         epochs_per_decay: epochs between decays (default 350, as in the article).
         strategy: default :func:`~towerflow.training.loop.default_strategy`.
         device: the device of a single-process run (ignored with ``strategy``).
-        optimizer: the optimizer and its hyper-parameters (default: plain SGD).
+        optimizer: the optimizer and its hyper-parameters (default: plain SGD); the task's
+            own (:meth:`Task.own_optimizer`, a user factory's) replaces it.
         settings: more settings to record in ``run.yaml``.
         hooks: more hooks for the loop (an ``ExportHook``).
     """
@@ -106,6 +107,12 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
         data = data or DataOptions()
         dataset = task.replica_data(_load_train_split(task, data, strategy), rank=strategy.rank,
                                     world_size=strategy.world_size, batch_size=config.batch_size)
+        own = task.own_optimizer()  # the model's own (a user factory's), over the run's
+        if own is not None:
+            from towerflow.strategies.optim import as_optimizer_config
+
+            optimizer = as_optimizer_config(own, model)  # a torch.optim one by its groups
+            lr = optimizer.lr
         if lr is None:
             lr = optimizer.lr if optimizer is not None else task.default_lr
         optimizer = dataclasses.replace(optimizer or OptimizerConfig("sgd", lr=lr), lr=lr)
@@ -121,7 +128,7 @@ def run_training(task: str | Task, config: TrainConfig, *, data: DataOptions | N
         transform = task.train_transform(strategy.device, seed=config.seed * 7919 + strategy.rank)
         trainer = Trainer(model, task.loss_fn, dataset, strategy=strategy,
                           optimizer=optimizer, schedule=schedule,
-                          config=config, transform=transform, metadata={"task": task.name},
+                          config=config, transform=transform, metadata=task.metadata(),
                           hooks=hooks)
         with trainer:
             return trainer.fit()

@@ -389,7 +389,7 @@ class Supervisor:
     # -- the session -----------------------------------------------------------------------
     @contextlib.contextmanager
     def managed_session(self, master: Any = None, *, model: nn.Module,
-                        optimizer: OptimizerConfig | None = None,
+                        optimizer: OptimizerConfig | torch.optim.Optimizer | None = None,
                         strategy: Strategy | None = None) -> Iterator[ManagedSession]:
         """Prepare ``model``, restore or initialise it, and yield a :class:`ManagedSession`.
 
@@ -399,7 +399,9 @@ class Supervisor:
                 there, else the environment's cluster task at that address); None
                 or ``""``: the environment's cluster, else this process alone.
             model: the model to train.
-            optimizer: applied on the ps tasks (default SGD, lr 0.1).
+            optimizer: applied on the ps tasks (default SGD, lr 0.1): an
+                ``OptimizerConfig`` or a ``torch.optim`` SGD / Adagrad / Adam over
+                ``model``'s parameters, its parameter groups' settings kept.
             strategy: use this strategy instead of choosing one.
 
         Raises:
@@ -408,10 +410,11 @@ class Supervisor:
         owns = strategy is None
         strategy = strategy if strategy is not None else self._strategy_for(master)
         self._lockstep = strategy.lockstep
-        finished = False
+        finished, error = False, None
         try:
             with self._signals():
-                prepared = strategy.prepare(model, optimizer or OptimizerConfig())
+                prepared = strategy.prepare(model, OptimizerConfig() if optimizer is None
+                                            else optimizer)
                 self._restore_or_init(strategy, model)
                 session = ManagedSession(self, strategy, prepared)
                 self._session = session
@@ -431,9 +434,13 @@ class Supervisor:
             if self.preempted and self._session is not None:
                 self._final_save(self._session)
             raise
+        except Exception as exc:  # a chief that failed before initialising tells its peers
+            error = exc
+            raise
         finally:
             # a session that raised did not finish: its peers are not told it did
-            strategy.end_training(finished=finished, checkpoint_step=self._final_checkpoint())
+            strategy.end_training(finished=finished, checkpoint_step=self._final_checkpoint(),
+                                  error=error)
             ended, self._session = self._session, None
             if self._cluster is not None:
                 self._cluster.close()

@@ -29,10 +29,7 @@ Example:
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,105 +37,14 @@ from torch import nn
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.training.pipeline import Transform
-from towerflow.training.precision import evaluate
+from towerflow.training.taskbase import DataOptions, Task
 
 __all__ = ["DataOptions", "Task", "Cifar10Task", "DigitsTask", "ClickTask", "MovieLensTask",
-           "CriteoTask", "TASKS", "get_task"]
-
-
-@dataclass(frozen=True, slots=True)
-class DataOptions:
-    """Where a task's data comes from.
-
-    Attributes:
-        data_dir: the data set's files: CIFAR-10's binary files or MovieLens' (downloaded
-            there when absent), Criteo's logs.
-        synthetic: random images with the real shapes instead of real data.
-        synthetic_examples: how many synthetic examples per split.
-        download: fetch CIFAR-10 or MovieLens when the files are absent.
-    """
-
-    data_dir: str | Path = "/tmp/cifar10_data"
-    synthetic: bool = False
-    synthetic_examples: int = 10000
-    download: bool = True
+           "CriteoTask", "TASKS", "get_task", "task_class", "default_train_dir"]
 
 
 #: the data settings of a task whose data needs no files (generated, or bundled)
 _NO_FILES = frozenset({"data_dir", "data", "synthetic_examples", "no_download"})
-
-
-class Task(abc.ABC):
-    """A model with its data, loss and transforms."""
-
-    name: str = ""
-    num_examples_per_epoch: int = 0
-    #: defaults of the command line for this task
-    default_lr: float = 0.1
-    default_epochs_per_decay: float = 350.0
-    #: ``towerflow train`` options only this task reads (dest -> default)
-    options: Mapping[str, Any] = {}
-    #: defaults of general ``towerflow train`` options that this task changes (dest -> value)
-    option_defaults: Mapping[str, Any] = {}
-    #: general ``towerflow train`` settings this task never reads (left out of ``run.yaml``)
-    unused_settings: frozenset[str] = frozenset()
-    #: what :meth:`score` measures, as ``towerflow eval`` prints it
-    metric: str = "precision @ 1"
-
-    @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> Task:
-        """The task for a run's settings (``towerflow train``'s option names)."""
-        return cls()
-
-    @abc.abstractmethod
-    def build_model(self) -> nn.Module:
-        """A freshly initialised model."""
-
-    def build_train_model(self) -> nn.Module:
-        """The model a training process builds (the strategy then prepares it)."""
-        return self.build_model()
-
-    def replica_data(self, data: Any, *, rank: int, world_size: int, batch_size: int) -> Any:
-        """A replica's training data from :meth:`load`'s (a Dataset: as it is, the loop
-        shards and batches it)."""
-        return data
-
-    def loss_fn(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The training loss of a batch."""
-        from towerflow.models import cross_entropy_loss
-
-        return cross_entropy_loss(model, batch)
-
-    @abc.abstractmethod
-    def load(self, split: str, options: DataOptions):  # -> towerflow.data.Dataset
-        """The ``train`` or ``test`` split."""
-
-    def train_transform(self, device: torch.device, seed: int) -> Transform | None:
-        """The on-device transform of training batches (None: use them as they are)."""
-        return None
-
-    def eval_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Images of the test split as the model takes them."""
-        return images
-
-    def score(self, model: nn.Module, data: Any, *, device: torch.device,
-              batch_size: int) -> float:
-        """The :attr:`metric` of ``model`` on the test split ``data``."""
-        return evaluate(model, data, device=device, batch_size=batch_size,
-                        images_fn=self.eval_images)
-
-    def reference_score(self, data: Any) -> float | None:
-        """The best :attr:`metric` a model can reach on ``data`` when known, else None."""
-        return None
-
-    def scores(self, model: nn.Module, data: Any, *, device: torch.device,
-               batch_size: int) -> dict[str, float]:
-        """:meth:`score` and any other measures of ``model`` on ``data``, :attr:`metric` first."""
-        return {self.metric: self.score(model, data, device=device, batch_size=batch_size)}
-
-    def num_test_examples(self, data: Any) -> int:
-        """How many examples :meth:`score` scores."""
-        return len(data.labels)
 
 
 class Cifar10Task(Task):
@@ -482,11 +388,33 @@ TASKS: dict[str, type[Task]] = {"cifar10": Cifar10Task, "digits": DigitsTask,
                                 "criteo": CriteoTask}
 
 
-def get_task(name: str, settings: Mapping[str, Any] | None = None) -> Task:
-    """The built-in task called ``name``, for a run's ``settings`` (its own options)."""
+def task_class(name: str) -> type[Task]:
+    """The class of the task ``name``: a built-in one, or ``MODULE:FACTORY`` (the user's own,
+    :class:`~towerflow.training.user_task.UserTask`)."""
+    if ":" in name:
+        from towerflow.training.user_task import UserTask
+
+        return UserTask
     cls = TASKS.get(name)
     if cls is None:
         raise InvalidArgumentError(
-            f"Unknown model {name!r}; use one of {', '.join(sorted(TASKS))}."
+            f"Unknown model {name!r}; use one of {', '.join(sorted(TASKS))}, or your own "
+            "as MODULE:FACTORY (--model mymodels:build)."
         )
-    return cls.from_settings(settings or {})
+    return cls
+
+
+def get_task(name: str, settings: Mapping[str, Any] | None = None) -> Task:
+    """The task called ``name`` (built-in, or ``MODULE:FACTORY``), for a run's ``settings``
+    (its own options)."""
+    return task_class(name).from_settings({**(settings or {}), "model": name})
+
+
+def default_train_dir(name: str) -> str:
+    """Where a run of the model ``name`` writes when no ``--train-dir`` is given.
+
+    Example:
+        >>> default_train_dir("digits"), default_train_dir("my.models:build")
+        ('/tmp/digits_train', '/tmp/my.models_build_train')
+    """
+    return f"/tmp/{name.replace(':', '_').replace('/', '_')}_train"

@@ -14,6 +14,13 @@ and keeps the parameters for their return, up to ``idle_timeout`` seconds;
 past that it ends and ``Server.join()`` raises, naming them. Without
 heartbeats, "away" is "no call from any worker" for that long.
 
+A chief that fails before it initialised the job says so in its ``Done``
+(:attr:`PSService.failure`): the ps answers every worker's ``Status`` with the
+chief's error, so they stop with it, and ends once every replica said
+``Done`` (the workers do, having read it) or ``FAILURE_GRACE`` seconds after
+the chief's; ``Server.join()`` then raises the chief's error, so every task of
+the job exits non-zero within seconds of the chief.
+
 ``ServerOptions(serve_forever=True)`` (``--serve-forever``) keeps a ps
 serving until it is stopped. Either way the watcher keeps the task's health
 probe honest: ``NOT_SERVING`` until the chief has initialised the shard.
@@ -26,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from towerflow.errors import UnavailableError
+from towerflow.errors import AbortedError, UnavailableError
 
 __all__ = ["JobLifecycle"]
 
@@ -35,6 +42,8 @@ logger = logging.getLogger("towerflow.ps")
 _POLL_SECONDS = 0.25
 #: without heartbeats, the ps says its replicas are away after this long without a call
 _QUIET_SECONDS = 30.0
+#: after a chief's failure, how long a ps waits for the workers to read it before it ends
+FAILURE_GRACE = 20.0
 
 
 class JobLifecycle:
@@ -57,6 +66,7 @@ class JobLifecycle:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._away_since: float | None = None
+        self._failed_at: float | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -105,6 +115,9 @@ class JobLifecycle:
         """One look at the replicas; True when the task was ended."""
         finished = self.finished
         name = f"ps task {self.server.task.task_index}"
+        if self.service.failure and not self.service.initialized:
+            return self._failed(name, finished)
+        self._failed_at = None
         if self.replicas and len(finished) >= len(self.replicas):
             notes = "; ".join(f"{self.replicas[r].device_name} {note}"
                               for r, note in sorted(finished.items()) if note)
@@ -131,6 +144,20 @@ class JobLifecycle:
             self.server.end(UnavailableError(message))
             return True
         return False
+
+    def _failed(self, name: str, finished: dict[int, str]) -> bool:
+        """The chief failed before initialising: end once every replica knows (or the grace
+        is over), with the chief's error; True when the task was ended."""
+        now = time.monotonic()
+        if self._failed_at is None:
+            self._failed_at = now
+        if len(finished) < len(self.replicas) and now - self._failed_at < FAILURE_GRACE:
+            return False
+        message = (f"{name}: the chief failed before it initialised the job: "
+                   f"{self.service.failure}. Fix the chief's error and start the job again.")
+        logger.error("%s", message)
+        self.server.end(AbortedError(message))
+        return True
 
     def _away(self, unfinished: list[int], now: float) -> tuple[str, float]:
         """(a sentence naming the unfinished replicas when all are away, else ""; since when)."""

@@ -170,6 +170,26 @@ def _optimizer(o: Any) -> dict[str, Any]:
     }
 
 
+#: the largest ratio of a variable's learning rate to the pushed one
+MAX_LR_FACTOR = 1e6
+
+
+def _lr_ranges(factors: Any, layout: ShardLayout) -> tuple[tuple[int, int, float], ...]:
+    """``(offset, numel, factor)`` of each segment whose variable has a learning-rate factor."""
+    if len(factors) > len(layout.segments):
+        raise _fail("optimizer.lr_factors", f"{len(factors)} factors",
+                    f"at most one per variable ({len(layout.segments)})")
+    names = {seg.name for seg in layout.segments}
+    for name, value in factors.items():
+        if name not in names:
+            raise _fail("optimizer.lr_factors", name[:80], "a variable of this shard")
+        if not value > 0:
+            raise _fail(f"optimizer.lr_factors[{name[:80]!r}]", value, "a number > 0")
+        _real(f"optimizer.lr_factors[{name[:80]!r}]", value, 0.0, MAX_LR_FACTOR)
+    return tuple((seg.offset, seg.numel, float(factors[seg.name]))
+                 for seg in layout.segments if seg.name in factors and seg.numel)
+
+
 def _aggregation(a: Any, replicas: int | None) -> AggregationConfig:
     if a.mode not in MODES:
         raise _fail("aggregation.mode", a.mode, f"one of {', '.join(MODES)}")
@@ -213,6 +233,7 @@ def check_init(req: Any, shard_index: int, replicas: int | None = None) -> InitP
     optimizer = _optimizer(req.optimizer)
     config = _aggregation(req.aggregation, replicas)
     layout = _layout(shard_index, req.segments)
+    optimizer["lr_ranges"] = _lr_ranges(req.optimizer.lr_factors, layout)
     kept = SLOT_NAMES[canonical_name(optimizer["name"], optimizer["momentum"])]
     if len(set(req.slots)) != len(req.slots) or any(s not in kept for s in req.slots):
         raise _fail("slots", list(req.slots)[:8], f"{optimizer['name']} keeps "

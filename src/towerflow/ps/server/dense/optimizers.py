@@ -21,8 +21,9 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,12 +70,15 @@ class ServerOptimizer:
     """
 
     __slots__ = ("name", "numel", "momentum", "weight_decay", "beta1", "beta2", "eps",
-                 "initial_accumulator_value", "slots", "step", "_scratch", "_decayed", "_maxima")
+                 "initial_accumulator_value", "slots", "step", "lr_ranges", "_max_factor",
+                 "_range_starts",
+                 "_scratch", "_decayed", "_maxima")
 
     def __init__(self, name: str, numel: int, *, momentum: float = 0.0,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, initial_accumulator_value: float = 0.0,
-                 slots: Mapping[str, np.ndarray] | None = None) -> None:
+                 slots: Mapping[str, np.ndarray] | None = None,
+                 lr_ranges: Sequence[tuple[int, int, float]] = ()) -> None:
         if name not in OPTIMIZER_NAMES:
             raise InvalidArgumentError(
                 f"Unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}."
@@ -88,6 +92,17 @@ class ServerOptimizer:
         self.eps = float(eps)
         self.initial_accumulator_value = float(initial_accumulator_value)
         self.step = 0
+        #: ``(first, count, factor)``: elements whose rate is ``factor`` times the one applied
+        self.lr_ranges = tuple(sorted((int(a), int(n), float(f)) for a, n, f in lr_ranges))
+        ends = [a + n for a, n, _ in self.lr_ranges]
+        if any(a < 0 or n < 0 or e > numel for (a, n, _), e in zip(self.lr_ranges, ends,
+                                                                      strict=True)) \
+                or any(e > b for e, (b, _, _) in zip(ends, self.lr_ranges[1:], strict=False)):
+            raise InvalidArgumentError(
+                f"Learning-rate ranges {list(self.lr_ranges)[:4]} overlap or leave the "
+                f"{numel} elements; give each variable's range once.")
+        self._max_factor = max([1.0, *(f for _, _, f in self.lr_ranges)])
+        self._range_starts = [a for a, _, _ in self.lr_ranges]
         #: upper bounds of the buffers' magnitudes after the updates checked so far
         self._maxima: dict[str, float] | None = None
         self._scratch = np.empty(min(numel, _BLOCK), np.float32)
@@ -142,7 +157,7 @@ class ServerOptimizer:
             if maxima is None:
                 maxima = {"params": absmax(params),
                           **{key: absmax(buf) for key, buf in self.slots.items()}}
-            after = self._bounds(maxima, grad_max, lr, self.step + 1)
+            after = self._bounds(maxima, grad_max, lr * self._max_factor, self.step + 1)
             worst = max(after.values())
             if worst <= RESULT_LIMIT:  # False for NaN
                 after.pop("intermediate", None)
@@ -187,9 +202,28 @@ class ServerOptimizer:
         """Update ``params[first:first + grad.size]`` (and the state) from ``grad``.
 
         ``grad`` may be read-only (a view of received bytes); ``step`` is the
-        update's number from :meth:`begin`. Not thread-safe: one caller at a time
+        update's number from :meth:`begin`; the elements of :attr:`lr_ranges`
+        take ``lr`` times their factor. Not thread-safe: one caller at a time
         (the shard holds its apply lock).
         """
+        end, at = first + grad.size, first
+        index = max(0, bisect.bisect_right(self._range_starts, first) - 1)
+        for start, count, factor in self.lr_ranges[index:]:
+            if start >= end:
+                break
+            lo, hi = max(start, at), min(start + count, end)
+            if lo >= hi:
+                continue
+            if lo > at:
+                self._apply_run(params, at, grad[at - first:lo - first], lr, step)
+            self._apply_run(params, lo, grad[lo - first:hi - first], lr * factor, step)
+            at = hi
+        if at < end:
+            self._apply_run(params, at, grad[at - first:], lr, step)
+
+    def _apply_run(self, params: np.ndarray, first: int, grad: np.ndarray, lr: float,
+                   step: int) -> None:
+        """:meth:`apply_range` at one rate."""
         method = getattr(self, f"_apply_{self.name}")
         decay = self.weight_decay
         for start in range(0, grad.size, _BLOCK):
@@ -258,10 +292,13 @@ def make_optimizer(name: str, numel: int, **options: Any) -> ServerOptimizer:
     """Return a :class:`ServerOptimizer` ``name`` over ``numel`` elements.
 
     ``options`` are ``momentum``, ``weight_decay``, ``betas``, ``eps``,
-    ``initial_accumulator_value`` and ``slots`` (state buffers to adopt, e.g.
-    received from the chief; unknown keys are an error).
+    ``initial_accumulator_value``, ``slots`` (state buffers to adopt, e.g.
+    received from the chief) and ``lr_ranges`` (``(first, count, factor)``: the
+    rate of those elements is ``factor`` times the one applied); unknown keys are
+    an error.
     """
-    allowed = {"momentum", "weight_decay", "betas", "eps", "initial_accumulator_value", "slots"}
+    allowed = {"momentum", "weight_decay", "betas", "eps", "initial_accumulator_value", "slots",
+               "lr_ranges"}
     unknown = set(options) - allowed
     if unknown:
         raise InvalidArgumentError(

@@ -34,10 +34,13 @@ from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.buffers import check_free_memory, receive_into, release_free_memory, tune_malloc
 from towerflow.ps.protocol import (
     APPLIED,
+    CHIEF_REPLICA,
     CHUNK_BYTES,
     REFUSED,
     SERVICE_NAME,
     decode_push_header,
+    failure_line,
+    layout_to_proto,
     outcome_to_reply,
     pack,
     parse_message,
@@ -133,6 +136,8 @@ class PSService:
 
     Attributes:
         finished: replica -> how it finished ("" or its final checkpoint), from ``Done``.
+        failure: the chief's error when it stopped before it initialised the shard
+            (its ``Done`` carried it; "" otherwise; a later Init clears it).
         last_call: ``time.monotonic()`` of the last Init, Push or Pull.
         elastic: the elastic workers that joined (``Join``) and left
             (:mod:`~towerflow.ps.server.elastic`); kept across a re-``Init``.
@@ -153,6 +158,7 @@ class PSService:
         self.elastic = ElasticMembers(shard_index, confirm=confirm_join)
         self.workers = WorkerTable(replicas, self.elastic)
         self.finished: dict[int, str] = {}
+        self.failure = ""
         self.last_call = self._started = time.monotonic()
         self.replicas = replicas
         self.staging_bytes = staging_bytes
@@ -232,6 +238,7 @@ class PSService:
         with self._lock:
             previous, self._shard = self._shard, (state, aggregator)
             self._generation += 1
+            self.failure = ""  # a chief that failed before was restarted and initialised
             if previous is not None:
                 state.merge_pushes(previous[0].push_rows(), plan.step)
         if previous is not None:
@@ -244,13 +251,15 @@ class PSService:
         return pb.Empty().SerializeToString()
 
     def status(self, request: bytes) -> bytes:
-        """Report whether the shard is initialised, its step, layout, counters and push table."""
+        """Report whether the shard is initialised, its step, layout, counters and push table
+        (and its variables' segments when the request asks ``with_layout``)."""
+        req = parse_message(pb.StatusRequest, request, "StatusRequest")
         current = self._shard
         workers = self.workers.to_proto(self.replicas, self.describe_peer, self.finished)
         uptime = time.monotonic() - self._started
         if current is None:
             return pb.StatusReply(initialized=False, shard=self.shard_index, workers=workers,
-                                  uptime=uptime).SerializeToString()
+                                  uptime=uptime, failure=self.failure).SerializeToString()
         state, aggregator = current
         figures = state.figures()
         reply = pb.StatusReply(
@@ -259,7 +268,8 @@ class PSService:
             slots=list(state.optimizer.slots), optimizer_step=figures.optimizer_step,
             generation=self._generation, shard=self.shard_index, refusals=figures.refusals,
             staged_bytes=figures.staged, workers=workers, uptime=uptime,
-            pushes=push_records(figures.pushes))
+            pushes=push_records(figures.pushes),
+            segments=layout_to_proto(state.layout) if req.with_layout else ())
         return reply.SerializeToString()
 
     def _push(self, chunks: Iterator[bytes], active: Callable[[], bool] | None = None,
@@ -380,12 +390,23 @@ class PSService:
         current = self._shard
         if current is not None:
             current[1].worker_done(req.worker_id)
+        elif req.failure and req.worker_id == CHIEF_REPLICA:
+            self._chief_failed(req.failure)
         if self.replicas is not None or len(self.finished) < 1024:  # bounded
             self.finished.setdefault(req.worker_id, f"wrote its final checkpoint at step "
                                      f"{req.checkpoint_step}" if req.final_checkpoint else "")
         if self.on_worker_done is not None:
             self.on_worker_done(req.worker_id)
         return pb.Empty().SerializeToString()
+
+    def _chief_failed(self, failure: str) -> None:
+        """Keep the chief's error (first line, printable, bounded) for the workers' Status."""
+        text = failure_line(failure)
+        with self._lock:
+            if self._shard is None:
+                self.failure = text
+        logger.error("ps shard %d: the chief failed before it initialised the job: %s",
+                     self.shard_index, text)
 
     def ledger(self, request: bytes) -> bytes:
         """The pushes the shard applied since it was initialised (an audit trail).

@@ -35,11 +35,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from towerflow.cluster.transport import ChannelOptions, Credentials, make_channel
+from towerflow.cluster.transport import ChannelOptions, Credentials, make_channel, unary
 from towerflow.errors import (
+    AbortedError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
+    TowerflowError,
     UnavailableError,
 )
 from towerflow.ps import ps_pb2 as pb
@@ -47,14 +49,17 @@ from towerflow.ps.buffers import tune_malloc as _tune_malloc
 from towerflow.ps.placement import Placement
 from towerflow.ps.protocol import (
     APPLIED,
+    CHIEF_REPLICA,
     CHUNK_BYTES,
     REFUSED,
     AggregationConfig,
+    failure_line,
+    method_path,
     push_rows,
 )
 from towerflow.ps.worker.dense.shard_client import ShardClient
 
-__all__ = ["PSClient", "PushResult", "ShardSnapshot"]
+__all__ = ["PSClient", "PushResult", "ShardSnapshot", "tell_chief_failure"]
 
 logger = logging.getLogger("towerflow.ps")
 
@@ -190,6 +195,8 @@ class PSClient:
 
         Raises:
             InvalidArgumentError: a shard holds another model's layout.
+            AbortedError: the chief failed before it initialised the job (a shard
+                says so); this worker has told the shards it stopped.
             DeadlineExceededError: not initialised within ``timeout``.
         """
         deadline = time.monotonic() + timeout
@@ -202,6 +209,12 @@ class PSClient:
                 except UnavailableError as exc:
                     pending.append(f"/job:ps/task:{shard.layout.index} ({exc})")
                     continue
+                if status.failure and not status.initialized:
+                    self.close()  # its Done: the ps tasks end once every replica knows
+                    raise AbortedError(
+                        f"The chief failed before it initialised the job (ps task "
+                        f"{shard.layout.index} says so): {status.failure}. Fix the chief's "
+                        "error and start the job again.")
                 if not status.initialized:
                     pending.append(f"/job:ps/task:{shard.layout.index} (not initialised)")
                 elif status.fingerprint != shard.layout.fingerprint:
@@ -242,9 +255,13 @@ class PSClient:
         """
         self._seq += 1
         seq = self._seq
-        replies = self._each(lambda shard, i: shard.push(
-            grads[i], worker_id=self.worker_id, incarnation=self.incarnation, seq=seq, lr=lr,
-            pull_into=None if pull_into is None else pull_into[i]))
+        ident = {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": seq,
+                 "lr": lr}
+        if len(self.shards) > 1 and all(shard.small for shard in self.shards):
+            replies = self._push_small(grads, ident, pull_into)
+        else:
+            replies = self._each(lambda shard, i: shard.push(
+                grads[i], pull_into=None if pull_into is None else pull_into[i], **ident))
         result = PushResult(int(replies[0].step), tuple(r.status for r in replies),
                             tuple(r.message for r in replies))
         if result.refused:
@@ -254,6 +271,25 @@ class PSClient:
                 raise InvalidArgumentError(message)
             logger.warning("gradient skipped: %s", message)
         return result
+
+    def _push_small(self, grads: Sequence[np.ndarray], ident: dict[str, Any],
+                    pull_into: Sequence[np.ndarray] | None) -> list[pb.PushReply]:
+        """Small shards' pushes: every request on its stream first, then every reply read
+        (no thread per shard); a shard whose stream is busy is pushed in its turn."""
+        started = []
+        try:
+            for shard, grad in zip(self.shards, grads, strict=True):
+                started.append(shard.start_push(grad, want_params=pull_into is not None,
+                                                **ident))
+        except BaseException:
+            for shard, begun in zip(self.shards, started, strict=False):
+                if begun:  # its reply will not be read: the stream goes, the push's retry
+                    shard.abandon_push()  # (same seq) is applied once
+            raise
+        return [(shard.finish_push if begun else shard.push)(
+                    grad, pull_into=None if pull_into is None else pull_into[i], **ident)
+                for i, (shard, grad, begun) in enumerate(zip(self.shards, grads, started,
+                                                             strict=True))]
 
     def push_async(self, grads: Sequence[np.ndarray], lr: float, *,
                    pull_into: Sequence[np.ndarray] | None = None) -> Future[PushResult]:
@@ -284,7 +320,8 @@ class PSClient:
         """Each shard's counters (applied, stale, refused, duplicates, ...)."""
         return [dict(shard.status().stats) for shard in self.shards]
 
-    def close(self, *, done: bool = True, checkpoint_step: int | None = None) -> None:
+    def close(self, *, done: bool = True, checkpoint_step: int | None = None,
+              failure: str = "") -> None:
         """Tell the shards this worker is done (best effort), then close. Idempotent.
 
         Args:
@@ -292,15 +329,19 @@ class PSClient:
                 the shards go on counting it as a replica that has not finished.
             checkpoint_step: the chief's ``Done`` carries the global step of its
                 final checkpoint (the ps tasks log it); None: no checkpoint.
+            failure: the chief's error when it failed before initialising the
+                job: sent with its ``Done`` (also when ``done`` is False), so that
+                every task of the job stops with it.
         """
         if self._closed:
             return
         self._closed = True
         self._prefetcher.shutdown(wait=True)
-        if done:
+        if done or failure:
             for shard in self.shards:
                 try:
-                    shard.done(self.worker_id, checkpoint_step, self.elastic_ticket)
+                    shard.done(self.worker_id, checkpoint_step, self.elastic_ticket,
+                               failure=failure)
                 except (UnavailableError, DeadlineExceededError, FailedPreconditionError,
                         InvalidArgumentError) as exc:
                     logger.debug("done to ps %d failed: %s", shard.layout.index, exc)
@@ -314,3 +355,19 @@ class PSClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def tell_chief_failure(cluster: Any, credentials: Credentials, failure: str, *,
+                       timeout: float = 5.0) -> None:
+    """The chief stopped on ``failure`` before it had a client (before it initialised):
+    say it to every ps task in a ``Done`` (best effort), so that the job ends with it."""
+    request = pb.DoneRequest(worker_id=CHIEF_REPLICA,
+                             failure=failure_line(failure)).SerializeToString()
+    for index in range(cluster.num_tasks("ps")):
+        channel = make_channel(cluster.task_address("ps", index), credentials)
+        try:
+            unary(channel, method_path("Done"), request, timeout=timeout)
+        except TowerflowError as exc:
+            logger.debug("telling ps %d of the chief's failure failed: %s", index, exc)
+        finally:
+            channel.close()

@@ -44,6 +44,7 @@ from towerflow.ps.protocol import (
     aggregation_to_proto,
     chunks,
     encode_push_header,
+    failure_line,
     layout_to_proto,
     method_path,
     optimizer_to_proto,
@@ -164,7 +165,8 @@ class ShardClient:
         slots = dict(slots or {})
         req = pb.InitRequest(
             shard=self.layout.index, segments=layout_to_proto(self.layout),
-            optimizer=optimizer_to_proto(optimizer), aggregation=aggregation_to_proto(aggregation),
+            optimizer=optimizer_to_proto(optimizer, (s.name for s in self.layout.segments)),
+            aggregation=aggregation_to_proto(aggregation),
             step=step, slots=list(slots), optimizer_step=optimizer_step,
             pushes=push_records(pushes))
 
@@ -200,17 +202,83 @@ class ShardClient:
             self.version = head.step
         return head
 
-    def push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
-             pull_into: np.ndarray | None = None) -> pb.PushReply:
-        """Push ``grad``; with ``pull_into``, receive the fresh parameters in the same call."""
-        small = self.layout.nbytes <= self.chunk_bytes  # one message each way
+    @property
+    def small(self) -> bool:
+        """Whether a push and its parameters fit one message each way."""
+        return self.layout.nbytes <= self.chunk_bytes
+
+    def _head(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
+              want_params: bool) -> tuple[PushHeader, bytes]:
         header = PushHeader(
             worker_id=worker_id, incarnation=incarnation, seq=seq, token=self.version, lr=lr,
             dtype="float32" if grad.dtype == np.float32 else str(grad.dtype), numel=grad.size,
             # a finite gradient lets the ps apply chunks as they arrive
-            finite=not small and grad.dtype == np.float32 and all_finite(grad))
-        head = encode_push_header(header, want_params=pull_into is not None,
-                                  signature=self._signature)
+            finite=not self.small and grad.dtype == np.float32 and all_finite(grad))
+        return header, encode_push_header(header, want_params=want_params,
+                                          signature=self._signature)
+
+    def start_push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int,
+                   lr: float, want_params: bool) -> bool:
+        """Queue a small push on this shard's stream without waiting for its reply.
+
+        True: :meth:`finish_push` reads the reply (the stream is held until then).
+        False: nothing was sent (a large push, or another thread holds the stream):
+        call :meth:`push`. So a worker's pushes to several shards are on their way
+        before it reads the first reply, with no thread per shard.
+        """
+        if not self.small or not self._stream_lock.acquire(blocking=False):
+            return False
+        try:
+            _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
+                                 lr=lr, want_params=want_params)
+            request = pack(head, memoryview(np.ascontiguousarray(grad)).cast("B"))
+            if self._stream is not None and not self._stream.fresh:
+                self.close_stream()
+            if self._stream is None:
+                self._stream = RequestStream(self.channel, method_path("PushPullSmallStream"),
+                                             self.push_timeout, request)
+            else:
+                self._stream.send(request)
+        except BaseException:
+            self.close_stream()
+            self._stream_lock.release()
+            raise
+        return True
+
+    def finish_push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int,
+                    lr: float, pull_into: np.ndarray | None = None) -> pb.PushReply:
+        """The reply of the push :meth:`start_push` queued (the same arguments).
+
+        A stream that fails is dropped and the push sent again by :meth:`push`,
+        with its retries and waits: the ps applies a push once, whatever the tries.
+        """
+        stream = self._stream
+        try:
+            data = stream.receive() if stream is not None else None
+        except TowerflowError:
+            data = None
+        if data is None:
+            self.close_stream()
+        self._stream_lock.release()
+        if data is None:
+            return self.push(grad, worker_id=worker_id, incarnation=incarnation, seq=seq, lr=lr,
+                             pull_into=pull_into)
+        reply = self._small_reply(data, pull_into)
+        if pull_into is not None and reply.numel:
+            self.version = reply.step
+        return reply
+
+    def abandon_push(self) -> None:
+        """Give up the push :meth:`start_push` queued without reading its reply."""
+        self.close_stream()
+        self._stream_lock.release()
+
+    def push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
+             pull_into: np.ndarray | None = None) -> pb.PushReply:
+        """Push ``grad``; with ``pull_into``, receive the fresh parameters in the same call."""
+        small = self.small  # one message each way
+        header, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
+                                  lr=lr, want_params=pull_into is not None)
 
         def messages() -> Iterator[bytes]:
             yield head
@@ -263,6 +331,9 @@ class ShardClient:
                 self._stream_lock.release()
         else:  # another thread's push holds the stream
             data = unary(self.channel, method_path("PushPullSmall"), request, timeout=self.push_timeout)
+        return self._small_reply(data, into)
+
+    def _small_reply(self, data: bytes, into: np.ndarray | None) -> pb.PushReply:
         head, params = unpack(data)
         reply = parse_message(pb.PushReply, head, "PushReply")
         if reply.numel and into is not None:
@@ -307,12 +378,15 @@ class ShardClient:
         finally:
             call.cancel()
 
-    def done(self, worker_id: int, checkpoint_step: int | None = None, ticket: bytes = b"") -> None:
+    def done(self, worker_id: int, checkpoint_step: int | None = None, ticket: bytes = b"", *,
+             failure: str = "") -> None:
         """Tell the shard this worker has finished (the chief: after its final checkpoint,
         written at global step ``checkpoint_step``; None: it wrote none; an elastic worker:
-        with its id's ``ticket``)."""
+        with its id's ``ticket``; the chief that failed before initialising: its
+        ``failure``)."""
         request = pb.DoneRequest(worker_id=worker_id, final_checkpoint=checkpoint_step is not None,
-                                 checkpoint_step=checkpoint_step or 0, ticket=ticket)
+                                 checkpoint_step=checkpoint_step or 0, ticket=ticket,
+                                 failure=failure_line(failure) if failure else "")
         unary(self.channel, method_path("Done"), request.SerializeToString(), timeout=self.timeout)
 
     def ledger(self, since: int = 0) -> pb.LedgerReply:

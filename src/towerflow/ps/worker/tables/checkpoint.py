@@ -57,7 +57,8 @@ from towerflow.ps.worker.tables.batch import decode as _decode
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import TableConfig
 
-__all__ = ["TABLES_GROUP", "TABLES_KEY", "PART_BYTES", "MAX_SHARDS", "describe_tables",
+__all__ = ["TABLES_GROUP", "TABLES_KEY", "FUSED_KEY", "PART_BYTES", "MAX_SHARDS",
+           "describe_tables", "describe_fused",
            "export_tables", "import_tables", "ship_rows", "checked_descriptions", "checked_parts"]
 
 log = logging.getLogger("towerflow.ps")
@@ -66,6 +67,9 @@ log = logging.getLogger("towerflow.ps")
 TABLES_GROUP = "ps_tables"
 #: the key of the tables' descriptions in the strategy's checkpoint metadata
 TABLES_KEY = "tables"
+#: the key of the tables that share one table on the ps (the description of each such
+#: table, with its ``members``: the tables in it and their first rows)
+FUSED_KEY = "fused_tables"
 #: bytes of rows and slots per part file (the most a save or restore holds of a table)
 PART_BYTES = 64 << 20
 #: bytes of rows per ExportRows message (slots add as much again each)
@@ -110,6 +114,26 @@ def _dynamic(config: TableConfig) -> dict[str, Any]:
     default = [float(init.get("value", 0.0))] * config.dim if init.get("kind") == "constant" \
         else None
     return {"kind": "dynamic", "store": dict(config.store), "default": default}
+
+
+def describe_fused(fused: Sequence[TableConfig], views: Mapping[str, Any]
+                   ) -> dict[str, dict[str, Any]]:
+    """The tables laid end to end on the ps (:mod:`~towerflow.ps.worker.tables.fusion`):
+    each one's description and ``members`` (table name -> its first row there).
+
+    Example:
+        >>> from towerflow.ps.partition import ModPartitioner
+        >>> from towerflow.ps.worker.tables.fusion import fuse_tables
+        >>> def table(name, rows):
+        ...     return TableConfig(name, ModPartitioner(2, num_rows=rows), 4,
+        ...                        {"name": "sgd", "hyper": {}}, {"kind": "constant", "value": 0.0})
+        >>> describe_fused(*fuse_tables([table("a", 5), table("b", 3)]))["a+1"]["members"]
+        {'a': 0, 'b': 6}
+    """
+    out = describe_tables(fused)
+    for name, (table, offset) in views.items():
+        out[table.name].setdefault("members", {})[name] = int(offset)
+    return out
 
 
 # ----------------------------------------------------------------------------- save

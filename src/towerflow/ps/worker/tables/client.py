@@ -404,7 +404,8 @@ class TableClient:
         return self.push_many([(config, ids, grads, defer)], lr=lr, step=step)
 
     def push_many(self, pushes: Sequence[tuple[TableConfig, torch.Tensor, torch.Tensor, bool]],
-                  *, lr: float, step: int) -> list[Any]:
+                  *, lr: float, step: int,
+                  scales: Mapping[str, float] | None = None) -> list[Any]:
         """Push the row gradients of every ``(table, ids, grads, defer)``; the ``PushRowsReply``s.
 
         One request per owning ps task carries every table's push (more when
@@ -413,12 +414,15 @@ class TableClient:
         ``defer=True``: a table's push to a shard that fits one call is kept
         and sent with that table's next pull of the shard (see the class
         docstring); no reply is returned for it. A push deferred before and
-        not sent yet is sent first, in the same request.
+        not sent yet is sent first, in the same request. ``scales``: a table's
+        learning rate over ``lr``, by its name (tables fused on the ps share one).
         """
         on_ps: dict[str, tuple[TableConfig, bool, list[torch.Tensor], list[torch.Tensor]]] = {}
+        rates: dict[str, float] = {}
         for config, ids, grads, defer in pushes:
             table, offset = self._on_ps(config)
             ids = config.partitioner.check(check_ids(ids))
+            rates[table.name] = lr * (scales or {}).get(config.name, 1.0)
             entry = on_ps.setdefault(table.name, (table, defer, [], []))
             entry[2].append(ids + offset if offset else ids)
             entry[3].append(grads.detach().to("cpu", table.dtype))
@@ -444,7 +448,8 @@ class TableClient:
                     chunk = shard_ids[cut]
                     requests.append(tpb.PushRowsRequest(
                         table=table.name, shard=shard, worker_id=self.worker_id,
-                        incarnation=self.incarnation, seq=self.next_seq(), lr=lr, step=step,
+                        incarnation=self.incarnation, seq=self.next_seq(),
+                        lr=rates[table.name], step=step,
                         num_ids=chunk.numel(), dtype=dtype, ids=encode(chunk),
                         grads=encode(shard_grads[cut])))
                 if defer and len(requests) == 1:

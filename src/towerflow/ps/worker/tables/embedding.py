@@ -346,33 +346,43 @@ def seeded_initializer(name: str) -> dict[str, Any]:
     return {**DEFAULT_INITIALIZER, "seed": int.from_bytes(digest, "little") >> 1}
 
 
-def sparse_optimizer_for(config: Any) -> dict[str, Any]:
+def sparse_optimizer_for(config: Any, param: str | None = None) -> dict[str, Any]:
     """The row-wise optimizer's description for a dense ``OptimizerConfig``.
 
     ``sgd`` -> ``sgd``, ``adagrad`` -> ``adagrad`` (same initial accumulator),
-    (and eps), ``adam`` -> ``lazy_adam`` (same betas and eps).
+    (and eps), ``adam`` -> ``lazy_adam`` (same betas and eps); with ``param`` (the
+    table's weight's name), the settings of its parameter group
+    (``config.settings_of(param)``).
 
     Raises:
         InvalidArgumentError: momentum or weight decay, which TensorFlow's sparse
             updates do not have; give the table an optimizer of its own.
     """
     name = getattr(config, "name", None)
-    if getattr(config, "weight_decay", 0.0) or getattr(config, "momentum", 0.0) or \
-            name not in ("sgd", "adagrad", "adam"):
+    settings_of = getattr(config, "settings_of", None)
+    own = settings_of(param) if param is not None and settings_of is not None else {}
+    momentum = own.get("momentum", getattr(config, "momentum", 0.0))
+    weight_decay = own.get("weight_decay", getattr(config, "weight_decay", 0.0))
+    if weight_decay or momentum or name not in ("sgd", "adagrad", "adam", "momentum"):
+        groups = getattr(config, "param_settings", {})
+        which = f" (the parameter group of {param!r})" if param in groups else ""
         raise InvalidArgumentError(
             f"A sparse table has no row-wise counterpart of optimizer {name!r} with momentum="
-            f"{getattr(config, 'momentum', 0.0)} weight_decay={getattr(config, 'weight_decay', 0.0)}"
-            "; give the table its own, e.g. ShardedEmbedding(..., optimizer=SparseAdagrad())."
+            f"{momentum} weight_decay={weight_decay}{which}; give the table its own, e.g. "
+            "ShardedEmbedding(..., optimizer=SparseAdagrad()), or put its weight in a "
+            "parameter group without them."
         )
-    if name == "sgd":
+    eps = float(own.get("eps", config.eps))
+    if name in ("sgd", "momentum"):
         return {"name": "sgd", "hyper": {}}
     if name == "adagrad":
         return {"name": "adagrad",
-                "hyper": {"initial_accumulator_value": float(config.initial_accumulator_value),
-                          "epsilon": float(config.eps)}}
-    beta1, beta2 = config.betas
+                "hyper": {"initial_accumulator_value": float(own.get(
+                    "initial_accumulator_value", config.initial_accumulator_value)),
+                    "epsilon": eps}}
+    beta1, beta2 = own.get("betas", config.betas)
     return {"name": "lazy_adam", "hyper": {"beta1": float(beta1), "beta2": float(beta2),
-                                           "epsilon": float(config.eps)}}
+                                           "epsilon": eps}}
 
 
 class SparseTables:
@@ -398,12 +408,17 @@ class SparseTables:
         self.prefetcher: Prefetcher | None = None
         if not self.modules:
             return
-        default: Callable[[], dict[str, Any]] = lambda: sparse_optimizer_for(optimizer)  # noqa: E731
         self.client = TableClient(addresses, **client_options)
         names: dict[str, str] = {}
+        #: a table's learning rate over the pushed one (its weight's parameter group's)
+        self.lr_scales: dict[str, float] = {}
+        factor = getattr(optimizer, "lr_factor", lambda _: 1.0)
         for path, module in self.modules:
-            config = module.make_config(path, len(addresses),
-                                        module.optimizer or default())
+            weight = f"{path}.weight" if path else "weight"
+            config = module.make_config(path, len(addresses), module.optimizer
+                                        or sparse_optimizer_for(optimizer, weight))
+            if factor(weight) != 1.0:
+                self.lr_scales[config.name] = factor(weight)
             if config.name in names:
                 raise InvalidArgumentError(
                     f"Tables {names[config.name]!r} and {path!r} are both named {config.name!r}; "
@@ -416,7 +431,9 @@ class SparseTables:
                 module.defer_push = not self.client.every_shard
         configs = [m.config for _, m in self.modules]
         #: tables laid end to end on the ps (:mod:`towerflow.ps.worker.tables.fusion`)
-        self.fused, self.views = fuse_tables(configs, [m.defer_push for _, m in self.modules])
+        self.fused, self.views = fuse_tables(  # tables of one rate only
+            configs, [(m.defer_push, self.lr_scales.get(c.name, 1.0))
+                      for (_, m), c in zip(self.modules, configs, strict=True)])
         self.client.fuse(self.views)
         for table in self.fused:
             members = [c.name for c in configs if self.views.get(c.name, (None,))[0] is table]
@@ -502,7 +519,7 @@ class SparseTables:
         """
         self.client.push_many(  # type: ignore[union-attr]
             [(module.config, ids, grads, module.defer_push) for module, ids, grads in taken],
-            lr=lr, step=step)
+            lr=lr, step=step, scales=self.lr_scales)
 
     def flush(self) -> None:
         """Send the deferred pushes of every table (before the strategy says it is done)."""
