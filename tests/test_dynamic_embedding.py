@@ -379,3 +379,28 @@ def test_stats_sum_the_shards_and_status_shows_each_table_shard(free_ports):
     console.print(render({**snapshot, "tasks": [], "ps": [], "workers": []}))
     text = console.export_text()
     assert "sparse tables" in text and "admitted" in text and "dynamic" in text
+
+
+@pytest.mark.slow
+def test_admission_counters_survive_a_checkpoint_restored_onto_another_number_of_ps(
+        free_ports, tmp_path):
+    manager = CheckpointManager(tmp_path / "run", max_to_keep=None)
+    cluster = Cluster(free_ports, 2, Click(admit_after=2))
+    once = torch.tensor([[2**61 + 3, -(2**60) - 1, 77]])  # pushed once: counted, no row
+    try:
+        cluster.train(2)
+        cluster.strategy.run_step(loss_fn, (once, torch.ones(1)))
+        before = cluster.model.emb.stats()
+        cluster.save(manager)
+    finally:
+        cluster.close()
+    restored = Cluster(free_ports, 1, Click(admit_after=2))
+    try:
+        restore_latest(manager, restored.strategy)
+        assert restored.strategy.global_step == 3
+        assert restored.model.emb.stats()["rows"] == before["rows"]
+        restored.strategy.run_step(loss_fn, (once, torch.ones(1)))  # the second push admits
+        stats = restored.model.emb.stats()
+        assert stats["rows"] == before["rows"] + 3 and stats["filtered"] == 0
+    finally:
+        restored.close()

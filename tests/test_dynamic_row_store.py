@@ -245,3 +245,22 @@ def test_a_push_after_its_lookup_updates_the_right_rows_when_rows_moved_in_betwe
     # every row held was made, then updated once: its initializer's value - 0.1
     assert torch.allclose(held.rows, INIT(held.ids, 3, torch.float32) - 0.1)
     assert set(held.ids.tolist()) >= {1, 2, 3}
+
+
+def test_admission_counters_export_and_import_and_refuse_bad_counts():
+    s = store(admit_after=3)
+    ids = torch.tensor([4, -9, 2**62])
+    s.observe(ids)
+    s.observe(ids[:1])
+    s.apply(ids, torch.ones(3, 3), 0.1, 1)  # all below 3: dropped
+    counter_ids, counts = s.export_counters()
+    assert counter_ids.tolist() == sorted(ids.tolist())
+    assert dict(zip(counter_ids.tolist(), counts.tolist(), strict=True)) == \
+        {4: 2, -9: 1, 2**62: 1}
+    fresh = row_store_from_dict(s.describe())
+    fresh.import_counters(counter_ids, counts)
+    fresh.observe(torch.tensor([4]))  # its third push: admitted
+    fresh.apply(torch.tensor([4]), torch.ones(1, 3), 0.1, 2)
+    assert fresh.num_rows == 1 and fresh.counters["filtered"] == 0
+    with pytest.raises(InvalidArgumentError, match="counts >= 0"):
+        fresh.import_counters(torch.tensor([5]), torch.tensor([-1]))

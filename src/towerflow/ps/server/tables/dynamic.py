@@ -342,6 +342,33 @@ class DynamicRowStore(RowStore):
                          {k: v.index_select(0, slots) for k, v in self._slots.items()},
                          self._version.index_select(0, slots).to(torch.int64))
 
+    def export_counters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The admission counters: ids not admitted yet (ascending) and their counts."""
+        live = self._counts.live_slots()
+        ids, order = torch.sort(self._counts.keys.index_select(0, live))
+        return ids, self._count.index_select(0, live.index_select(0, order)).to(torch.int64)
+
+    def import_counters(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Add ``counts`` to the admission counters of ``ids`` (owned here, unique, no row
+        yet: an id that has a row is skipped)."""
+        self.partitioner.local_index(ids, self.shard)
+        if counts.dtype != torch.int64 or tuple(counts.shape) != (ids.numel(),) or (
+                counts.numel() and int(counts.min()) < 0):
+            raise InvalidArgumentError(
+                f"Admission counters must be {ids.numel()} int64 counts >= 0, got "
+                f"{counts.dtype} {list(counts.shape)}; import a checkpoint written by towerflow."
+            )
+        keep = self._index.find(ids) < 0
+        ids, counts = ids[keep], counts[keep]
+        slots = self._counts.find(ids)
+        new = slots < 0
+        if bool(new.any()):
+            made = self._counts.insert(ids[new])
+            self._count.index_fill_(0, made, 0)
+            slots[new] = made
+        self._count.index_add_(0, slots, counts.clamp(max=_NEVER).to(torch.int32))
+        self._seen.index_fill_(0, slots, min(self.clock, _NEVER))
+
     def end_export(self) -> None:
         """An export has ended (eviction may run again)."""
         self._exporting = max(0, self._exporting - 1)

@@ -98,6 +98,8 @@ class RowExport(NamedTuple):
     rows: torch.Tensor
     slots: dict[str, torch.Tensor]
     versions: torch.Tensor | None = None
+    #: a dynamic table's admission counters (ids not admitted yet, their counts), or None
+    counters: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def split_export(export: RowExport, partitioner: Partitioner) -> list[RowExport]:

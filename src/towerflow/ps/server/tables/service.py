@@ -314,6 +314,9 @@ class TableService:
                 slot_names=names, slots=[encode(piece.slots[k]) for k in names])
             if piece.versions is not None:
                 chunk.versions = encode(piece.versions)
+            if piece.counters is not None and piece.counters[0].numel():
+                chunk.num_counters = piece.counters[0].numel()
+                chunk.counter_ids, chunk.counter_counts = map(encode, piece.counters)
             if first:
                 chunk.spec.CopyFrom(spec)
                 chunk.total = total

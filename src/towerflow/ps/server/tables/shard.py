@@ -366,11 +366,14 @@ class TableShard:
         with self._lock:
             plan = store.begin_export()
             pushes = self._pushes.rows()
+            counters = store.export_counters()
         try:
             total = plan[0].numel()
             for start in range(0, max(total, 1), chunk_rows):
                 with self._lock:
                     piece = store.export_piece(plan, start, start + chunk_rows)
+                if start == 0:  # the first chunk carries the admission counters
+                    piece = piece._replace(counters=counters)
                 yield piece, total, pushes if start == 0 else []
         finally:
             with self._lock:
@@ -378,8 +381,10 @@ class TableShard:
 
     def import_chunks(self, chunks: Sequence[Any]) -> int:
         """Set the rows (and slots) of every ``RowChunk``; all checked before any is set."""
-        parts = []
+        parts, counters = [], []
         for chunk in chunks:
+            if chunk.num_counters:
+                counters.append(self._counters(chunk))
             ids = self._ids(chunk.ids, chunk.num_ids)
             rows = self._values(chunk.rows, str(self.dtype).removeprefix("torch."), ids, "rows")
             slots = None
@@ -428,8 +433,27 @@ class TableShard:
                 self.store.import_(ids, rows, slots)
             else:
                 self.store.import_(ids, rows, slots, versions)  # type: ignore[call-arg]
+            for counter_ids, counts in counters:  # checked above
+                self.store.import_counters(counter_ids, counts)  # type: ignore[attr-defined]
             self._pushes.merge(pushes, self._applied)
         return ids.numel()
+
+    def _counters(self, chunk: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's admission counters (ids owned here, counts >= 0), checked."""
+        if not hasattr(self.store, "import_counters"):
+            raise InvalidArgumentError(
+                f"Table {self.name!r} is a fixed table; it keeps no admission counters (the "
+                "chunk is of a dynamic table's export)."
+            )
+        ids = self._ids(chunk.counter_ids, chunk.num_counters)
+        counts = decode(chunk.counter_counts, torch.int64, chunk.num_counters,
+                        f"Table {self.name!r} admission counts")
+        if counts.numel() and int(counts.min()) < 0:
+            raise InvalidArgumentError(
+                f"Table {self.name!r}: an admission count is {int(counts.min())}, below 0; "
+                "import a checkpoint written by towerflow."
+            )
+        return ids, counts
 
     def status(self) -> dict[str, Any]:
         """Counters and the push table."""

@@ -9,6 +9,9 @@ one moment under the shard's lock), as the tensors
 - ``ids``: int64 ``(n,)`` global ids,
 - ``rows``: ``(n, dim)`` rows in the table's dtype,
 - ``slot.<name>``: ``(n, dim)`` per optimizer slot,
+- a dynamic table's ``versions``: int64 ``(n,)``, each row's last update step, and, in a
+  shard's first part, ``counter.ids`` / ``counter.counts`` (int64 ``(m,)``): the admission
+  counters of its ids not admitted yet (re-hashed to their new owners at a restore),
 
 and an ``info`` object ``{"table", "shard", "part", "rows"}``; the first part
 of a shard also carries ``shard_rows`` (the rows of the whole export) and
@@ -76,6 +79,8 @@ PART_BYTES = 64 << 20
 _EXPORT_CHUNK_BYTES = 512 << 10
 _SLOT = "slot."
 _VERSIONS = "versions"
+_COUNTER_IDS, _COUNTER_COUNTS = "counter.ids", "counter.counts"
+_COUNTERS = (_COUNTER_IDS, _COUNTER_COUNTS)
 _RESTORE = "restore an earlier checkpoint"
 #: most ps shards a saved table may name
 MAX_SHARDS = 1 << 16
@@ -166,6 +171,10 @@ def _chunk_tensors(config: TableConfig, chunk: Any) -> dict[str, torch.Tensor]:
         tensors[_SLOT + name] = _decode(data, config.dtype, shape)
     if chunk.versions:  # a dynamic table's rows: each one's last update step
         tensors[_VERSIONS] = _decode(chunk.versions, torch.int64, (n,))
+    if chunk.num_counters:  # its admission counters (a shard's first chunk)
+        m = chunk.num_counters
+        tensors[_COUNTER_IDS] = _decode(chunk.counter_ids, torch.int64, (m,))
+        tensors[_COUNTER_COUNTS] = _decode(chunk.counter_counts, torch.int64, (m,))
     return tensors
 
 
@@ -201,8 +210,10 @@ def _part(config: TableConfig, shard: int, index: int, pending: list[dict[str, t
           head: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if len(pending) == 1:
         tensors = pending[0]
-    elif pending:
-        tensors = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
+    elif pending:  # the counters are in a shard's first chunk only
+        keys = [k for k in pending[0] if k not in _COUNTERS]
+        tensors = {k: torch.cat([p[k] for p in pending]) for k in keys}
+        tensors.update({k: v for k, v in pending[0].items() if k in _COUNTERS})
     else:
         tensors = {"ids": torch.empty(0, dtype=torch.int64),
                    "rows": torch.empty((0, config.dim), dtype=config.dtype)}
@@ -293,7 +304,8 @@ def _check_tensors(table: str, shard: int, part: int, n: int, tensors: Mapping[s
     dtype, dim = _DTYPES[description["dtype"]], description["dim"]
     names = set(tensors)
     if "ids" not in names or "rows" not in names or any(
-            k not in ("ids", "rows", _VERSIONS) and not k.startswith(_SLOT) for k in names):
+            k not in ("ids", "rows", _VERSIONS, *_COUNTERS) and not k.startswith(_SLOT)
+            for k in names):
         raise CheckpointError(f"{where} holds tensors {sorted(names)[:8]}, not ids, rows and "
                               f"slots; {_RESTORE}.")
     for key in ("ids", _VERSIONS):
@@ -301,8 +313,9 @@ def _check_tensors(table: str, shard: int, part: int, n: int, tensors: Mapping[s
         if value.dtype != torch.int64 or tuple(value.shape) != (n,):
             raise CheckpointError(f"{where}: its {key} are {value.dtype} {list(value.shape)}, "
                                   f"not int64 [{n}]; {_RESTORE}.")
+    _check_counters(where, tensors, partitioner, shard)
     ids = tensors["ids"]
-    for key in sorted(names - {"ids", _VERSIONS}):
+    for key in sorted(names - {"ids", _VERSIONS, *_COUNTERS}):
         value = tensors[key]
         if value.dtype != dtype or tuple(value.shape) != (n, dim):
             raise CheckpointError(f"{where}: {key} is {value.dtype} {list(value.shape)}, not "
@@ -319,6 +332,23 @@ def _check_tensors(table: str, shard: int, part: int, n: int, tensors: Mapping[s
     except InvalidArgumentError as exc:
         raise CheckpointError(f"{where}: {exc} {_RESTORE}.") from None
     return int(ids[-1])
+
+
+def _check_counters(where: str, tensors: Mapping[str, Any], partitioner: Partitioner,
+                    shard: int) -> None:
+    """A part's admission counters, if any: int64 ids of the shard and counts >= 0, as many."""
+    if _COUNTER_IDS not in tensors and _COUNTER_COUNTS not in tensors:
+        return
+    ids, counts = tensors.get(_COUNTER_IDS), tensors.get(_COUNTER_COUNTS)
+    if ids is None or counts is None or ids.dtype != torch.int64 or \
+            counts.dtype != torch.int64 or ids.dim() != 1 or ids.shape != counts.shape or \
+            (counts.numel() and int(counts.min()) < 0):
+        raise CheckpointError(f"{where}: its admission counters are not as many int64 ids "
+                              f"and counts >= 0; {_RESTORE}.")
+    try:
+        partitioner.local_index(ids, shard)
+    except InvalidArgumentError as exc:
+        raise CheckpointError(f"{where}: {exc} {_RESTORE}.") from None
 
 
 def checked_parts(reader: ChunkedReader | None, saved: Any
@@ -388,6 +418,8 @@ def import_tables(client: TableClient, configs: Sequence[TableConfig],
         _send(client, config, tensors["ids"], tensors["rows"],
               slots if keep_slots[config.name] else None, pushes[config.name], sent,
               versions=tensors.get(_VERSIONS))
+        if _COUNTER_IDS in tensors:
+            _send_counters(client, config, tensors[_COUNTER_IDS], tensors[_COUNTER_COUNTS])
     for config in by_name.values():  # shards given no row still take their push records
         empty = torch.empty(0, dtype=torch.int64)
         _send(client, config, empty, torch.empty((0, config.dim), dtype=config.dtype), None,
@@ -483,6 +515,17 @@ def _send(client: TableClient, config: TableConfig, ids: torch.Tensor, rows: tor
                   for i in range(0, max(1, shard_ids.numel()), step))
         client.import_rows(config, shard, pieces, pushes=pushes[shard])
         sent.add((config.name, shard))
+
+
+def _send_counters(client: TableClient, config: TableConfig, ids: torch.Tensor,
+                   counts: torch.Tensor) -> None:
+    """A dynamic table's admission counters to their new owners (re-hashed)."""
+    for shard, (positions, shard_ids) in enumerate(config.partitioner.split(ids)):
+        if shard_ids.numel():
+            empty = (torch.empty(0, dtype=torch.int64),
+                     torch.empty((0, config.dim), dtype=config.dtype), None, None,
+                     (shard_ids, counts.index_select(0, positions)))
+            client.import_rows(config, shard, [empty])
 
 
 # ----------------------------------------------------------------------------- a module's rows

@@ -514,7 +514,8 @@ class TableClient:
                     pieces: Iterable[tuple[Any, ...]],
                     pushes: Sequence[tuple[int, int, int, str]] = ()) -> int:
         """Set rows (and slots) of shard ``shard`` from ``(ids, rows, slots)`` pieces
-        (``(ids, rows, slots, versions)``: a dynamic table's rows with their last update step).
+        (``(ids, rows, slots, versions[, (counter ids, counts)])``: a dynamic table's rows
+        with their last update step, and admission counters).
 
         The ps checks every piece before it sets any row; returns the rows set.
         Deferred pushes of the table are sent first (the import overwrites them).
@@ -525,13 +526,19 @@ class TableClient:
 
         def chunks() -> Iterator[bytes]:
             first = True
-            for ids, rows, slots, *versions in pieces:
+            for ids, rows, slots, *extra in pieces:
+                versions = extra[:1] if extra else []
+                counters = extra[1] if len(extra) > 1 else None
                 names = sorted(slots) if slots else []
                 chunk = tpb.RowChunk(num_ids=ids.numel(), ids=encode(ids + offset),
                                      rows=encode(rows.to(config.dtype)), slot_names=names,
                                      slots=[encode(slots[k].to(config.dtype)) for k in names])
                 if versions and versions[0] is not None and ids.numel():
                     chunk.versions = encode(versions[0].to(torch.int64))
+                if counters is not None and counters[0].numel():
+                    chunk.num_counters = counters[0].numel()
+                    chunk.counter_ids, chunk.counter_counts = (encode(t.to(torch.int64))
+                                                               for t in counters)
                 if first:
                     chunk.spec.CopyFrom(spec)
                     chunk.pushes.extend(push_records(pushes))
