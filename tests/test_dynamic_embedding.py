@@ -404,3 +404,26 @@ def test_admission_counters_survive_a_checkpoint_restored_onto_another_number_of
         assert stats["rows"] == before["rows"] + 3 and stats["filtered"] == 0
     finally:
         restored.close()
+
+
+@pytest.mark.slow
+def test_a_ps_checkpoint_of_a_dynamic_table_loads_into_one_process_for_eval(free_ports,
+                                                                            tmp_path):
+    from towerflow.checkpoint import load_into_module, read_checkpoint
+    from towerflow.training.evaluate import table_weights
+
+    manager = CheckpointManager(tmp_path / "run", max_to_keep=None)
+    cluster = Cluster(free_ports, 2, Click())
+    try:
+        cluster.train(3)
+        cluster.save(manager)
+        with torch.no_grad():
+            want = cluster.model(POOL.view(-1, 3))
+    finally:
+        cluster.close()
+    ckpt = read_checkpoint(tmp_path / "run")
+    model = Click()
+    load_into_module(model, {**ckpt.groups["model"], **table_weights(ckpt, model)})
+    with torch.no_grad():
+        assert torch.allclose(model(POOL.view(-1, 3)), want, atol=1e-6)
+    assert model.emb.stats()["rows"] > 0

@@ -117,6 +117,27 @@ class DynamicEmbedding(_ClusterDynamicEmbedding):
         self.bind(LocalTableClient(config), config)  # type: ignore[arg-type]
         self._local_step = 0
 
+    def load_rows(self, ids: torch.Tensor, rows: torch.Tensor,
+                  versions: torch.Tensor | None = None) -> None:
+        """Set the rows of ``ids`` in this process's table (a ps checkpoint read for
+        ``towerflow eval`` or a resume in one process; optimizer slots start afresh).
+
+        Raises:
+            FailedPreconditionError: the table is on ps tasks.
+        """
+        if self._client is None:
+            self._bind_local()
+        if not isinstance(self._client, LocalTableClient):
+            raise FailedPreconditionError(
+                "load_rows() is for a DynamicEmbedding in one process; on ps tasks a "
+                "checkpoint's rows are restored by the strategy.")
+        ids = check_ids(ids)
+        for shard, (positions, shard_ids) in enumerate(self.config.partitioner.split(ids)):
+            if shard_ids.numel():
+                self._client.stores[shard].import_(  # type: ignore[call-arg]
+                    shard_ids, rows.index_select(0, positions).to(self.dtype), None,
+                    None if versions is None else versions.index_select(0, positions))
+
     def apply_updates(self, lr: float, step: int | None = None) -> None:
         """Apply the row gradients of the lookups since the last call (one process only).
 

@@ -114,6 +114,22 @@ def tables_to_restore(groups: Mapping[str, Any], metadata: Mapping[str, Any]
 TORCH_SLOTS = {"accumulator": "sum", "m": "exp_avg", "v": "exp_avg_sq"}
 
 
+def _load_dynamic(model: nn.Module, table: str, tensors: Mapping[str, torch.Tensor],
+                  where: Any) -> None:
+    """A dynamic table's saved rows into the model's ``towerflow.DynamicEmbedding`` (its
+    one-process table; the module's path is the table's name)."""
+    try:
+        module = model.get_submodule(table)
+    except AttributeError:
+        module = None
+    load = getattr(module, "load_rows", None)
+    if not callable(load):
+        raise CheckpointError(
+            f"{where} holds dynamic table {table!r}, which is no towerflow.DynamicEmbedding of "
+            f"{type(model).__name__}; load it into the model that trained it.")
+    load(tensors["ids"], tensors["rows"], tensors.get("versions"))
+
+
 def table_weights(groups: Mapping[str, Any], strategy_metadata: Any, model: nn.Module,
                   where: Any, slots: dict[str, torch.Tensor] | None = None
                   ) -> dict[str, torch.Tensor]:
@@ -143,6 +159,9 @@ def table_weights(groups: Mapping[str, Any], strategy_metadata: Any, model: nn.M
     weights: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = {}
     for info, tensors in checked_parts(reader, saved):
+        if saved[info["table"]].get("kind") == "dynamic":
+            _load_dynamic(model, info["table"], tensors, where)
+            continue
         key = f"{info['table']}.weight"
         if key not in params:
             raise CheckpointError(
