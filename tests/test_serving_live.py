@@ -161,3 +161,57 @@ def test_a_checkpoint_of_other_tables_is_refused_and_nothing_is_written(job, tmp
     assert re.search(r"The cluster does not hold table 'other' of the newest checkpoint",
                      capsys.readouterr().err)
     assert not (tmp_path / "e").exists()
+
+
+class Raw(nn.Module):
+    """Raw 64-bit ids: a dynamic table and a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import towerflow
+
+        self.ids = towerflow.DynamicEmbedding(3, mode="sum")
+        self.out = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ids(ids)).squeeze(1)
+
+
+def raw_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-2**62, 2**62, (6, 2), generator=g)
+    return ids, (ids[:, 0] % 2).float()
+
+
+def test_a_live_export_of_a_dynamic_table_equals_a_checkpoints(tmp_path) -> None:
+    with ps_tasks(CREDENTIALS) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=CREDENTIALS,
+                                   device="cpu", server=False)
+        try:
+            strategy.prepare(Raw(), OptimizerConfig("adagrad", lr=0.3))
+            strategy.run_step(loss_fn_raw, raw_batch(0))
+            _save(strategy, CheckpointManager(tmp_path / "train"))
+            for seed in (1, 2):
+                strategy.run_step(loss_fn_raw, raw_batch(seed))
+            want = serving.export(_save(strategy, CheckpointManager(tmp_path / "elsewhere")),
+                                  tmp_path / "want")
+            cluster_file = tmp_path / "cluster.json"
+            cluster_file.write_text(json.dumps(spec.as_dict()))
+            secret_file = tmp_path / "secret"
+            secret_file.write_bytes(SECRET)
+            secret_file.chmod(0o600)
+            assert main(["export", "--train-dir", str(tmp_path / "train"), "--out",
+                         str(tmp_path / "live"), "--cluster", str(cluster_file),
+                         "--secret-file", str(secret_file)]) == 0
+        finally:
+            strategy.shutdown()
+    live, expected = read_export(tmp_path / "live"), read_export(want)
+    assert live.description["step"] == expected.description["step"] == 3
+    got, ref = table_state([live], "ids"), table_state([expected], "ids")
+    assert torch.equal(got.keys, ref.keys) and torch.equal(got.rows, ref.rows)
+    assert got.keys.numel() == 36  # every id of the 3 batches of 6 x 2 got a row
+
+
+def loss_fn_raw(model: nn.Module, b) -> torch.Tensor:
+    ids, labels = b
+    return nn.functional.binary_cross_entropy_with_logits(model(ids), labels)

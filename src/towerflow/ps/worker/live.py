@@ -79,9 +79,10 @@ def live_placement(cluster: Any, credentials: Credentials, *, timeout: float = 1
 
 
 def _config(name: str, description: Mapping[str, Any], partitioner: Any) -> TableConfig:
+    store = description.get("store")  # a dynamic table's
     return TableConfig(name, partitioner, int(description["dim"]),
                        dict(description["optimizer"]), dict(description["initializer"]),
-                       _DTYPES[description["dtype"]])
+                       _DTYPES[description["dtype"]], None if store is None else dict(store))
 
 
 def _tables(metadata: Mapping[str, Any]) -> tuple[list[TableConfig], dict[str, TableView]]:

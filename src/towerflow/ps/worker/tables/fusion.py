@@ -79,7 +79,7 @@ def fuse_tables(configs: Sequence[TableConfig], extras: Sequence[Hashable] | Non
         ...                        {"name": "sgd", "hyper": {}}, {"kind": "constant", "value": 0.0})
         >>> fused, views = fuse_tables([table("a", 5), table("b", 3)])
         >>> [(f.name, f.num_rows) for f in fused], views["b"].offset
-        ([('a+1', 9), 6)
+        ([('a+1', 10)], 6)
     """
     groups: dict[Hashable, list[TableConfig]] = {}
     for index, config in enumerate(configs):
