@@ -31,8 +31,18 @@ def _status(lc: LocalCluster, cluster_file: str, *extra: str) -> dict:
     return json.loads(out.stdout)
 
 
+def _status_here(lc: LocalCluster, cluster_file: str, capsys, monkeypatch) -> dict:  # noqa: ANN001
+    """The same command run in this process (``main``): a poll that starts no Python."""
+    monkeypatch.setenv("TOWERFLOW_SECRET_FILE", lc.env["TOWERFLOW_SECRET_FILE"])
+    capsys.readouterr()
+    assert main(["status", "--cluster", cluster_file, "--once", "--json", "--interval", "0.5",
+                 "--timeout", "1"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 @pytest.mark.slow
-def test_status_reports_both_workers_their_steps_and_a_suspended_one(subprocess_env, tmp_path):
+def test_status_reports_both_workers_their_steps_and_a_suspended_one(subprocess_env, tmp_path,
+                                                                    capsys, monkeypatch):
     spec = loopback_cluster(num_ps=1, num_workers=2)
     cluster_file = tmp_path / "cluster.json"
     cluster_file.write_text(json.dumps(spec.as_dict()))
@@ -44,11 +54,12 @@ def test_status_reports_both_workers_their_steps_and_a_suspended_one(subprocess_
             worker.wait_for_line(r"^step \d+", timeout=120)
 
         def heard() -> dict | None:  # the ps has had a heartbeat of each worker
-            now = _status(lc, str(cluster_file))
+            now = _status_here(lc, str(cluster_file), capsys, monkeypatch)
             return now if all(w["last_heartbeat_age"] is not None
                               for w in now["workers"]) else None
 
-        snap = wait_until(heard, timeout=60, what="the ps's first heartbeat of each worker")
+        wait_until(heard, timeout=60, what="the ps's first heartbeat of each worker")
+        snap = _status(lc, str(cluster_file))  # as a user runs it
         assert [t["state"] for t in snap["tasks"]] == ["up", "up", "up"], snap["tasks"]
         (shard,) = snap["ps"]
         assert shard["initialized"] and shard["global_step"] > 0 and shard["param_bytes"] > 0
@@ -64,13 +75,14 @@ def test_status_reports_both_workers_their_steps_and_a_suspended_one(subprocess_
         workers[1].suspend()
         try:
             def suspended() -> dict | None:
-                now = _status(lc, str(cluster_file))
+                now = _status_here(lc, str(cluster_file), capsys, monkeypatch)
                 return now if now["workers"][1]["state"] == "suspended" else None
 
             snap = wait_until(suspended, timeout=60, what="worker 1 shown suspended")
             assert snap["workers"][0]["state"] == "up"
             assert "suspended or hung" in snap["tasks"][2]["detail"]
-            snap = wait_until(lambda: (s := _status(lc, str(cluster_file)))["workers"][1]
+            snap = wait_until(lambda: (s := _status_here(lc, str(cluster_file), capsys,
+                                                         monkeypatch))["workers"][1]
                               ["heartbeat"] == "suspended" and s, timeout=30,
                               what="the ps's heartbeats to say worker 1 is suspended")
             assert snap["workers"][1]["steps_per_sec"] == 0

@@ -106,6 +106,17 @@ def test_a_ps_task_listens_where_it_is_told(command, how, free_ports, subprocess
         told.terminate()
         out, _ = told.communicate(timeout=30)
     assert told.returncode == 0, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["train", "server"])
+def test_a_ps_task_told_no_interface_refuses_its_unresolvable_cluster_address(
+        command, free_ports, subprocess_env, tmp_path) -> None:
+    ps_port, worker_port = free_ports(2)
+    cluster = {"ps": [f"ps-0.invalid:{ps_port}"], "worker": [f"worker-0.invalid:{worker_port}"]}
+    base = {k: v for k, v in subprocess_env.items() if k != "TOWERFLOW_BIND"}
+    argv = (("train", "digits", "--train-dir", str(tmp_path / "run")) if command == "train"
+            else ("server",))
     untold = _ps_task(cluster, base, *argv)
     out, _ = untold.communicate(timeout=120)
     assert untold.returncode != 0 and f"ps-0.invalid:{ps_port}" in out, out

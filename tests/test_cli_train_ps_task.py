@@ -102,8 +102,11 @@ def test_the_ps_task_ends_after_its_worker_unless_told_to_serve_forever(
 
 
 @pytest.mark.slow
-def test_the_chief_of_towerflow_train_writes_the_cluster_scalars(subprocess_env, tmp_path) -> None:
+def test_a_local_sync_ps_run_checkpoints_and_its_chief_writes_the_cluster_scalars(
+        subprocess_env, tmp_path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from towerflow.checkpoint import CheckpointManager
 
     train_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "towerflow", "train", "digits", "--ps", "1", "--workers", "2",
@@ -113,6 +116,11 @@ def test_the_chief_of_towerflow_train_writes_the_cluster_scalars(subprocess_env,
     proc = subprocess.run(argv, env=subprocess_env, capture_output=True, text=True, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mode sync" in proc.stdout + proc.stderr
+    ckpt = CheckpointManager(train_dir).restore()  # the final one: no periodic checkpoints
+    assert ckpt.step == 20 and ckpt.metadata["strategy"]["mode"] == "sync"
+    assert set(ckpt.groups["model"]) == {"hidden.weight", "hidden.bias", "softmax_linear.weight",
+                                         "softmax_linear.bias"}
     events = EventAccumulator(str(train_dir))
     events.Reload()
     tags = set(events.Tags()["scalars"])

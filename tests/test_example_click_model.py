@@ -72,7 +72,7 @@ def test_planted_logs_click_at_the_rate_asked_with_zipf_ids() -> None:
 @pytest.mark.slow
 def test_trains_on_two_ps_and_two_workers_to_the_truth_auc(tmp_path, python,
                                                           subprocess_env) -> None:
-    steps = 1500
+    steps = 1000  # the gap is about 0.013 by then (0.010 at the example's default 2,000)
     command = [python, "-m", "towerflow", "launch", "--ps", "2", "--workers", "2", "--grace", "5",
                "--", python, str(EXAMPLE), "--logdir", "run", "--steps", str(steps)]
     proc = subprocess.run(command, env=subprocess_env, cwd=tmp_path, capture_output=True,
@@ -100,10 +100,10 @@ def test_trains_on_two_ps_and_two_workers_to_the_truth_auc(tmp_path, python,
 
 @pytest.mark.slow
 def test_trains_in_one_process_without_a_cluster(tmp_path, python, subprocess_env) -> None:
-    proc = subprocess.run([python, str(EXAMPLE), "--steps", "1500"], env=subprocess_env,
+    proc = subprocess.run([python, str(EXAMPLE), "--steps", "1000"], env=subprocess_env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = RESULT.search(proc.stdout)
     assert result is not None, proc.stdout
     assert float(result.group(4)) <= 0.02, proc.stdout
-    assert CheckpointManager(tmp_path / "log" / "click_model").restore().step == 1500
+    assert CheckpointManager(tmp_path / "log" / "click_model").restore().step == 1000

@@ -15,17 +15,24 @@ FINISHED = re.compile(
 STARTED = re.compile(r"\[worker:(\d)\] sess ok; starting at global step (\d+)")
 
 
-def launch(python: str, env: dict[str, str], logdir: Path, steps: int) -> str:
-    command = [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace", "5",
-               "--", python, str(EXAMPLE), "--logdir", str(logdir), "--steps", str(steps),
-               "--noise", "0"]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+def launch(python: str, env: dict[str, str], cwd: Path, steps: int) -> str:
+    """One run of the example under ``towerflow launch``, in its default logdir under ``cwd``."""
+    command = [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace", "10",
+               "--", python, str(EXAMPLE), "--steps", str(steps), "--noise", "0"]
+    proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 @pytest.mark.slow
-def test_article_003_trains_async_saves_and_resumes(tmp_path, python, subprocess_env) -> None:
+def test_article_003_trains_async_saves_reruns_resumes_and_stops_on_ctrl_c(
+        tmp_path, python, subprocess_env) -> None:
+    import signal
+    import threading
+
+    from towerflow.checkpoint import CheckpointManager
+
+    logdir = tmp_path / "log" / "linear_regression"  # the default: under the current directory
     # long enough that the second worker, which waits for the chief to initialise the ps,
     # joins while the chief is still training (a run of ~2 s at this machine's step rate)
     out = launch(python, subprocess_env, tmp_path, 4000)
@@ -34,42 +41,29 @@ def test_article_003_trains_async_saves_and_resumes(tmp_path, python, subprocess
     for _, local, final, weight, bias in finished.values():
         assert abs(float(weight) - 2.0) < 1e-2 and abs(float(bias) - 1.0) < 1e-2
         assert int(local) < int(final)  # async: the steps a worker saw were not consecutive
-    assert (tmp_path / "latest").read_text().startswith("ckpt-")
-    assert len(list(tmp_path.glob("ckpt-*"))) == 1  # max_to_keep=1
-    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert (logdir / "latest").read_text().startswith("ckpt-")
+    assert len(list(logdir.glob("ckpt-*"))) == 1  # max_to_keep=1
+    assert list(logdir.glob("events.out.tfevents.*"))
+    saved = CheckpointManager(logdir).restore().step
+    assert saved >= 4000
 
-    # started again, the chief restores the checkpoint with no user code
-    saved = int((tmp_path / "latest").read_text().strip().split("-")[1])
+    # the same command again has nothing to do, and says so
+    out = launch(python, subprocess_env, tmp_path, 4000)
+    assert f"[worker:0] log/linear_regression already holds global step {saved} >= --steps " \
+        "4000: nothing to train" in out
+    assert "finished: 0 local steps" not in out
+
+    # started again with more steps, the chief restores the checkpoint with no user code
     out = launch(python, subprocess_env, tmp_path, saved + 100)
     started = {int(w): int(s) for w, s in STARTED.findall(out)}
     assert started[0] == saved, out
     local = sum(int(m[1]) for m in FINISHED.findall(out))
     assert max(int(m[2]) for m in FINISHED.findall(out)) >= saved + 100
     assert local < saved  # it went on from the checkpoint rather than from step 0
-
-
-@pytest.mark.slow
-def test_default_logdir_rerun_at_steps_and_ctrl_c(tmp_path, python, subprocess_env) -> None:
-    import signal
-    import threading
-
-    from towerflow.checkpoint import CheckpointManager
+    saved = CheckpointManager(logdir).restore().step
 
     base = [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace", "10",
             "--", python, str(EXAMPLE), "--noise", "0"]
-    logdir = tmp_path / "log" / "linear_regression"  # under the current directory
-    proc = subprocess.run([*base, "--steps", "300"], env=subprocess_env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    saved = CheckpointManager(logdir).restore().step
-    assert saved >= 300
-
-    proc = subprocess.run([*base, "--steps", "300"], env=subprocess_env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"[worker:0] log/linear_regression already holds global step {saved} >= --steps 300: " \
-        "nothing to train" in proc.stdout
-    assert "finished: 0 local steps" not in proc.stdout
 
     launcher = subprocess.Popen([*base, "--steps", str(10**9)], env=subprocess_env, cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

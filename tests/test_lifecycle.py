@@ -276,7 +276,8 @@ def _trained(spec: ClusterSpec, server: Server, logdir, script: _Script) -> None
                       [regression_data(16)] * 1000, strategy=strategy,
                       optimizer=OptimizerConfig("sgd", lr=0.1), hooks=[Steps()],
                       train_dir=logdir if worker == 0 else None, max_steps=30,
-                      summary_every=0, checkpoint_every=1000, ema_decay=None)
+                      summary_every=0, checkpoint_every=1000, ema_decay=None,
+                      peers_wait=1.0)  # worker 1 never says Done: the chief waits this long
     try:
         with trainer:
             trainer.fit()

@@ -227,14 +227,16 @@ def test_replica_0_alone_reads_the_checkpoint_and_every_replica_receives_it(
 
 
 # One replica under the Supervisor: rank r starts from seed r; the chief (rank 0) saves
-# in its own logdir; every replica reports its step and parameters when the session opens.
+# in its own logdir, and its init_fn sets every weight to 7 when it finds no checkpoint;
+# every replica reports its step and parameters when the session opens.
 _SUPERVISED = r"""
 import json, os, sys, torch, towerflow
 from towerflow.strategies.base import OptimizerConfig
 
 rank, root, steps = int(os.environ["RANK"]), sys.argv[1], int(sys.argv[2])
 torch.manual_seed(rank)
-sv = towerflow.Supervisor(is_chief=rank == 0, logdir=f"{root}/node{rank}", save_model_secs=0)
+sv = towerflow.Supervisor(is_chief=rank == 0, logdir=f"{root}/node{rank}", save_model_secs=0,
+                          init_fn=lambda model: model.weight.fill_(7.0))
 x, y = torch.ones(4, 3), torch.zeros(4, 1)
 loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
 with sv.managed_session(model=torch.nn.Linear(3, 1),
@@ -248,7 +250,7 @@ print("RESULT " + json.dumps({"start": start, "end": end, "kind": type(sess.stra
 
 
 @pytest.mark.slow
-def test_supervised_replicas_resume_from_the_chiefs_logdir_alone(
+def test_supervised_replicas_start_from_the_chiefs_init_fn_and_resume_from_its_logdir_alone(
         tmp_path: Path, free_ports, subprocess_env, python) -> None:
     def run(steps: int) -> list[dict]:
         results = run_replicas([python, "-c", _SUPERVISED, str(tmp_path), str(steps)],
@@ -259,33 +261,14 @@ def test_supervised_replicas_resume_from_the_chiefs_logdir_alone(
 
     first = run(3)
     assert [f["kind"] for f in first] == ["Mirrored", "Mirrored"]
+    # a fresh start: every replica starts from the chief's init_fn (DDP copied replica 0's
+    # weights before init_fn ran), not from its own seed
+    assert [f["start"] for f in first] == [[0, [[7.0, 7.0, 7.0]]], [0, [[7.0, 7.0, 7.0]]]]
     assert first[0]["end"] == first[1]["end"]
     again = run(5)
+    # a restart restores the chief's checkpoint; init_fn does not run again
     assert [f["start"] for f in again] == [[3, first[0]["end"]], [3, first[0]["end"]]]
     assert again[0]["end"] == again[1]["end"]
     assert not list((tmp_path / "node1").glob("ckpt-*"))
 
 
-# The chief's init_fn sets every weight to 7; each replica reports its weights when the
-# session opens (DDP copied replica 0's weights before init_fn ran).
-_INIT_FN = r"""
-import json, os, sys, torch, towerflow
-
-rank, root = int(os.environ["RANK"]), sys.argv[1]
-torch.manual_seed(rank)
-sv = towerflow.Supervisor(is_chief=rank == 0, logdir=f"{root}/node{rank}", save_model_secs=0,
-                          init_fn=lambda model: model.weight.fill_(7.0))
-with sv.managed_session(model=torch.nn.Linear(3, 1)) as sess:
-    weight = sess.strategy.model.weight.tolist()
-print("RESULT " + json.dumps(weight))
-"""
-
-
-@pytest.mark.slow
-def test_supervised_replicas_start_from_the_chiefs_init_fn(
-        tmp_path: Path, free_ports, subprocess_env, python) -> None:
-    results = run_replicas([python, "-c", _INIT_FN, str(tmp_path)], world_size=2,
-                           port=free_ports(1)[0], env=subprocess_env, timeout=60)
-    assert [status for status, _ in results] == [0, 0], results
-    weights = [json.loads(out.split("RESULT ", 1)[1].splitlines()[0]) for _, out in results]
-    assert weights == [[[7.0, 7.0, 7.0]], [[7.0, 7.0, 7.0]]]

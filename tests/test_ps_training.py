@@ -252,26 +252,6 @@ def test_checkpoint_state_round_trips_through_the_ps(cluster) -> None:
         again.shutdown()
 
 
-@pytest.mark.slow
-def test_towerflow_train_with_local_ps_runs_sync_and_checkpoints(tmp_path, python,
-                                                                 subprocess_env) -> None:
-    import subprocess
-
-    from towerflow.checkpoint import CheckpointManager
-
-    command = [python, "-m", "towerflow", "train", "digits", "--replicas", "2", "--ps", "1",
-               "--mode", "sync", "--max-steps", "30", "--batch-size", "32", "--log-every", "10",
-               "--no-progress", "--train-dir", str(tmp_path)]
-    proc = subprocess.run(command, env=subprocess_env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mode sync" in proc.stdout + proc.stderr
-    ckpt = CheckpointManager(tmp_path).restore()
-    assert ckpt.step == 30 and ckpt.metadata["strategy"]["mode"] == "sync"
-    assert set(ckpt.groups["model"]) == {"hidden.weight", "hidden.bias", "softmax_linear.weight",
-                                         "softmax_linear.bias"}
-
-
 def test_prefetch_overlaps_the_push_with_the_next_batch_and_still_fits(cluster) -> None:
     spec, service = cluster
     one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
