@@ -345,3 +345,27 @@ def test_a_chiefs_failure_ends_the_ps_with_it_after_the_grace_when_no_worker_ask
                             r"start the job again\.", str(outcome[0]))
     finally:
         ps.stop()
+
+
+def test_an_async_chief_does_not_wait_for_the_done_of_a_worker_the_heartbeats_find_dead(spec):
+    import torch
+
+    from towerflow.strategies import OptimizerConfig
+    from towerflow.strategies.parameter_server import ParameterServer
+
+    beats = HeartbeatOptions(interval=0.1, max_missed=2, startup_grace=0.0)
+    ps = Server(spec, "ps", 0, credentials=SECRET, options=ServerOptions(heartbeat=beats))
+    chief_server = Server(spec, "worker", 0, credentials=SECRET)
+    chief = ParameterServer(spec, chief_server.task, credentials=SECRET, server=chief_server)
+    try:
+        chief.prepare(torch.nn.Linear(2, 1), OptimizerConfig("sgd", lr=0.1))
+        assert chief.global_step == 0  # initialised; worker 1 runs no server: dead to the ps
+        waited = time.monotonic()
+        chief.wait_for_peers(timeout=60.0)
+        assert time.monotonic() - waited < 10.0  # not the 60 s it would give a live worker
+        rows = {w.worker_id: w.heartbeat for w in chief.client.shards[0].status().workers}
+        assert rows.get(1) == "dead"
+    finally:
+        chief.shutdown()
+        chief_server.stop()
+        ps.stop()

@@ -553,15 +553,19 @@ class ParameterServer(Strategy):
     # -- lifetime ----------------------------------------------------------------------------
     def wait_for_peers(self, timeout: float) -> bool:
         """The chief of an asynchronous job, before its final checkpoint: wait (at most
-        ``timeout`` s) until every other worker said ``Done``, so that the checkpoint
-        holds all their acknowledged pushes; True when it waited for one."""
+        ``timeout`` s) until every other worker said ``Done`` (or the ps's heartbeats find
+        it dead), so that the checkpoint holds all their acknowledged pushes; True when it
+        waited for one."""
         if not self._chief or self.aggregation.mode == "sync" or self._client is None \
                 or self._world <= 1:
             return False
         deadline, said = time.monotonic() + timeout, False
         while True:
             workers = self._client.shards[0].status().workers
-            left = self._world - 1 - sum(w.done for w in workers if w.worker_id != self._rank)
+            # a worker the ps's heartbeats find dead will not say Done: not waited for
+            gone = sum(w.done or w.heartbeat == "dead" for w in workers
+                       if w.worker_id != self._rank)
+            left = self._world - 1 - gone
             if left <= 0:
                 return said
             if time.monotonic() >= deadline:
