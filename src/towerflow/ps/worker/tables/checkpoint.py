@@ -54,6 +54,7 @@ import torch
 
 from towerflow.checkpoint import ChunkedGroup, ChunkedReader
 from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError
+from towerflow.ps.buffers import release_free_memory
 from towerflow.ps.partition import Partitioner, partitioner_from_dict
 from towerflow.ps.protocol import FINAL, REFUSED, push_rows
 from towerflow.ps.worker.tables.batch import decode as _decode
@@ -197,6 +198,7 @@ def _shard_parts(client: TableClient, config: TableConfig, shard: int, part_byte
         if size >= part_bytes:
             yield _part(config, shard, index, pending, head)
             pending, size, index, head = [], 0, index + 1, {}
+            release_free_memory()  # the part is written: hand its blocks back (every arena)
     if total != received:
         raise DataLossError(
             f"The export of table {config.name!r} from ps task {shard} ended after {received} of "
@@ -420,6 +422,8 @@ def import_tables(client: TableClient, configs: Sequence[TableConfig],
               versions=tensors.get(_VERSIONS))
         if _COUNTER_IDS in tensors:
             _send_counters(client, config, tensors[_COUNTER_IDS], tensors[_COUNTER_COUNTS])
+        del tensors, slots
+        release_free_memory()  # the part is sent: hand its blocks back (every arena)
     for config in by_name.values():  # shards given no row still take their push records
         empty = torch.empty(0, dtype=torch.int64)
         _send(client, config, empty, torch.empty((0, config.dim), dtype=config.dtype), None,
