@@ -59,17 +59,22 @@ def test_replicas_without_a_usable_network_fail_with_one_message_and_no_tracebac
     cmd = [python, "-m", "towerflow", *_train_args(tmp_path, 20, "--replicas", "2")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     shown = proc.stdout + proc.stderr
-    assert proc.returncode == 2, shown
+    assert proc.returncode != 0, shown
     assert "Traceback" not in shown
-    errors = [line for line in shown.splitlines() if line.startswith("towerflow train: error:")]
-    assert len(errors) == 1, shown
-    assert re.fullmatch(r"towerflow train: error: Replica 0 of 2 could not join the gloo process "
-                        r"group at 127\.0\.0\.1:\d+: .*Unable to find address for: nosuchif0\. "
-                        r"Check the network the replicas use \(GLOO_SOCKET_IFNAME .*", errors[0])
-    log = tmp_path / "replica-1.log"
-    others = [line for line in shown.splitlines() if line.startswith("[replica 1]")]
-    assert others == [others[0]] and f"(traceback in {log})" in others[0], shown
-    assert "Traceback (most recent call last)" in log.read_text()
+    # whichever replica fails first says why in one line; the other may be stopped before
+    # it gets there, and says at most one line (its traceback goes to its log file)
+    rank0 = [line for line in shown.splitlines() if line.startswith("towerflow train: error:")]
+    rank1 = [line for line in shown.splitlines() if line.startswith("[replica 1]")]
+    assert len(rank0) <= 1 and len(rank1) <= 1 and rank0 + rank1, shown
+    sentence = (r"Replica {} of 2 could not join the gloo process group at 127\.0\.0\.1:\d+: "
+                r".*Unable to find address for: nosuchif0\. Check the network the replicas use")
+    for line in rank0:
+        assert re.search(sentence.format(0), line), line
+    for line in rank1:
+        log = tmp_path / "replica-1.log"
+        assert re.search(r"\[replica 1\] stopped by UnavailableError: " + sentence.format(1),
+                         line) and f"(traceback in {log})" in line, line
+        assert "Traceback (most recent call last)" in log.read_text()
 
 
 def test_replica_command_reproduces_the_parsed_options() -> None:

@@ -174,7 +174,9 @@ def test_own_model_on_1_ps_and_2_workers_resumes_and_evaluates(
     assert restored and 20 <= int(restored.group(1)) <= 22, proc.stdout + proc.stderr
     latest = CheckpointManager(run).latest()
     assert latest is not None and int(latest.name.rsplit("-", 1)[1]) >= 60
-    assert _eval_loss(capsys, run) < before
+    # trained, and still trained after the resume: the targets' variance (an untrained
+    # model's loss) is about 5.25; async steps of two workers need not lower it monotonically
+    assert before < 1.0 and _eval_loss(capsys, run) < 1.0
 
 
 @pytest.mark.parametrize(("argv", "message"), [

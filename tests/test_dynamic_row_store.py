@@ -18,7 +18,8 @@ from towerflow.ps.server.tables.optimizers import (
     SparseLazyAdam,
     SparseSGD,
 )
-from towerflow.ps.server.tables.rows import DenseRowStore, UniformRows, row_store_from_dict
+from towerflow.ps.server.tables.rows import DenseRowStore, UniformRows
+from towerflow.ps.server.tables.stores import row_store_from_dict
 
 EXTREMES = torch.tensor([-2**63, -1, 0, 2**63 - 1])
 INIT = UniformRows(seed=3)

@@ -61,7 +61,9 @@ def test_killed_chief_restores_the_latest_complete_checkpoint_and_no_one_else_sa
         assert chief.kill() == -9
         listing = _complete_checkpoints(logdir)
         latest = CheckpointManager(logdir).latest()
-        assert latest is not None and latest.name == listing[-1]
+        # the newest, or the one before when the kill fell between a save's directory and
+        # its `latest` pointer: that save never committed and is not restored
+        assert latest is not None and latest.name in listing[-2:], (latest, listing)
         # the other worker trains on alone, and never writes a checkpoint
         at_kill = other.last_number(STEP)
         wait_until(lambda: other.last_number(STEP) >= at_kill + 50, timeout=60,

@@ -50,8 +50,11 @@ def _slurm(args: list[str], env: dict[str, str], timeout: float = 30) -> str:
 
 
 @pytest.fixture(scope="module")
-def slurm_env() -> dict[str, str]:
-    """The environment that submits to the local cluster (started here if it is not up)."""
+def slurm_env() -> Iterator[dict[str, str]]:
+    """The environment that submits to the local cluster (started here if it is not up, and
+    then stopped here when the module's tests are done: the tests leave no daemon behind)."""
+    running = subprocess.run([str(SLURM_LOCAL), "status"], capture_output=True, text=True,
+                             timeout=60).returncode == 0
     done = subprocess.run([str(SLURM_LOCAL), "start", "--no-install"], capture_output=True,
                           text=True, timeout=120)
     if done.returncode != 0:
@@ -64,7 +67,12 @@ def slurm_env() -> dict[str, str]:
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and not k.startswith(FOREIGN)}
     env.update(SLURM_CONF=conf.group(1), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    return env
+    try:
+        yield env
+    finally:
+        if not running:  # started for these tests: stopped with them
+            subprocess.run([str(SLURM_LOCAL), "stop"], capture_output=True, text=True,
+                           timeout=120)
 
 
 def _consecutive_free_ports(count: int) -> int:

@@ -81,11 +81,11 @@ def _train(tmp_path: Path, *extra: str) -> list[str]:
 
 
 def _stop_mid_run(argv: list[str], env: dict[str, str], started: str,
-                  while_running=lambda: None) -> tuple[int, str]:  # noqa: ANN001
+                  while_running=lambda run: None) -> tuple[int, str]:  # noqa: ANN001
     run = _Run(argv, env)
     try:
         run.wait_for(started)
-        while_running()
+        while_running(run)
         run.proc.send_signal(signal.SIGTERM)
         return run.finish(), run.text
     finally:
@@ -192,7 +192,9 @@ def test_sigterm_to_launch_makes_a_supervisor_chief_save_and_exit_zero(
         [sys.executable, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--",
          sys.executable, str(ROOT / "examples" / "distributed_linear_regression.py"),
          "--logdir", str(logdir), "--steps", "10000000"],
-        subprocess_env, r"\[worker:0\] step \d+, loss")
+        subprocess_env, r"\[worker:0\] step \d+, loss",
+        # both workers in their session (a worker still importing torch dies of the signal)
+        while_running=lambda run: run.wait_for(r"\[worker:1\] sess ok"))
     assert code == 0, text
     printed = [int(s) for s in re.findall(r"\[worker:0\] step (\d+), loss", text)]
     assert _latest_step(logdir) >= max(printed)

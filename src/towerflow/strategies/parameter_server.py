@@ -1,35 +1,32 @@
 """``ParameterServer``: parameters and optimizer state on ps tasks, gradients from workers.
 
-Article 003's roles: ps tasks hold the variables and apply updates; every
-worker pulls the parameters, computes gradients on its own device (its GPU
-when it has one) and pushes them; the chief (the ``chief`` job's task, else
-worker 0) initialises the parameters on the ps tasks, or restores them from a
-checkpoint, and the other workers wait until it has.
+Article 003's roles: ps tasks hold the variables and apply updates; every worker pulls the
+parameters, computes gradients on its own device (its GPU when it has one) and pushes them;
+the chief (the ``chief`` job's task, else worker 0) initialises the parameters on the ps
+tasks, or restores them from a checkpoint, and the other workers wait until it has.
 
-On the worker, each ps shard's parameters and gradients are one flat buffer:
-every parameter's ``.data`` and ``.grad`` are views into them, so a push sends
-the gradient buffer without a gather and a pull lands in place. A push brings
-the fresh parameters back in the same round trip.
+On the worker, each ps shard's parameters and gradients are one flat buffer: every
+parameter's ``.data`` and ``.grad`` are views into them, so a push sends the gradient buffer
+without a gather and a pull lands in place. A push brings the fresh parameters back in the
+same round trip.
 
-A worker runs its task's :class:`~towerflow.cluster.Server` while it trains
-(its own, started by :meth:`~ParameterServer.prepare` and stopped by
-:meth:`~ParameterServer.shutdown`, or the one given as ``server=``), so the ps
-tasks' heartbeats reach it and a dead or suspended worker is named.
+A worker runs its task's :class:`~towerflow.cluster.Server` while it trains (its own, started
+by :meth:`~ParameterServer.prepare` and stopped by :meth:`~ParameterServer.shutdown`, or the
+one given as ``server=``), so the ps tasks' heartbeats reach it and a dead or suspended
+worker is named.
 
-An **elastic worker** (``join=True``; ``towerflow train --join``) is a
-process with the cluster (``cluster=`` or ``TF_CONFIG`` with no ``task``) and
-its credentials but no task of its own in it. It joins a running ``async``
-job (:mod:`~towerflow.strategies.ps_elastic`: ps task 0 gives its worker id),
-trains from the current parameters, never initialises, restores or saves
-(it is never the chief), runs no server, and leaves with ``Done`` when it
-shuts down, on an error and on SIGTERM too. It reads its data as a replica
-of its own (rank 0 of 1). The job ends with its replicas, not with its
-elastic workers: once the ps tasks have ended, an elastic worker's next push
-fails with an ``UnavailableError`` saying so. Dense models only: a sparse
-table's shards count the cluster's replicas alone.
+An **elastic worker** (``join=True``; ``towerflow train --join``) is a process with the
+cluster (``cluster=`` or ``TF_CONFIG`` with no ``task``) and its credentials but no task of
+its own in it. It joins a running ``async`` job (:mod:`~towerflow.strategies.ps_elastic`:
+ps task 0 gives its worker id), trains from the current parameters, never initialises,
+restores or saves (it is never the chief), runs no server, and leaves with ``Done`` when it
+shuts down, on an error and on SIGTERM too. It reads its data as a replica of its own (rank
+0 of 1). The job ends with its replicas, not with its elastic workers: once the ps tasks
+have ended, an elastic worker's next push fails with an ``UnavailableError`` saying so.
+Dense models only: a sparse table's shards count the cluster's replicas alone.
 
-A model's sparse tables (``ShardedEmbedding``) are bound, created on the ps
-tasks and checkpointed by :mod:`~towerflow.strategies.ps_tables`.
+A model's sparse tables are bound, created on the ps tasks, checkpointed and moved to and
+from one process by :mod:`~towerflow.strategies.ps_tables`.
 
 Example (in a worker process of a cluster with a ps job)::
 
@@ -66,7 +63,6 @@ from towerflow.ps.worker.dense.variables import (
     dense_groups,
     dense_restore,
 )
-from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
@@ -74,8 +70,10 @@ from towerflow.strategies.ps_tables import (
     attach_tables,
     start_tables,
     table_groups,
+    tables_from_weights,
     tables_to_restore,
 )
+from towerflow.strategies.single import as_ps_optimizer_state
 
 __all__ = ["ParameterServer"]
 
@@ -511,44 +509,17 @@ class ParameterServer(Strategy):
             raise InvalidArgumentError(
                 f"The checkpoint has no 'model' group (groups: {sorted(groups)})."
             )
-        rest = self._tables_as_weights(groups, model_group)
+        rest = tables_from_weights(self._tables, groups, model_group, chief=self._chief)
         load_into_module(self._model, rest)  # checks names, shapes, dtypes
         if not self._chief:
             return
         metadata = dict(metadata or {})
-        if isinstance(metadata.get("optimizer"), Mapping):  # written by one process / replicas
-            from towerflow.strategies.single import local_optimizer_slots
-
-            slots, step = local_optimizer_slots(self._model, self._opt, groups, metadata)
-            groups = {**groups, "optimizer": slots}
-            # torch's SGD keeps no step: its momentum was applied once a global step
-            metadata.update(optimizer=self._opt.name,
-                            optimizer_step=step or int(metadata.get("global_step", 0)))
+        groups, metadata = as_ps_optimizer_state(self._model, self._opt, groups, metadata)
         if self._tables and len(rest) == len(model_group):  # (else they start from weights)
             self._table_restore = tables_to_restore(groups, metadata)
         self._restore = dense_restore(self._buffers.placement, groups, metadata, self._opt.name)
         self._buffers.load_from(self._restore.params)
         self._needs_init = True
-
-    def _tables_as_weights(self, groups: Mapping[str, Any], model_group: Mapping[str, Any]
-                           ) -> Mapping[str, Any]:
-        """A checkpoint written without a ps holds the model's tables as weights: the chief's
-        tables start from them (shipped to their shards when it creates them); the rest of
-        ``model_group`` is returned."""
-        if not self._tables or TABLES_GROUP in groups:
-            return model_group
-        rest, moved = dict(model_group), []
-        for path, module in self._tables.modules:
-            weight = rest.pop(f"{path}.weight", None)
-            if weight is not None:
-                moved.append(path)
-                if self._chief:
-                    module.start_from(weight)
-        if moved and self._chief:
-            log.warning("table(s) %s start from the checkpoint's weights on the ps tasks; their "
-                        "optimizer slots start afresh (a checkpoint written without a ps keeps "
-                        "no row-wise slots)", ", ".join(map(repr, moved)))
-        return rest
 
     # -- lifetime ----------------------------------------------------------------------------
     def wait_for_peers(self, timeout: float) -> bool:
@@ -561,11 +532,9 @@ class ParameterServer(Strategy):
             return False
         deadline, said = time.monotonic() + timeout, False
         while True:
-            workers = self._client.shards[0].status().workers
-            # a worker the ps's heartbeats find dead will not say Done: not waited for
-            gone = sum(w.done or w.heartbeat == "dead" for w in workers
-                       if w.worker_id != self._rank)
-            left = self._world - 1 - gone
+            left = self._world - 1 - sum(  # one the ps's heartbeats find dead says no Done
+                w.done or w.heartbeat == "dead" for w in self._client.shards[0].status().workers
+                if w.worker_id != self._rank)
             if left <= 0:
                 return said
             if time.monotonic() >= deadline:

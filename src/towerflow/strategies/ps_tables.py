@@ -35,7 +35,8 @@ from towerflow.ps.worker.tables.checkpoint import (
 from towerflow.ps.worker.tables.embedding import SparseTables
 from towerflow.ps.worker.tables.swap import describe_swap, swap_embeddings
 
-__all__ = ["attach_tables", "start_tables", "table_groups", "table_weights", "tables_to_restore"]
+__all__ = ["attach_tables", "start_tables", "table_groups", "table_weights", "tables_from_weights",
+           "tables_to_restore"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -188,3 +189,24 @@ def table_weights(groups: Mapping[str, Any], strategy_metadata: Any, model: nn.M
         raise CheckpointError(f"{where}: the saved rows do not cover {', '.join(short)}; "
                               "restore an earlier checkpoint.")
     return weights
+
+
+def tables_from_weights(tables: SparseTables, groups: Mapping[str, Any],
+                        model_group: Mapping[str, Any], *, chief: bool) -> Mapping[str, Any]:
+    """A checkpoint written without a ps holds the model's tables as weights: the chief's
+    tables start from them (shipped to their shards when it creates them); the rest of
+    ``model_group`` is returned (all of it for a checkpoint whose tables are parts)."""
+    if not tables or TABLES_GROUP in groups:
+        return model_group
+    rest, moved = dict(model_group), []
+    for path, module in tables.modules:
+        weight = rest.pop(f"{path}.weight", None)
+        if weight is not None:
+            moved.append(path)
+            if chief:
+                module.start_from(weight)
+    if moved and chief:
+        log.warning("table(s) %s start from the checkpoint's weights on the ps tasks; their "
+                    "optimizer slots start afresh (a checkpoint written without a ps keeps no "
+                    "row-wise slots)", ", ".join(map(repr, moved)))
+    return rest

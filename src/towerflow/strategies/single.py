@@ -255,3 +255,17 @@ def local_optimizer_slots(model: nn.Module, config: Any, groups: Mapping[str, An
             elif isinstance(value, torch.Tensor) and value.shape == param.shape:
                 slots[f"{names[id(param)]}/{kind}"] = value.detach().cpu()
     return slots, step
+
+
+def as_ps_optimizer_state(model: nn.Module, config: Any, groups: Mapping[str, Any],
+                          metadata: dict[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """``(groups, metadata)`` of a checkpoint with its optimizer state in a parameter
+    server's form (:func:`local_optimizer_slots`) when one process or replicas wrote it;
+    as they are when a ps did."""
+    if not isinstance(metadata.get("optimizer"), Mapping):
+        return groups, metadata
+    slots, step = local_optimizer_slots(model, config, groups, metadata)
+    # torch's SGD keeps no step: its momentum was applied once a global step
+    return {**groups, "optimizer": slots}, {
+        **metadata, "optimizer": config.name,
+        "optimizer_step": step or int(metadata.get("global_step", 0))}

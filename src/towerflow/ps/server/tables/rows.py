@@ -60,10 +60,10 @@ import torch
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.buffers import check_free_memory
-from towerflow.ps.partition import _GOLDEN, Partitioner, coalesce, partitioner_from_dict
+from towerflow.ps.partition import _GOLDEN, Partitioner, coalesce
 from towerflow.ps.partition import shift_right as _shift
 from towerflow.ps.partition import splitmix64 as _splitmix64
-from towerflow.ps.server.tables.optimizers import SparseOptimizer, sparse_optimizer_from_dict
+from towerflow.ps.server.tables.optimizers import SparseOptimizer
 
 __all__ = [
     "RowStore",
@@ -75,7 +75,6 @@ __all__ = [
     "NormalRows",
     "initializer_from_dict",
     "split_export",
-    "row_store_from_dict",
     "coalesce",
 ]
 
@@ -357,7 +356,8 @@ class RowStore(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """The store's description (for a checkpoint manifest or the wire).
 
-        :func:`row_store_from_dict` builds a fresh store (initial rows) from it.
+        :func:`~towerflow.ps.server.tables.stores.row_store_from_dict` builds a fresh store
+        (initial rows) from it.
         """
         return {"kind": self.kind, "partitioner": self.partitioner.to_dict(),
                 "shard": self.shard, "dim": self.dim,
@@ -502,37 +502,3 @@ class DenseRowStore(RowStore):
     def __repr__(self) -> str:
         return (f"DenseRowStore(shard {self.shard} of {self.partitioner!r}, {self.num_rows} x "
                 f"{self.dim} {self.dtype}, {self.optimizer!r})")
-
-
-_STORES: dict[str, type[RowStore]] = {"dense": DenseRowStore}
-_DTYPES = {str(d).removeprefix("torch."): d for d in _FLOAT_DTYPES}
-
-
-def row_store_from_dict(data: Mapping[str, Any]) -> RowStore:
-    """A fresh store (rows at their initializer's values) from :meth:`RowStore.describe`.
-
-    Raises:
-        InvalidArgumentError: not such a dict, an unknown kind or dtype, or what
-            the store's constructor refuses.
-    """
-    keys = {"kind", "partitioner", "shard", "dim", "dtype", "optimizer", "initializer"}
-    if isinstance(data, Mapping) and data.get("kind") == "dynamic":
-        from towerflow.ps.server.tables.dynamic import DynamicRowStore
-
-        _STORES.setdefault("dynamic", DynamicRowStore)
-        keys.add("options")
-    if not isinstance(data, Mapping) or set(data) != keys:
-        raise InvalidArgumentError(
-            f"A row store is described by a dict with exactly the keys {sorted(keys)}, got "
-            f"{data!r:.200}."
-        )
-    if data["kind"] not in _STORES or data["dtype"] not in _DTYPES:
-        raise InvalidArgumentError(
-            f"Unknown row store kind {data['kind']!r} or dtype {data['dtype']!r}; kinds are "
-            f"{sorted(_STORES)}, dtypes {sorted(_DTYPES)}."
-        )
-    extra = {"options": data["options"]} if "options" in data else {}
-    return _STORES[data["kind"]](
-        partitioner_from_dict(data["partitioner"]), data["shard"], data["dim"],
-        sparse_optimizer_from_dict(data["optimizer"]), dtype=_DTYPES[data["dtype"]],
-        initializer=initializer_from_dict(data["initializer"]), **extra)

@@ -50,7 +50,8 @@ from towerflow.errors import (
 from towerflow.ps.protocol import push_rows
 from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome, PushTable
 from towerflow.ps.server.tables.aggregation import make_row_aggregator
-from towerflow.ps.server.tables.rows import RowExport, RowStore, row_store_from_dict
+from towerflow.ps.server.tables.rows import RowExport, RowStore
+from towerflow.ps.server.tables.stores import row_store_from_dict
 
 __all__ = ["TableShard", "describe_spec", "decode", "encode"]
 
