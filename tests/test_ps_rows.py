@@ -23,9 +23,9 @@ from towerflow.ps.server.tables.rows import (
     RowStore,
     UniformRows,
     initializer_from_dict,
-    row_store_from_dict,
     split_export,
 )
+from towerflow.ps.server.tables.stores import row_store_from_dict
 
 NUM_ROWS, DIM = 40, 3
 OPTIMIZERS = [SparseSGD(), SparseAdagrad(), SparseLazyAdam(),
