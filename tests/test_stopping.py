@@ -167,7 +167,7 @@ def test_sigterm_to_a_ps_run_saves_on_the_chief_and_every_task_exits_zero(
         monkeypatch.delenv(name, raising=False)
     snapshots = []
 
-    def watch() -> None:  # towerflow status finds the run by its train dir alone
+    def watch(run: object) -> None:  # towerflow status finds the run by its train dir alone
         assert (tmp_path / "cluster.secret").stat().st_mode & 0o777 == 0o600
         assert main(["status", "--train-dir", str(tmp_path), "--once", "--json",
                      "--interval", "0.2"]) == 0
