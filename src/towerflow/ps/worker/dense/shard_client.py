@@ -231,14 +231,7 @@ class ShardClient:
         try:
             _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
                                  lr=lr, want_params=want_params)
-            request = pack(head, memoryview(np.ascontiguousarray(grad)).cast("B"))
-            if self._stream is not None and not self._stream.fresh:
-                self.close_stream()
-            if self._stream is None:
-                self._stream = RequestStream(self.channel, method_path("PushPullSmallStream"),
-                                             self.push_timeout, request)
-            else:
-                self._stream.send(request)
+            self._send_on_stream(pack(head, memoryview(np.ascontiguousarray(grad)).cast("B")))
         except BaseException:
             self.close_stream()
             self._stream_lock.release()
@@ -340,8 +333,8 @@ class ShardClient:
             _receive(into, iter((params,)), reply.numel, f"ps shard {self.layout.index}")
         return reply
 
-    def _stream_round_trip(self, request: bytes) -> bytes:
-        """One push-and-pull on the long-lived stream (reopened when old or broken)."""
+    def _send_on_stream(self, request: bytes) -> None:
+        """Queue ``request`` on the long-lived push stream (opened anew when old or closed)."""
         if self._stream is not None and not self._stream.fresh:
             self.close_stream()
         if self._stream is None:
@@ -349,6 +342,10 @@ class ShardClient:
                                          self.push_timeout, request)
         else:
             self._stream.send(request)
+
+    def _stream_round_trip(self, request: bytes) -> bytes:
+        """One push-and-pull on the long-lived stream (reopened when old or broken)."""
+        self._send_on_stream(request)
         try:
             return self._stream.receive()
         except TowerflowError:
