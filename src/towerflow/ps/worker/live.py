@@ -22,8 +22,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, TowerflowError
 from towerflow.ps import ps_pb2 as pb
@@ -37,6 +35,7 @@ from towerflow.ps.worker.tables.checkpoint import (
     TABLES_GROUP,
     TABLES_KEY,
     checked_descriptions,
+    config_from_description,
     export_tables,
 )
 from towerflow.ps.worker.tables.client import TableClient
@@ -47,7 +46,6 @@ __all__ = ["live_placement", "live_state"]
 
 log = logging.getLogger("towerflow.ps")
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def live_placement(cluster: Any, credentials: Credentials, *, timeout: float = 10.0
@@ -78,16 +76,9 @@ def live_placement(cluster: Any, credentials: Credentials, *, timeout: float = 1
     return Placement(tuple(layouts)), mode
 
 
-def _config(name: str, description: Mapping[str, Any], partitioner: Any) -> TableConfig:
-    store = description.get("store")  # a dynamic table's
-    return TableConfig(name, partitioner, int(description["dim"]),
-                       dict(description["optimizer"]), dict(description["initializer"]),
-                       _DTYPES[description["dtype"]], None if store is None else dict(store))
-
-
 def _tables(metadata: Mapping[str, Any]) -> tuple[list[TableConfig], dict[str, TableView]]:
     """The logical tables of a checkpoint's strategy metadata and where each lives on the ps."""
-    configs = [_config(name, d, p) for name, (d, p)
+    configs = [config_from_description(name, d, p) for name, (d, p)
                in checked_descriptions(metadata.get(TABLES_KEY, {})).items()]
     views: dict[str, TableView] = {}
     fused = metadata.get(FUSED_KEY, {})
@@ -101,7 +92,7 @@ def _tables(metadata: Mapping[str, Any]) -> tuple[list[TableConfig], dict[str, T
                                        "members; export the checkpoint itself.")
         (description, partitioner), = checked_descriptions(
             {name: {k: v for k, v in entry.items() if k != "members"}}).values()
-        table = _config(name, description, partitioner)
+        table = config_from_description(name, description, partitioner)
         for member, offset in members.items():
             views[str(member)] = TableView(table, int(offset))
     return configs, views

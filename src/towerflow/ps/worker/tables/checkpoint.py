@@ -108,6 +108,16 @@ def describe_tables(configs: Sequence[TableConfig]) -> dict[str, dict[str, Any]]
                      "initializer": dict(c.initializer), **_dynamic(c)} for c in configs}
 
 
+def config_from_description(name: str, description: Mapping[str, Any],
+                            partitioner: Partitioner) -> TableConfig:
+    """The :class:`TableConfig` a checked description (:func:`checked_descriptions`) names:
+    the inverse of :func:`describe_tables` for one table."""
+    store = description.get("store")  # a dynamic table's
+    return TableConfig(name, partitioner, int(description["dim"]),
+                       dict(description["optimizer"]), dict(description["initializer"]),
+                       _DTYPES[description["dtype"]], None if store is None else dict(store))
+
+
 def _dynamic(config: TableConfig) -> dict[str, Any]:
     """A dynamic table's extra description: its kind, store and serving default row.
 
