@@ -26,7 +26,6 @@ from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.training.session import checkpoint_metadata, restore_latest
 
 SECRET = Credentials(secret=b"dynamic-secret")
-TABLES_ONLY = ["towerflow.ps.server.tables.service:TableHost"]
 INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 11}
 EXTREMES = torch.tensor([-2**63, -1, 0, 2**63 - 1])
 #: raw 64-bit ids: a fixed random pool the batches draw from
@@ -117,27 +116,9 @@ def test_the_cluster_module_alone_refuses_to_run_unbound():
 
 # ----------------------------------------------------------------------------- ps tasks
 @pytest.fixture
-def ps_tasks(free_ports):
-    """Two ps tasks serving the table service; ``clients(n)`` makes ``n`` worker clients."""
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET, services=TABLES_ONLY) for i in range(2)]
-    made: list[TableClient] = []
-
-    def clients(count: int) -> list[TableClient]:
-        new = [TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=w,
-                           incarnation=100 + w, timeout=10.0) for w in range(count)]
-        made.extend(new)
-        return new
-
-    try:
-        yield spec, clients
-    finally:
-        for client in made:
-            client._close()
-        for server in servers:
-            server.stop()
+def ps_tasks(table_ps_tasks):
+    """Two ps tasks serving the table service; ``clients(count, aggregation=None)``."""
+    return table_ps_tasks(SECRET)
 
 
 def dynamic(admit_after: int = 1, **options) -> TableConfig:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from towerflow.cluster import ClusterSpec, Server, TaskInfo
+from towerflow.cluster import TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import InvalidArgumentError, NotFoundError
 from towerflow.models.deepfm import DeepFM, deepfm_loss
@@ -113,28 +113,19 @@ def test_batched_steps_train_exactly_as_one_request_per_table(start_ps_tasks) ->
 
 
 # --------------------------------------------------------------------------- the RowBatch call
-TABLES_ONLY = ["towerflow.ps.server.tables.service:TableHost"]
 SGD = {"name": "sgd", "hyper": {}}
 INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3}
 
 
 @pytest.fixture
-def tables(free_ports):
+def tables(table_ps_tasks):
     """Two ps tasks serving the table service alone; tables 'a' and 'b' (10 x 2) on them."""
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET, services=TABLES_ONLY) for i in range(2)]
-    client = TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=0, timeout=10.0)
+    spec, clients = table_ps_tasks(SECRET)
+    client = clients(1)[0]
     configs = [TableConfig(n, ModPartitioner(2, num_rows=10), 2, SGD, INIT) for n in "ab"]
-    try:
-        for cfg in configs:
-            client.init_table(cfg)
-        yield spec, client, configs
-    finally:
-        client.close()
-        for server in servers:
-            server.stop()
+    for cfg in configs:
+        client.init_table(cfg)
+    return spec, client, configs
 
 
 def item(table: str, pull: list[int], push: list[int] | None = None, seq: int = 1):

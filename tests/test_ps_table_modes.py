@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 
-from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
@@ -23,7 +22,6 @@ from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import TableConfig
 
 SECRET = Credentials(secret=b"modes-secret")
-TABLES_ONLY = ["towerflow.ps.server.tables.service:TableHost"]
 CONSTANT = {"kind": "constant", "value": 1.0}
 
 
@@ -33,28 +31,9 @@ def table(num_rows: int = 20, dim: int = 2) -> TableConfig:
 
 
 @pytest.fixture
-def ps_tasks(free_ports):
-    """Two ps tasks serving only the table service; ``clients(config)`` makes worker clients."""
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET, services=TABLES_ONLY) for i in range(2)]
-    made: list[TableClient] = []
-
-    def clients(aggregation: AggregationConfig | None, count: int) -> list[TableClient]:
-        new = [TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=w,
-                           incarnation=100 + w, timeout=10.0, aggregation=aggregation)
-               for w in range(count)]
-        made.extend(new)
-        return new
-
-    try:
-        yield spec, clients
-    finally:
-        for client in made:
-            client._close()
-        for server in servers:
-            server.stop()
+def ps_tasks(table_ps_tasks):
+    """Two ps tasks serving the table service; ``clients(count, aggregation=None)``."""
+    return table_ps_tasks(SECRET)
 
 
 def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
@@ -95,7 +74,7 @@ SYNC = AggregationConfig(mode="sync", total_num_replicas=2, timeout=20.0)
 
 def test_sync_averages_each_row_over_the_replicas_that_pushed_it_and_applies_once(ps_tasks):
     spec, clients = ps_tasks
-    w0, w1, reader = clients(SYNC, 2) + clients(None, 1)
+    w0, w1, reader = clients(2, SYNC) + clients(1)
     cfg = table()
     w0.init_table(cfg)
     g0 = torch.tensor([[2.0, 4.0], [1.0, 1.0]])  # rows 4 and 6
@@ -117,7 +96,7 @@ def test_sync_averages_each_row_over_the_replicas_that_pushed_it_and_applies_onc
 
 def test_a_retried_sync_push_is_counted_once_and_answered_with_the_step(ps_tasks):
     spec, clients = ps_tasks
-    chief, reader = clients(SYNC, 1)[0], clients(None, 1)[0]
+    chief, reader = clients(1, SYNC)[0], clients(1)[0]
     cfg = table()
     chief.init_table(cfg)
 
@@ -153,7 +132,7 @@ def test_a_retried_sync_push_is_counted_once_and_answered_with_the_step(ps_tasks
 
 def test_a_sync_push_of_an_older_step_is_stale_and_not_applied(ps_tasks):
     _, clients = ps_tasks
-    w0, w1 = clients(SYNC, 2)
+    w0, w1 = clients(2, SYNC)
     cfg = table()
     w0.init_table(cfg)
     thread, out = in_thread(w0.push, cfg, torch.tensor([4]), torch.ones(1, 2), lr=1.0, step=1)
@@ -171,7 +150,7 @@ def test_with_a_backup_worker_the_step_applies_with_the_first_replicas_and_the_l
     _, clients = ps_tasks
     backup = AggregationConfig(mode="sync", total_num_replicas=3, replicas_to_aggregate=2,
                                timeout=20.0)
-    w0, w1, w2 = clients(backup, 3)
+    w0, w1, w2 = clients(3, backup)
     cfg = table()
     w0.init_table(cfg)
     thread, out = in_thread(w0.push, cfg, torch.tensor([4]), torch.full((1, 2), 2.0), lr=1.0,
@@ -187,7 +166,7 @@ def test_with_a_backup_worker_the_step_applies_with_the_first_replicas_and_the_l
 
 def test_a_worker_that_says_it_is_done_no_longer_holds_the_sync_step(ps_tasks):
     _, clients = ps_tasks
-    w0, w1 = clients(SYNC, 2)
+    w0, w1 = clients(2, SYNC)
     cfg = table()
     w0.init_table(cfg)
     thread, out = in_thread(w0.push, cfg, torch.tensor([4]), torch.ones(1, 2), lr=1.0, step=1)
@@ -200,7 +179,7 @@ def test_a_worker_that_says_it_is_done_no_longer_holds_the_sync_step(ps_tasks):
 def test_a_sync_step_missing_a_worker_times_out_naming_it(ps_tasks):
     _, clients = ps_tasks
     quick = AggregationConfig(mode="sync", total_num_replicas=2, timeout=0.5)
-    w0 = clients(quick, 1)[0]
+    w0 = clients(1, quick)[0]
     cfg = table()
     w0.init_table(cfg)
     w0.retries = 0
@@ -211,7 +190,7 @@ def test_a_sync_step_missing_a_worker_times_out_naming_it(ps_tasks):
 
 def test_a_push_from_a_worker_outside_the_replicas_is_refused_and_changes_nothing(ps_tasks):
     _, clients = ps_tasks
-    w0 = clients(SYNC, 1)[0]
+    w0 = clients(1, SYNC)[0]
     cfg = table()
     w0.init_table(cfg)
     w0.worker_id = 5
@@ -225,7 +204,7 @@ def test_a_push_from_a_worker_outside_the_replicas_is_refused_and_changes_nothin
 def test_ssp_applies_on_arrival_but_holds_a_worker_staleness_pushes_ahead(ps_tasks):
     _, clients = ps_tasks
     ssp = AggregationConfig(mode="ssp", total_num_replicas=2, staleness=1, timeout=20.0)
-    w0, w1 = clients(ssp, 2)
+    w0, w1 = clients(2, ssp)
     cfg = table()
     w0.init_table(cfg)
     ids, grads = torch.tensor([4]), torch.ones(1, 2)
@@ -245,8 +224,8 @@ def test_ssp_applies_on_arrival_but_holds_a_worker_staleness_pushes_ahead(ps_tas
 
 def test_init_table_refuses_another_aggregation_for_a_table_that_exists(ps_tasks):
     _, clients = ps_tasks
-    sync0 = clients(SYNC, 1)[0]
-    async0 = clients(None, 1)[0]
+    sync0 = clients(1, SYNC)[0]
+    async0 = clients(1)[0]
     sync0.init_table(table())
     from towerflow.errors import FailedPreconditionError
 
@@ -256,7 +235,7 @@ def test_init_table_refuses_another_aggregation_for_a_table_that_exists(ps_tasks
 
 def test_every_step_of_a_sync_worker_pushes_to_every_shard(ps_tasks):
     _, clients = ps_tasks
-    w0, w1 = clients(SYNC, 2)
+    w0, w1 = clients(2, SYNC)
     cfg = table()
     w0.init_table(cfg)
     start = time.monotonic()
@@ -289,7 +268,7 @@ def test_two_workers_train_a_table_in_sync_and_ssp_modes(free_ports, subprocess_
 
 def test_a_done_from_a_worker_outside_the_replicas_is_refused(ps_tasks):
     _, clients = ps_tasks
-    w0 = clients(SYNC, 1)[0]
+    w0 = clients(1, SYNC)[0]
     w0.init_table(table())
     w0.worker_id = 7
     with pytest.raises(InvalidArgumentError, match=r"Done to table 't' from worker 7 was refused"):

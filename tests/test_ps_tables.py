@@ -38,7 +38,6 @@ from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.processes import stop_processes
 
 SECRET = Credentials(secret=b"tables-secret")
-TABLES_ONLY = ["towerflow.ps.server.tables.service:TableHost"]
 INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3}
 PROGRAM = Path(__file__).parent / "programs" / "sparse_click.py"
 
@@ -54,19 +53,10 @@ def expected_rows(ids, dim: int = 3, init=INIT) -> torch.Tensor:
 
 
 @pytest.fixture
-def cluster(free_ports):
+def cluster(table_ps_tasks):
     """Two ps tasks serving only the table service, and a client of them."""
-    ports = free_ports(3)
-    spec = ClusterSpec({"ps": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"],
-                        "worker": [f"127.0.0.1:{ports[2]}"]})
-    servers = [Server(spec, "ps", i, credentials=SECRET, services=TABLES_ONLY) for i in range(2)]
-    client = TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=0, timeout=10.0)
-    try:
-        yield spec, client
-    finally:
-        client.close()
-        for server in servers:
-            server.stop()
+    spec, clients = table_ps_tasks(SECRET)
+    return spec, clients(1)[0]
 
 
 def raw_push(spec, shard: int, **fields) -> tpb.PushRowsReply:
