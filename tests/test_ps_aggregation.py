@@ -6,6 +6,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -124,20 +125,27 @@ def test_sync_finished_worker_no_longer_holds_the_step() -> None:
     assert state.step == 1
 
 
-def test_sync_refused_push_leaves_the_step_sum_alone_and_the_step_completes() -> None:
+def test_sync_nan_chunk_voids_the_step_and_the_step_computed_again_is_correct() -> None:
+    """A NaN found part way through a push (its first chunk already summed) voids the step:
+    every push of it is answered voided, the sum is reset, the recomputed step is exact."""
     state, agg = make("sync", total_num_replicas=2)
     w0, w1 = Worker(state, agg, 0), Worker(state, agg, 1)
     bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.nan, 1], np.float32).tobytes()]
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(w0.push, 1.0)
         wait_until(lambda: agg.counted == 1)
-        refused = w1.push(0.0, payload=bad)
-        assert refused.status == REFUSED and "NaN or inf in variable 'w'" in refused.message
-        assert agg.counted == 1 and not pending.done()  # nothing of it was summed
+        voided = w1.push(0.0, payload=bad)
+        assert voided.status == VOIDED
+        assert re.search(r"step 0 .* voided: the gradient pushed by worker 1 contains NaN or "
+                         r"inf at element 4 in variable 'w'", voided.message)
+        assert pending.result(timeout=10).status == VOIDED
+        assert pending.result().message == voided.message
+        assert agg.counted == 0 and state.step == 0 and state.stats.voided == 2
         np.testing.assert_array_equal(state.params, 0.0)
-        assert w1.push(3.0).status == APPLIED  # computed again, it completes the step
-        assert pending.result(timeout=10).status == APPLIED
-    np.testing.assert_allclose(state.params, -2.0)
+        again = pool.submit(w0.push, 1.0)  # both compute the step again
+        assert w1.push(3.0).status == APPLIED
+        assert again.result(timeout=10).status == APPLIED
+    np.testing.assert_allclose(state.params, -2.0)  # the average of 1 and 3: nothing stale
     assert state.step == 1
 
 
@@ -209,36 +217,57 @@ def halves(value: float, first_done: threading.Event | None = None,
     yield np.full(NUMEL // 2, value, np.float32).tobytes()
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
-def test_a_push_stalled_half_way_holds_no_other_push_and_applies_only_whole(mode) -> None:
-    cfg = {"replicas_to_aggregate": 1} if mode == "sync" else {}
-    state, agg = make(mode, total_num_replicas=2, **cfg)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_push_stalled_half_way_holds_no_other_push_and_counts_once_whole(mode) -> None:
+    state, agg = make(mode, total_num_replicas=2)
     first_done, release = threading.Event(), threading.Event()
+    half = NUMEL // 2
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(agg.push, streamed(state, 0), halves(1.0, first_done, release))
         assert first_done.wait(10)
-        assert state.staged == NUMEL // 2 * 4  # held as it arrived, not applied
-        np.testing.assert_array_equal(state.params, 0.0)
+        wait_until(lambda: state.params[0] == -1.0)  # its first chunk applied as it arrived
+        assert state.staged == 0 and state.step == 0  # nothing held; no update counted yet
+        np.testing.assert_array_equal(state.params[half:], 0.0)
         other = agg.push(streamed(state, 1), halves(2.0))  # not held by the unfinished push
         assert other.status == APPLIED and other.step == 1
-        np.testing.assert_array_equal(state.params, -2.0)
+        np.testing.assert_array_equal(state.params[:half], -3.0)
+        np.testing.assert_array_equal(state.params[half:], -2.0)
         release.set()
         late = slow.result(timeout=10)
-    if mode == "sync":  # computed on step 0, which another replica completed meanwhile
-        assert late.status == STALE
-        np.testing.assert_array_equal(state.params, -2.0)
-    else:
-        assert late.status == APPLIED and late.step == 2
-        np.testing.assert_array_equal(state.params, -3.0)
-        assert state.optimizer.step == 2
-    assert state.staged == 0
+    assert late.status == APPLIED and late.step == 2
+    np.testing.assert_array_equal(state.params, -3.0)
+    assert state.optimizer.step == 2 and state.staged == 0
 
 
-def test_a_push_cut_off_part_way_changes_nothing_and_its_retry_applies_it_once() -> None:
+def test_sync_a_push_beyond_the_replicas_to_aggregate_waits_and_is_stale() -> None:
+    """With one gradient to aggregate, a second replica's push waits before any of its bytes
+    is summed and is stale once the admitted push completes the step."""
+    state, agg = make("sync", total_num_replicas=2, replicas_to_aggregate=1)
+    first_done, release = threading.Event(), threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(agg.push, streamed(state, 0), halves(1.0, first_done, release))
+        assert first_done.wait(10)
+        sent = threading.Event()
+
+        def other_payload():
+            sent.set()
+            yield np.full(NUMEL, 2.0, np.float32).tobytes()
+
+        other = pool.submit(agg.push, streamed(state, 1), other_payload())
+        release.set()
+        assert slow.result(timeout=10).status == APPLIED
+        assert other.result(timeout=10).status == STALE
+    assert not sent.is_set()  # none of the stale push's bytes was read
+    np.testing.assert_array_equal(state.params, -1.0)
+    assert state.step == 1 and state.staged == 0
+
+
+def test_a_push_cut_off_part_way_keeps_its_prefix_and_its_retry_applies_the_rest() -> None:
     state, agg = make("async", total_num_replicas=1)
     with pytest.raises(ConnectionResetError):
         agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0, fail=True))
-    np.testing.assert_array_equal(state.params, 0.0)
+    np.testing.assert_array_equal(state.params[:NUMEL // 2], -1.0)
+    np.testing.assert_array_equal(state.params[NUMEL // 2:], 0.0)
     assert state.step == 0 and list(state.ledger) == [] and state.staged == 0
     retry = agg.push(streamed(state, 0, seq=4, incarnation=7), halves(1.0))
     assert retry.status == APPLIED and retry.step == 1 and not retry.duplicate
@@ -249,16 +278,22 @@ def test_a_push_cut_off_part_way_changes_nothing_and_its_retry_applies_it_once()
 
 
 @pytest.mark.parametrize("finite", [True, False])
-def test_a_push_with_nan_in_a_later_chunk_applies_nothing(finite) -> None:
-    """All or nothing, whatever the header said about the values."""
+def test_a_push_with_nan_in_a_later_chunk_applies_the_chunks_before_it(finite) -> None:
+    """Chunk by chunk, whatever the header said about the values: the chunks before the bad
+    one stay applied, the rest is refused, and the parameters hold no NaN."""
     state, agg = make("async", total_num_replicas=1)
     bad = [np.ones(2, np.float32).tobytes(), np.ones(2, np.float32).tobytes(),
            np.array([1, np.nan], np.float32).tobytes()]
     head = PushHeader(0, 1, 0, 1.0, NUMEL, segments=state.layout.signature, finite=finite)
     outcome = agg.push(head, bad)
     assert outcome.status == REFUSED
-    assert re.search(r"NaN or inf in variable 'w'.*the parameters are unchanged", outcome.message)
-    np.testing.assert_array_equal(state.params, 0.0)
-    assert state.step == 0 and list(state.ledger) == [] and state.optimizer.step == 0
-    good = agg.push(head, [np.ones(NUMEL, np.float32).tobytes()])  # its retry, corrected
-    assert good.status == APPLIED and not good.duplicate
+    assert re.search(r"NaN or inf in variable 'w'.*first 4 of 6 values were applied",
+                     outcome.message)
+    np.testing.assert_array_equal(state.params, [-1, -1, -1, -1, 0, 0])
+    assert state.step == 0 and list(state.ledger) == [(0, 0, 1, 0)]
+    again = agg.push(head, [np.ones(NUMEL, np.float32).tobytes()])  # its retry: same answer
+    assert again.status == REFUSED and again.duplicate
+    np.testing.assert_array_equal(state.params, [-1, -1, -1, -1, 0, 0])
+    good = agg.push(replace(head, seq=2), [np.ones(NUMEL, np.float32).tobytes()])
+    assert good.status == APPLIED and good.step == 1
+    np.testing.assert_array_equal(state.params, [-2, -2, -2, -2, -1, -1])

@@ -263,15 +263,21 @@ def test_refusal_messages_and_stats_stay_bounded() -> None:
     assert state.stats.refused == 3 and len(state.push_rows()) == 0
 
 
-def test_payload_bytes_held_are_bounded_by_the_staging_limit() -> None:
+def test_chunk_bytes_held_are_bounded_by_the_staging_limit() -> None:
+    """A push holds one chunk at a time: chunks within the limit pass one after the other,
+    a chunk past it ends the push before it is applied (its retry continues)."""
     layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
     state = ShardState(layout, np.zeros(NUMEL, np.float32), make_optimizer("sgd", NUMEL),
                        staging_limit=8)
     agg = make_aggregator(state, AggregationConfig(total_num_replicas=1))
     with pytest.raises(ResourceExhaustedError, match=r"staging limit of 8 bytes"):
-        push(state, agg, 0, 1, 1, chunks=[np.ones(2, np.float32).tobytes()] * 2)
+        push(state, agg, 0, 1, 1, chunks=[np.ones(NUMEL, np.float32).tobytes()])
     assert state.staged == 0 and state.step == 0 and state.ledger == []
     np.testing.assert_array_equal(state.params, 0.0)
+    assert push(state, agg, 0, 1, 1, chunks=[np.ones(2, np.float32).tobytes()] * 2
+                ).status == APPLIED
+    assert state.staged == 0 and state.step == 1
+    np.testing.assert_array_equal(state.params, -1.0)
 
 
 def test_the_push_table_keeps_a_bounded_number_of_worker_ids() -> None:

@@ -104,16 +104,35 @@ def test_wrong_dtype_and_size_are_refused() -> None:
 
 
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf])
-def test_nonfinite_gradient_is_refused_and_parameters_unchanged(bad_value) -> None:
+def test_nonfinite_gradient_ends_the_push_at_its_chunk_and_is_refused(bad_value) -> None:
+    """Chunks before the bad one stay applied; that chunk and the rest are not (no NaN in
+    the parameters); the refusal says so, and its retry gets the refusal, not a second update."""
     state, agg = make_shard()
     before = state.params.copy()
     grad = np.ones(9, np.float32)
-    grad[7] = bad_value  # an element of 'bias'
+    grad[7] = bad_value  # an element of 'bias', in the second chunk (elements 5..8)
     outcome = agg.push(header(state), chunks(grad))
     assert outcome.status == REFUSED
-    assert "contains NaN or inf in variable 'bias' (shape [3])" in outcome.message
-    np.testing.assert_array_equal(state.params, before)
+    assert "contains NaN or inf in variable 'bias' (shape [3]), at element 7" in outcome.message
+    assert "first 5 of 9 values were applied" in outcome.message
+    np.testing.assert_array_equal(state.params[:5], before[:5] - 0.5)
+    np.testing.assert_array_equal(state.params[5:], before[5:])
     assert state.stats.refused == 1 and state.step == 0
+    again = agg.push(header(state), chunks(grad))
+    assert again.status == REFUSED and again.duplicate
+    np.testing.assert_array_equal(state.params[:5], before[:5] - 0.5)
+    assert state.ledger_since(0)[1] == [LedgerRecord(0, 0, 1, 0, True, 0, 5)]
+
+
+def test_nonfinite_gradient_in_the_first_chunk_changes_nothing() -> None:
+    state, agg = make_shard()
+    before = state.params.copy()
+    grad = np.ones(9, np.float32)
+    grad[1] = np.nan
+    outcome = agg.push(header(state), chunks(grad))
+    assert outcome.status == REFUSED and "the parameters are unchanged" in outcome.message
+    np.testing.assert_array_equal(state.params, before)
+    assert agg.push(header(state), chunks(np.ones(9))).status == APPLIED  # checked afresh
 
 
 def test_truncated_payload_is_refused() -> None:
@@ -172,14 +191,15 @@ def cut(values: np.ndarray, chunk: int, after: int | None = None):
         yield values[start:start + chunk].tobytes()
 
 
-def test_a_push_cut_off_changes_nothing_and_its_retry_is_applied_once() -> None:
+def test_a_push_cut_off_keeps_its_prefix_and_its_retry_applies_the_rest_once() -> None:
     state, agg = make_shard()  # 9 elements, streamed in 2-element chunks: 5 chunks
     initial = state.params.copy()
     grad = np.arange(1, 10, dtype=np.float32)
     mine = header(state, worker=0, seq=1, finite=True)
     with pytest.raises(ConnectionResetError):
         agg.push(mine, cut(grad, 2, after=3))
-    np.testing.assert_array_equal(state.params, initial)
+    np.testing.assert_array_equal(state.params[:6], initial[:6] - 0.5 * grad[:6])
+    np.testing.assert_array_equal(state.params[6:], initial[6:])
     assert state.step == 0 and state.ledger == [] and state.staged == 0
     assert agg.push(header(state, worker=1, seq=1), cut(np.ones(9, np.float32), 2)).applied
     outcome = agg.push(mine, cut(grad, 2))
@@ -243,8 +263,9 @@ def test_malloc_tuning_is_applied_once_per_process() -> None:
         assert first
 
 
-def test_a_push_whose_payload_just_ends_early_is_refused_and_its_retry_applied() -> None:
-    """A cancelled stream may end quietly instead of raising: nothing of it is applied."""
+def test_a_push_whose_payload_just_ends_early_is_refused_and_its_retry_continues() -> None:
+    """A cancelled stream may end quietly instead of raising: what arrived is applied, and
+    the retry applies the rest, each element once."""
     state, agg = make_shard()
     initial = state.params.copy()
     grad = np.arange(1, 10, dtype=np.float32)
@@ -252,7 +273,9 @@ def test_a_push_whose_payload_just_ends_early_is_refused_and_its_retry_applied()
     first_three = [grad[i:i + 2].tobytes() for i in (0, 2, 4)]  # 6 of 9 elements, then nothing
     short = agg.push(mine, first_three)
     assert short.status == REFUSED and "ended after 24 of 36 bytes" in short.message
-    np.testing.assert_array_equal(state.params, initial)
+    assert "first 6 of 9 values were applied; a retry of push 1 continues" in short.message
+    np.testing.assert_array_equal(state.params[:6], initial[:6] - 0.5 * grad[:6])
+    np.testing.assert_array_equal(state.params[6:], initial[6:])
     outcome = agg.push(mine, cut(grad, 2))
     assert outcome.status == APPLIED and not outcome.duplicate and outcome.step == 1
     np.testing.assert_array_equal(state.params, initial - 0.5 * grad)  # each element once

@@ -3,7 +3,7 @@
 - :func:`all_finite` / :func:`first_nonfinite`: the one-pass NaN / inf scan a
   worker runs before it marks a push finite, and a shard runs on every chunk;
 - :func:`receive_into`: a payload of announced size checked chunk by chunk;
-- :func:`tune_malloc`, :func:`keep_free_heap`, :func:`release_free_memory`:
+- :func:`tune_malloc`, :func:`release_free_memory`:
   glibc malloc tuning for the chunk-sized ``bytes`` gRPC Python sends and
   receives, used by the worker's client and by the ps task.
 
@@ -25,7 +25,7 @@ import numpy as np
 from towerflow.errors import DataLossError, ResourceExhaustedError
 
 __all__ = ["all_finite", "first_nonfinite", "scan_gradient", "receive_into", "PayloadCutOff", "tune_malloc",
-           "keep_free_heap", "release_free_memory", "check_free_memory", "CHECK_BLOCK", "ITEM"]
+           "release_free_memory", "check_free_memory", "CHECK_BLOCK", "ITEM"]
 
 #: bytes of one element: every buffer on the ps wire is float32
 ITEM = 4
@@ -155,21 +155,6 @@ def tune_malloc(*, one_arena: bool = False) -> bool:
     if _tuned and one_arena:
         ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
     return _tuned
-
-
-def keep_free_heap(nbytes: int) -> None:
-    """Let malloc keep up to ``nbytes`` of free heap for reuse (after :func:`tune_malloc`).
-
-    A push is held whole until it is applied, so its chunks are freed
-    together; with the default trim threshold malloc returns them to the
-    system and the next push faults fresh pages in for all of them (about a
-    fifth of a large push's time). A shard keeps as much free heap as its
-    staging limit lets pushes hold, no more; a ps task's memory is bounded
-    by that limit either way.
-    """
-    if _tuned:
-        ctypes.CDLL(None).mallopt(_M_TRIM_THRESHOLD,
-                                  min(max(int(nbytes), _TRIM_THRESHOLD), (1 << 31) - 1))
 
 
 def release_free_memory() -> None:

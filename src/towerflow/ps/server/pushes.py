@@ -15,6 +15,11 @@ start time in nanoseconds) and the push's number within the incarnation. A
 - a retry of a push still in progress waits for that push's answer;
 - a push cut off before it changed anything (cancelled, its payload short) is
   forgotten, so its retry is handled afresh while older pushes stay answered;
+- a push cut off after part of it was applied (an async push is applied chunk
+  by chunk: :attr:`Pending.applied` counts the elements) is suspended: its
+  retry resumes it and skips the elements applied already, so nothing is
+  applied twice; a push refused after part of it was applied keeps its answer
+  like a final one (its retry gets the refusal, not a second update);
 - a push from a superseded incarnation is refused, naming both incarnations;
 - a push from an incarnation more than :data:`INCARNATION_AHEAD_NS` ahead of
   this ps's clock is refused and remembers nothing (an incarnation is a start
@@ -86,9 +91,17 @@ LIVENESS_SECONDS = 0.25
 
 @dataclass(slots=True)
 class Pending:
-    """A push in progress; ``outcome`` is set when it is answered."""
+    """A push in progress; ``outcome`` is set when it is answered.
+
+    ``applied``: elements of its payload applied so far (a prefix; async);
+    ``update``: the optimizer's number of its update (0: not begun);
+    ``active``: False while it is suspended (cut off part way, awaiting its retry).
+    """
 
     outcome: PushOutcome | None = None
+    applied: int = 0
+    update: int = 0
+    active: bool = True
 
 
 @dataclass(slots=True)
@@ -103,12 +116,13 @@ class Lookup(NamedTuple):
     """What the table knows of a push.
 
     ``kind``: ``new`` (never seen), ``pending`` (in progress: ``pending``),
+    ``resume`` (cut off part way: ``pending`` holds how much of it was applied),
     ``done`` (answered: ``outcome``), ``superseded`` (``message`` says by
     which incarnation) or ``refused`` (an incarnation ahead of the clock:
     ``message``).
     """
 
-    kind: str  # new, pending, done, superseded or refused
+    kind: str  # new, pending, resume, done, superseded or refused
     pending: Pending | None = None
     outcome: PushOutcome | None = None
     message: str = ""
@@ -151,7 +165,7 @@ class PushTable:
                 "worker may push."))
         pending = rec.pending.get(header.seq)
         if pending is not None:
-            return Lookup("pending", pending=pending)
+            return Lookup("pending" if pending.active else "resume", pending=pending)
         if header.seq == rec.done_seq and rec.outcome is not None:
             return Lookup("done", outcome=rec.outcome)
         if header.seq < rec.done_seq:
@@ -174,10 +188,19 @@ class PushTable:
         if rec is not None and rec.incarnation == header.incarnation:
             rec.pending.pop(header.seq, None)
 
+    def suspend(self, header: PushHeader) -> None:
+        """Keep a push cut off part way for its retry to resume (see :class:`Pending`)."""
+        rec = self._replicas.get(header.worker_id)
+        if rec is not None and rec.incarnation == header.incarnation:
+            pending = rec.pending.get(header.seq)
+            if pending is not None:
+                pending.active = False
+
     def settle(self, header: PushHeader, outcome: PushOutcome) -> bool:
         """Answer ``header``'s push with ``outcome``; False when it was answered already.
 
-        A refused push is answered but not remembered: its retry is checked again.
+        A refused push is answered but not remembered (its retry is checked
+        again), unless part of it was applied: then its retry gets the refusal.
         """
         rec = self._replicas.get(header.worker_id)
         if rec is None or rec.incarnation != header.incarnation:
@@ -186,7 +209,7 @@ class PushTable:
         if pending is None:
             return False  # answered already (a sync step answers all its pushes)
         pending.outcome = outcome
-        if outcome.status in FINAL and header.seq > rec.done_seq:
+        if (outcome.status in FINAL or pending.applied) and header.seq > rec.done_seq:
             rec.done_seq, rec.outcome = header.seq, outcome
         return True
 
@@ -213,7 +236,7 @@ class PushTable:
             if rec is None or incarnation > rec.incarnation:
                 rec = self._replicas[worker] = _Replica(incarnation)
             rec.done_seq = seq
-            rec.outcome = PushOutcome(status if status in FINAL else APPLIED, step,
+            rec.outcome = PushOutcome(status if status in (*FINAL, REFUSED) else APPLIED, step,
                                       "answered before the ps was restored")
 
     def __len__(self) -> int:

@@ -31,16 +31,40 @@ each attempt's deadline (``step_timeout=None``) holds one handler thread, not
 one per attempt: the step still counts the push, and the push table keeps its
 answer for the retry.
 
-A push is atomic. Its payload is staged as it arrives (the received bytes
-are kept, not copied) and every chunk is checked; no lock that another push or
-pull needs is held meanwhile, so a peer that stalls half way through its
-payload delays nobody else. Only when the whole payload is in and valid is it
-applied (async / ssp: under the shard's apply lock, in one step) or summed
-into the step's accumulator (sync). A NaN / inf, a truncated payload or a
-sender that goes away leaves the parameters and the sum unchanged, and the
-push's retry (same ``(worker, incarnation, seq)``) is handled afresh. The
-payload bytes a shard holds at once are bounded by its staging limit
-(:func:`~towerflow.ps.server.dense.shard.default_staging_limit`).
+A push is handled chunk by chunk: a ps holds its parameters, optimizer
+slots, one accumulator in sync, and the chunks being handled (bounded by its
+staging limit, :func:`~towerflow.ps.server.dense.shard.default_staging_limit`),
+nothing per worker at full size. Each received chunk (a read-only view of
+the received bytes) is checked finite, then
+
+- async / ssp: checked against the magnitude bound (the update of that chunk
+  may not take a parameter or slot past
+  :data:`~towerflow.ps.server.dense.optimizers.RESULT_LIMIT`) and applied
+  under the locks of its range only, so several workers' pushes proceed side
+  by side. The push table's record counts the elements applied (a prefix): a
+  push cut off (its call cancelled, its payload short) keeps what was applied,
+  and its retry (same ``(worker, incarnation, seq)``) skips those elements and
+  continues, so nothing is applied twice. A NaN / inf (or a chunk past the
+  magnitude bound) ends the push: the chunks before it stay applied, the
+  parameters never hold a NaN, and the push is answered ``refused`` with a
+  sentence saying how many of its values were applied (its retry gets the
+  same answer). The update is counted (the step moves) when the whole push
+  was applied.
+- sync: summed into the step's one accumulator under the locks of its range.
+  The first ``replicas_to_aggregate`` replicas (fewer when some are done) to
+  push on the current step are admitted to it; another push for the step
+  waits before any of its bytes is summed, and is stale once the step is
+  applied, so a backup's late gradient is never summed into the next step. A
+  replica counts once its whole push was summed; a push cut off keeps its
+  replica's prefix in the sum and its retry (or the replica's next
+  incarnation) continues after it, and the step waits for it. A NaN / inf
+  voids the step: every push of it is answered ``voided`` naming the worker
+  and the element, the accumulator is reset, and the workers compute the
+  step again. The averaged gradient is checked against the magnitude bound
+  as a whole before it is applied (``voided`` when past it).
+
+A push that is stale (computed on an older step) is refused before any of
+its bytes are summed.
 
 Example:
     >>> AggregationConfig(mode="sync", total_num_replicas=3, replicas_to_aggregate=2).backups
@@ -52,7 +76,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable
 
 import numpy as np
 
@@ -71,10 +95,12 @@ from towerflow.ps.protocol import (
     PushOutcome,
     bounded,
 )
+from towerflow.ps.server.dense import checks
 from towerflow.ps.server.dense.shard import ShardState
 from towerflow.ps.server.pushes import Pending
 
-__all__ = ["AggregationConfig", "Aggregator", "make_aggregator", "MODES", "DEFAULT_TIMEOUT"]
+__all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator", "MODES",
+           "DEFAULT_TIMEOUT"]
 
 class Aggregator(abc.ABC):
     """Receives pushes for one :class:`ShardState` and applies them."""
@@ -91,10 +117,11 @@ class Aggregator(abc.ABC):
 
     def push(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
              active: Callable[[], bool] | None = None) -> PushOutcome:
-        """Handle one push: check, de-duplicate, stage, validate, apply (or drop).
+        """Handle one push: check, de-duplicate, then apply or sum it chunk by chunk.
 
-        A refused push returns a ``refused`` outcome (counted, parameters
-        unchanged); a retry of a push already answered returns its outcome again.
+        A refused push returns a ``refused`` outcome (counted; its message says
+        what of it was applied); a retry of a push already answered returns its
+        outcome again, and a retry of a push cut off part way continues it.
         ``active()`` (the call's ``is_active``) ends a wait of a push whose call
         has ended with ``DeadlineExceededError``: a sync push stays counted in its
         step, whose answer its retry gets from the push table.
@@ -105,15 +132,18 @@ class Aggregator(abc.ABC):
             return begun
         try:
             outcome = self._accept(header, begun, chunks, active)
-        except (InvalidArgumentError, DataLossError) as exc:  # nothing was applied
-            state.drop_push(header)
-            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc))))
+        except ChunkRefused as exc:  # a bad chunk ended the push; what came before stays
+            outcome = PushOutcome(REFUSED, state.step, bounded(str(exc)))
+        except (InvalidArgumentError, DataLossError) as exc:  # the payload did not fit
+            state.suspend_push(header, begun)
+            return state.refuse(PushOutcome(REFUSED, state.step, bounded(
+                str(exc) + self._resumable(header, begun))))
         except DeadlineExceededError:
             raise  # a sync push counted in its step: the step answers it (and its retry)
         except BaseException:
-            state.drop_push(header)
+            state.suspend_push(header, begun)
             raise
-        outcome = state.finish_push(header, outcome)
+        outcome = state.finish_push(header, outcome, begun.applied)
         if outcome.status == APPLIED:
             self._after_applied(header, active)
         return outcome
@@ -121,18 +151,19 @@ class Aggregator(abc.ABC):
     def push_pull(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
                   active: Callable[[], bool] | None = None,
                   chunk_bytes: int = CHUNK_BYTES) -> tuple[PushOutcome, Iterable[bytes]]:
-        """:meth:`push`, then the parameters to send back (nothing when refused).
-
-        The parameters are read after the push was handled; the async
-        aggregator overrides this to overlap its update with the reply.
-        """
-        return self._reply(self.push(header, chunks, active), chunk_bytes)
-
-    def _reply(self, outcome: PushOutcome, chunk_bytes: int
-               ) -> tuple[PushOutcome, Iterable[bytes]]:
+        """:meth:`push`, then the parameters to send back (nothing when refused), streamed
+        chunk by chunk, each range copied under its locks."""
+        outcome = self.push(header, chunks, active)
         if outcome.status == REFUSED:
             return outcome, ()
         return outcome, self.state.read_chunks("params", chunk_bytes)
+
+    @staticmethod
+    def _resumable(header: PushHeader, pending: Pending) -> str:
+        if not pending.applied:
+            return ""
+        return (f" Its first {pending.applied} of {header.numel} values were applied; a retry "
+                f"of push {header.seq} continues after them.")
 
     def _begin(self, header: PushHeader,
                active: Callable[[], bool] | None) -> PushOutcome | Pending:
@@ -148,56 +179,14 @@ class Aggregator(abc.ABC):
                 self._done.discard(header.worker_id)
         return begun
 
-    @contextlib.contextmanager
-    def _staged(self, header: PushHeader, chunks: Iterable[bytes | memoryview]
-                ) -> Iterator[tuple[list[tuple[int, np.ndarray]], float]]:
-        """The whole payload as ``(first element, values)`` parts, each checked finite, and a
-        bound of the gradient's magnitudes (the root of its squares' sum).
-
-        The parts are read-only views of the received chunks (no copy); their
-        bytes count against the shard's staging limit until the block ends.
-        """
-        parts, held, bound = self._receive(header, chunks)
-        try:
-            yield parts, bound
-        finally:
-            parts.clear()
-            self.state.release(held)
-
-    def _receive(self, header: PushHeader, chunks: Iterable[bytes | memoryview]
-                 ) -> tuple[list[tuple[int, np.ndarray]], int, float]:
-        """The whole payload as checked parts, the staging bytes they hold and a bound of its
-        magnitudes (the root of its squares' sum, from the same scan).
-
-        On a bad or cut-off payload the bytes held so far are released and the
-        error raised: nothing was applied.
-        """
-        state, who = self.state, self._who(header)
-        parts: list[tuple[int, np.ndarray]] = []
-        held, squares = 0, 0.0
-
-        def keep(first: int, values: np.ndarray) -> None:
-            nonlocal held, squares
-            state.reserve(values.nbytes, who)
-            held += values.nbytes
-            bad, part_squares = state.scan(values, base=first)
-            if bad is not None:
-                raise InvalidArgumentError(state.nonfinite_message(header, bad))
-            squares += part_squares
-            parts.append((first, values))
-
-        try:
-            receive_into(None, chunks, header.numel, who=who, on_chunk=keep)
-        except BaseException:
-            parts.clear()
-            state.release(held)
-            raise
-        return parts, held, math.sqrt(squares)
-
     @abc.abstractmethod
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
                 active: Callable[[], bool] | None) -> PushOutcome:
-        """Receive the payload and apply or accumulate it."""
+        """Receive the payload and apply or accumulate it chunk by chunk.
+
+        Raises:
+            ChunkRefused: a chunk was refused (the push is answered ``refused``).
+        """
 
     def _after_applied(self, header: PushHeader, active: Callable[[], bool] | None) -> None:
         """Hook run after an applied push has been recorded (ssp waits here)."""
@@ -227,67 +216,55 @@ class Aggregator(abc.ABC):
 
 
 class _AsyncAggregator(Aggregator):
-    """Applies every gradient once all of it has arrived."""
-
-    _streams_reply = True
+    """Applies every gradient chunk by chunk as it arrives."""
 
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
                 active: Callable[[], bool] | None) -> PushOutcome:
-        with self._staged(header, chunks) as (parts, bound):
-            self.state.check_update(parts, header.lr, f"push {header.seq} of {self._who(header)}",
-                                    bound)
+        state, who = self.state, self._who(header)
+        what = f"push {header.seq} of {who}"
+
+        def take(first: int, values: np.ndarray) -> None:
+            stop = first + values.size
+            if stop <= pending.applied:  # applied by the attempt this one retries
+                return
+            if first < pending.applied:
+                values, first = values[pending.applied - first:], pending.applied
+            with state.holding(values.nbytes, who):
+                bad, squares = state.scan(values, base=first)
+                if bad is not None:
+                    raise ChunkRefused(state.nonfinite_message(header, bad, pending.applied))
+                try:
+                    state.check_update([(first, values)], header.lr, what, math.sqrt(squares),
+                                       self._applied_phrase(header, pending))
+                except InvalidArgumentError as exc:
+                    raise ChunkRefused(str(exc)) from None
+                self._begin_update(header, pending)
+                state.apply_range(first, values, header.lr, pending.update)
+            pending.applied = stop
+
+        receive_into(None, chunks, header.numel, who=who, on_chunk=take)
+        self._begin_update(header, pending)  # an empty shard's push is an update too
+        return PushOutcome(APPLIED, state.commit_update())
+
+    @staticmethod
+    def _applied_phrase(header: PushHeader, pending: Pending) -> str:
+        if not pending.applied:
+            return "nothing was applied"
+        return (f"its first {pending.applied} of {header.numel} values were applied before "
+                "that chunk, the rest was not")
+
+    def _begin_update(self, header: PushHeader, pending: Pending) -> None:
+        """Number the push's update once, before its first change (a retry keeps it)."""
+        if not pending.update:
             self._before_apply(header)
-            step = self.state.apply_parts(parts, header.lr)
-        return PushOutcome(APPLIED, step)
+            pending.update = self.state.begin_update()
 
     def _before_apply(self, header: PushHeader) -> None:
         """Hook run once per push before it changes the parameters (ssp records the lead)."""
 
-    def push_pull(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
-                  active: Callable[[], bool] | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> tuple[PushOutcome, Iterable[bytes]]:
-        """Receive and check the whole gradient, then apply it while the parameters stream back.
-
-        Each range of the reply is updated just before it is sent, so the
-        update overlaps the reply instead of preceding it. Once the gradient
-        has arrived whole and finite it is applied whole, even when the reply
-        is cut off (:class:`~towerflow.ps.server.dense.shard.StreamedApply`).
-        """
-        if not self._streams_reply:  # ssp: a push may wait after its update, before the reply
-            return super().push_pull(header, chunks, active, chunk_bytes)
-        state = self.state
-        begun = self._begin(header, active)
-        if isinstance(begun, PushOutcome):
-            return self._reply(begun, chunk_bytes)
-        try:
-            parts, held, bound = self._receive(header, chunks)
-        except (InvalidArgumentError, DataLossError) as exc:  # nothing was applied
-            state.drop_push(header)
-            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc)))), ()
-        except BaseException:
-            state.drop_push(header)
-            raise
-        try:
-            state.check_update(parts, header.lr, f"push {header.seq} of {self._who(header)}",
-                               bound)
-        except InvalidArgumentError as exc:  # nothing was applied
-            parts.clear()
-            state.release(held)
-            state.drop_push(header)
-            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc)))), ()
-
-        def done(step: int) -> None:
-            state.release(held)
-            state.finish_push(header, PushOutcome(APPLIED, step))
-
-        stream = state.begin_streamed(parts, header.lr, chunk_bytes, done)
-        return PushOutcome(APPLIED, stream.step), stream
-
 
 class _SSPAggregator(_AsyncAggregator):
     """Async updates, but no worker more than ``staleness`` pushes ahead."""
-
-    _streams_reply = False
 
     def __init__(self, state: ShardState, config: AggregationConfig) -> None:
         super().__init__(state, config)
@@ -323,36 +300,142 @@ class _SSPAggregator(_AsyncAggregator):
 
 
 class _SyncAggregator(Aggregator):
-    """Averages the gradients of ``replicas_to_aggregate`` distinct replicas, applies once."""
+    """Averages the gradients of ``replicas_to_aggregate`` distinct replicas, applies once.
+
+    Pushes are summed chunk by chunk into one accumulator (see the module doc).
+    """
 
     def __init__(self, state: ShardState, config: AggregationConfig) -> None:
         super().__init__(state, config)
         self._acc = np.zeros(state.layout.numel, np.float32)
-        #: replicas whose gradient is in the step's sum
+        #: replicas whose whole gradient is in the step's sum
         self._counted: set[int] = set()
+        #: replicas admitted to the step -> elements of their gradient summed (a prefix)
+        self._summed: dict[int, int] = {}
+        #: admitted replicas whose push is arriving now -> that push's record
+        self._arriving: dict[int, Pending] = {}
+        #: chunks being summed now (outside the shard's lock)
+        self._summing = 0
+        #: the step's attempts: a push sums into the attempt it was admitted to only
+        self._attempt = 0
         #: the pushes the step answers when it is applied, with their waiters
         self._waiting: list[tuple[PushHeader, Pending]] = []
         self._lr = 0.0
 
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
                 active: Callable[[], bool] | None) -> PushOutcome:
-        state = self.state
+        state, worker = self.state, header.worker_id
         with state.locked():
-            if header.token != state.step:
+            try:
+                admitted = self._admit(header, pending, active)
+            except DeadlineExceededError:
+                state.drop_push(header)  # nothing of it was summed: its retry starts afresh
+                raise
+            if admitted is None:
                 return self._stale(header)
-        with self._staged(header, chunks) as (parts, _), state.locked():
-            if header.token != state.step:  # the step was applied while this arrived
-                return self._stale(header)
-            if header.worker_id not in self._counted:  # a replica counts once per step
-                for first, values in parts:
-                    self._acc[first:first + values.size] += values
-                self._counted.add(header.worker_id)
-                self._lr = header.lr
-            self._waiting.append((header, pending))
-            if len(self._counted) >= self._needed():
-                self._complete()
+            attempt = self._attempt
+        if admitted:
+            try:
+                receive_into(None, chunks, header.numel, who=self._who(header),
+                             on_chunk=lambda first, values: self._sum(
+                                 header, pending, attempt, first, values))
+            except _StepEnded:
+                pass  # the step was voided meanwhile: the push is answered
+            except BaseException:
+                with state.locked():
+                    self._leave(header, pending)
+                raise
+            with state.locked():
+                if self._arriving.get(worker) is pending:
+                    del self._arriving[worker]
+                    if pending.outcome is None and attempt == self._attempt:
+                        self._counted.add(worker)
+                        self._lr = header.lr
+                        if self._ready():
+                            self._complete()
+                state.notify()
         return state.wait_outcome(pending, self.config.timeout,
                                   lambda: self._missing_message(header), active)
+
+    def _admit(self, header: PushHeader, pending: Pending,
+               active: Callable[[], bool] | None) -> bool | None:
+        """Whether the push sums its gradient into the step (caller holds the shard's lock).
+
+        True: admitted (it joins the step's waiting pushes); False: its replica's
+        gradient is in the step already, it waits with it; None: stale. Waits
+        while the step has all the replicas it admits, or while another push of
+        the same replica arrives.
+        """
+        state, worker = self.state, header.worker_id
+        deadline = state.deadline(self.config.timeout)
+        while True:
+            if header.token != state.step:
+                return None
+            if worker in self._counted:  # a replica counts once per step
+                self._waiting.append((header, pending))
+                return False
+            if worker not in self._arriving and (
+                    worker in self._summed or len(self._summed) < self._needed()):
+                self._summed.setdefault(worker, 0)
+                self._arriving[worker] = pending
+                self._waiting.append((header, pending))
+                return True
+            state.wait_once(deadline, lambda: self._missing_message(header), active)
+
+    def _sum(self, header: PushHeader, pending: Pending, attempt: int, first: int,
+             values: np.ndarray) -> None:
+        """Check one chunk and add it to the step's sum (skipping what was summed already)."""
+        state, worker = self.state, header.worker_id
+        with state.locked():
+            if pending.outcome is not None or attempt != self._attempt:
+                raise _StepEnded
+            done = self._summed[worker]
+            if first + values.size <= done:
+                return
+            if first < done:
+                values, first = values[done - first:], done
+            self._summing += 1
+        bad = None
+        try:
+            with state.holding(values.nbytes, self._who(header)):
+                bad = state.find_nonfinite(values, first)
+                if bad is None:
+                    state.add_range(self._acc, first, values)
+        finally:
+            with state.locked():
+                self._summing -= 1
+                if bad is None and attempt == self._attempt:
+                    self._summed[worker] = first + values.size
+                state.notify()
+        if bad is not None:
+            with state.locked():
+                if attempt == self._attempt:
+                    self._void(checks.voided_message(state.layout, header, bad, state.step))
+            raise _StepEnded
+
+    def _leave(self, header: PushHeader, pending: Pending) -> None:
+        """A push cut off: its replica's prefix stays in the sum for its retry (caller holds
+        the shard's lock); a replica with nothing summed gives its place up."""
+        worker = header.worker_id
+        if self._arriving.get(worker) is pending:
+            del self._arriving[worker]
+            if not self._summed.get(worker):
+                self._summed.pop(worker, None)
+        with contextlib.suppress(ValueError):
+            self._waiting.remove((header, pending))
+        self.state.notify()
+
+    def _ready(self) -> bool:
+        """Enough replicas counted and no gradient summed in part (caller holds the lock)."""
+        return (len(self._counted) >= self._needed() and not self._arriving
+                and all(w in self._counted for w, n in self._summed.items() if n))
+
+    def _void(self, message: str) -> None:
+        """Answer every push of the step ``voided`` and reset the sum (caller holds the lock)."""
+        self._attempt += 1  # no chunk sums into this attempt any more
+        while self._summing:
+            self.state.wait_once(None, lambda: "")
+        self._answer(PushOutcome(VOIDED, self.state.step, bounded(message)))
 
     @property
     def counted(self) -> int:
@@ -370,6 +453,7 @@ class _SyncAggregator(Aggregator):
 
     def _complete(self) -> None:
         """Average and apply the step's sum; answer its pushes (caller holds the shard's lock)."""
+        self._attempt += 1
         self._acc *= np.float32(1.0 / len(self._counted))
         try:
             self.state.check_update([(0, self._acc)], self._lr, "the step's averaged gradient")
@@ -384,6 +468,8 @@ class _SyncAggregator(Aggregator):
         waiting, self._waiting = self._waiting, []
         self._acc.fill(0.0)
         self._counted.clear()
+        self._summed.clear()
+        self._arriving.clear()
         for header, pending in waiting:
             self.state.finish_push(header, outcome)
             if pending.outcome is None:
@@ -408,16 +494,24 @@ class _SyncAggregator(Aggregator):
         self.config.check_replica(worker_id, "Done")
         with self.state.locked():
             self._done.add(worker_id)
-            if self._counted and len(self._counted) >= self._needed():
+            if self._counted and self._ready():
                 self._complete()
             self.state.notify()
 
     def close(self) -> None:
         with self.state.locked():
             self._closed = True
-            self._answer(PushOutcome(VOIDED, self.state.step, (
-                f"ps shard {self.state.layout.index} was re-initialised before step "
-                f"{self.state.step} was applied; compute it again")))
+            self._void(f"ps shard {self.state.layout.index} was re-initialised before step "
+                       f"{self.state.step} was applied; compute it again")
+
+
+class ChunkRefused(Exception):
+    """A chunk of an async push was refused (NaN / inf, or past the magnitude bound): the push
+    ends, answered ``refused`` with this message; the chunks before it stay applied."""
+
+
+class _StepEnded(Exception):
+    """The sync step a push was summing into was voided: the push is answered already."""
 
 
 _KINDS: dict[str, type[Aggregator]] = {

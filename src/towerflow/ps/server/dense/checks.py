@@ -3,15 +3,17 @@
 - :func:`check_header` — a push header's dtype, variables, size and learning
   rate against the shard's layout (a push that fails registers nothing);
 - :func:`nonfinite_message` — the refusal of a gradient with a NaN / inf,
-  naming the variable it is in.
+  naming the variable it is in and what of the push was applied before it;
+- :func:`voided_message` — why a sync step holding such a gradient was voided.
 
 Example:
     >>> from towerflow.ps.placement import plan_placement
     >>> from towerflow.ps.protocol import PushHeader
     >>> layout = plan_placement({"w": (2,)}, 1).shards[0]
     >>> header = PushHeader(worker_id=3, seq=1, token=0, lr=0.1, numel=2)
-    >>> nonfinite_message(layout, header, 1).split(";")[0]
-    "Gradient pushed by worker 3 to ps shard 0 contains NaN or inf in variable 'w' (shape [2])"
+    >>> "in variable 'w' (shape [2]), at element 1 of the shard" in nonfinite_message(
+    ...     layout, header, 1)
+    True
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from towerflow.errors import InvalidArgumentError
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.protocol import PushHeader, bounded
 
-__all__ = ["check_header", "nonfinite_message"]
+__all__ = ["check_header", "nonfinite_message", "voided_message"]
 
 Signature = Sequence[tuple[str, tuple[int, ...]]]
 
@@ -84,10 +86,29 @@ def _listing(items: Signature) -> str:
     return shown + (", ..." if len(items) > 8 else "")
 
 
-def nonfinite_message(layout: ShardLayout, header: PushHeader, index: int) -> str:
-    """The refusal message for a NaN / inf at buffer element ``index`` of the shard."""
+def nonfinite_message(layout: ShardLayout, header: PushHeader, index: int,
+                      applied: int = 0) -> str:
+    """The refusal message for a NaN / inf at buffer element ``index`` of the shard.
+
+    ``applied``: elements of the push applied before the chunk that holds it
+    (an async push is applied chunk by chunk; that chunk and the rest are not).
+    """
     seg = layout.segment_at(index)
+    if applied:
+        fate = (f"its first {applied} of {header.numel} values were applied before the chunk "
+                "that holds it, the rest was refused (the parameters hold no NaN or inf)")
+    else:
+        fate = "it was refused and the parameters are unchanged"
     return (f"Gradient pushed by worker {header.worker_id} to ps shard {layout.index} "
-            f"contains NaN or inf in variable {seg.label!r} (shape {list(seg.shape)}); it "
-            "was refused and the parameters are unchanged. Lower the learning rate or clip "
-            "the gradients.")
+            f"contains NaN or inf in variable {seg.label!r} (shape {list(seg.shape)}), at "
+            f"element {index} of the shard; {fate}. Lower the learning rate or clip the "
+            "gradients.")
+
+
+def voided_message(layout: ShardLayout, header: PushHeader, index: int, step: int) -> str:
+    """Why a sync step was voided: a push of it held a NaN / inf at buffer element ``index``."""
+    seg = layout.segment_at(index)
+    return (f"step {step} of ps shard {layout.index} was voided: the gradient pushed by worker "
+            f"{header.worker_id} contains NaN or inf at element {index} in variable "
+            f"{seg.label!r} (shape {list(seg.shape)}); no gradient of the step was applied. "
+            "Compute the step again; lower the learning rate or clip the gradients.")

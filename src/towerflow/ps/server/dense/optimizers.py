@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -72,7 +73,7 @@ class ServerOptimizer:
     __slots__ = ("name", "numel", "momentum", "weight_decay", "beta1", "beta2", "eps",
                  "initial_accumulator_value", "slots", "step", "lr_ranges", "_max_factor",
                  "_range_starts",
-                 "_scratch", "_decayed", "_maxima")
+                 "_scratch", "_maxima")
 
     def __init__(self, name: str, numel: int, *, momentum: float = 0.0,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
@@ -105,8 +106,8 @@ class ServerOptimizer:
         self._range_starts = [a for a, _, _ in self.lr_ranges]
         #: upper bounds of the buffers' magnitudes after the updates checked so far
         self._maxima: dict[str, float] | None = None
-        self._scratch = np.empty(min(numel, _BLOCK), np.float32)
-        self._decayed = np.empty(min(numel, _BLOCK) if weight_decay else 0, np.float32)
+        #: each thread's scratch blocks (ranges are applied side by side, see apply_range)
+        self._scratch = threading.local()
         given = dict(slots or {})
         self.slots: dict[str, np.ndarray] = {}
         for key in SLOT_NAMES[name]:
@@ -204,7 +205,8 @@ class ServerOptimizer:
         ``grad`` may be read-only (a view of received bytes); ``step`` is the
         update's number from :meth:`begin`; the elements of :attr:`lr_ranges`
         take ``lr`` times their factor. Not thread-safe: one caller at a time
-        (the shard holds its apply lock).
+        on one range (the shard holds that range's lock); callers on disjoint
+        ranges may run side by side (each thread has its own scratch blocks).
         """
         end, at = first + grad.size, first
         index = max(0, bisect.bisect_right(self._range_starts, first) - 1)
@@ -226,16 +228,27 @@ class ServerOptimizer:
         """:meth:`apply_range` at one rate."""
         method = getattr(self, f"_apply_{self.name}")
         decay = self.weight_decay
+        scratch, decayed = self._blocks_of_thread()
         for start in range(0, grad.size, _BLOCK):
             g = grad[start:start + _BLOCK]
             block = slice(first + start, first + start + g.size)
             p = params[block]
-            tmp = self._scratch[: g.size]
+            tmp = scratch[: g.size]
             if decay:
                 np.multiply(p, decay, out=tmp)
                 tmp += g
-                g, tmp = tmp, self._decayed[: g.size]
+                g, tmp = tmp, decayed[: g.size]
             method(block, p, g, tmp, lr, step)
+
+    def _blocks_of_thread(self) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's scratch block and weight-decay block (made on first use)."""
+        local = self._scratch
+        blocks = getattr(local, "blocks", None)
+        if blocks is None:
+            size = min(self.numel, _BLOCK)
+            blocks = local.blocks = (np.empty(size, np.float32),
+                                     np.empty(size if self.weight_decay else 0, np.float32))
+        return blocks
 
     def _apply_sgd(self, block: slice, p: np.ndarray, g: np.ndarray, tmp: np.ndarray,
                    lr: float, step: int) -> None:

@@ -52,9 +52,9 @@ class ShardFigures(NamedTuple):
 class LedgerRecord(NamedTuple):
     """One entry of a shard's ledger: a push whose gradient is in the parameters.
 
-    A push is applied whole or not at all, so an entry's range
-    ``applied_start .. applied_stop - 1`` is the whole buffer and ``partial``
-    is always False (the fields stay for readers of older ledgers).
+    An applied push's range ``applied_start .. applied_stop - 1`` is the whole
+    buffer; an async push refused part way (a NaN / inf in a later chunk) is
+    ``partial``: its first ``applied_stop`` elements were applied.
     """
 
     worker_id: int

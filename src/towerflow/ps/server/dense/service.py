@@ -10,8 +10,9 @@ runtime.
 
 Data path: a pushed chunk is used where gRPC left it (a read-only view of the
 received ``bytes``, applied into the flat parameter buffer or summed into the
-sync accumulator: see :mod:`~towerflow.ps.server.dense.aggregation`); a pulled chunk is one
-copy of its range of the flat buffer, taken under the shard's apply lock.
+sync accumulator as it arrives, then freed: see
+:mod:`~towerflow.ps.server.dense.aggregation`); a pulled chunk is one copy of its
+range of the flat buffer, taken under that range's locks.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from towerflow.ps.protocol import (
 from towerflow.ps.server.dense.aggregation import Aggregator, make_aggregator
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import SLOT_NAMES, canonical_name, make_optimizer
-from towerflow.ps.server.dense.shard import ShardState, StreamedApply, default_staging_limit
+from towerflow.ps.server.dense.shard import ShardState, default_staging_limit
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.workerstats import WorkerTable
 
@@ -105,10 +106,10 @@ class _Counted:
             for chunk in self._chunks:
                 received += len(chunk)
                 yield chunk
-        except grpc.RpcError:  # the call was cancelled or broke: the push changed nothing
+        except grpc.RpcError:  # the call was cancelled or broke part way
             raise AbortedError(
-                f"A push's call ended after {received} bytes of its payload; nothing of it was "
-                "applied, and its retry is handled afresh."
+                f"A push's call ended after {received} bytes of its payload; its retry "
+                "continues after what of it was applied."
             ) from None
         finally:
             self._state.count_bytes_in(received)
@@ -301,25 +302,17 @@ class PSService:
 
     def push_pull(self, requests: Iterator[bytes],
                   context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
-        """Push, then stream the fresh parameters back in the same call.
+        """Push, then stream the fresh parameters back in the same call, chunk by chunk.
 
-        An async shard applies the gradient range by range as the reply goes
-        out (:meth:`~towerflow.ps.server.dense.aggregation.Aggregator.push_pull`); a reply
-        cut off still leaves the gradient applied whole.
+        The push was applied (or summed) as it arrived; a reply cut off
+        changes nothing of it.
         """
         state, want_params, reply, params = self._push(iter(requests), _active(context),
                                                        pull=True)
-        finish = params.finish if isinstance(params, StreamedApply) else None
-        if finish is not None and context is not None:
-            context.add_callback(finish)  # the call ended before the reply was consumed
-        try:
-            if want_params and reply.status != REFUSED:
-                reply.numel = state.layout.numel
-            yield reply.SerializeToString()
-            yield from params
-        finally:
-            if finish is not None:
-                finish()
+        if want_params and reply.status != REFUSED:
+            reply.numel = state.layout.numel
+        yield reply.SerializeToString()
+        yield from params
 
     def push_pull_small(self, request: bytes, context: grpc.ServicerContext | None = None) -> bytes:
         """``PushPull`` of a small shard: header and payload packed in one message each way."""
@@ -411,8 +404,8 @@ class PSService:
     def ledger(self, request: bytes) -> bytes:
         """The pushes the shard applied since it was initialised (an audit trail).
 
-        A push is applied whole or not at all, so every entry covers the whole
-        buffer (:class:`~towerflow.ps.server.dense.records.LedgerRecord`).
+        An entry covers the whole buffer, or (``partial``) the prefix of a push
+        refused part way (:class:`~towerflow.ps.server.dense.records.LedgerRecord`).
         """
         req = parse_message(pb.LedgerRequest, request, "LedgerRequest")
         state, _ = self.shard

@@ -8,6 +8,12 @@ de-duplication table of pushes, and the counters a ps reports
 (:mod:`~towerflow.ps.server.dense.records`); a push's header is checked
 against the layout by :mod:`~towerflow.ps.server.dense.checks`.
 
+The buffer is guarded by one lock per partition of :data:`PARTITION`
+elements, not by one lock for the shard: an update, a sum into a sync
+accumulator or a pull's copy of a range takes the locks of that range only
+(in ascending order), so several workers' pushes to one shard proceed side by
+side and each range a pull copies is never half updated.
+
 Everything here is plain numpy and threads, so the shard logic is tested
 in-process; :mod:`towerflow.ps.server.dense.service` puts it behind gRPC.
 
@@ -41,7 +47,7 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, keep_free_heap, scan_gradient
+from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, scan_gradient
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.protocol import (
     APPLIED,
@@ -60,29 +66,31 @@ from towerflow.ps.server.pushes import LIVENESS_SECONDS, Pending, PushTable
 
 __all__ = [
     "ShardState",
+    "PARTITION",
     "STAGING_FLOOR",
     "default_staging_limit",
-    "StreamedApply",
 ]
 
 #: applied pushes a shard's ledger remembers (the newest; about 13 MiB at most)
 LEDGER_CAPACITY = 1 << 16
 #: refusal messages a shard keeps for its Status reply (the newest)
 REFUSALS_KEPT = 10
-#: the least a shard's staging limit ever is (bytes of payloads still arriving)
-STAGING_FLOOR = 256 << 20
+#: the least a shard's staging limit ever is (bytes of pushed chunks being handled)
+STAGING_FLOOR = 64 << 20
+#: elements per range lock of the flat buffer (one streamed chunk)
+PARTITION = CHUNK_BYTES // ITEM
 
 
 def default_staging_limit(nbytes: int, replicas: int) -> int:
-    """Bytes of pushed payloads a shard of ``nbytes`` may hold while they arrive.
+    """Bytes of pushed chunks a shard of ``nbytes`` may hold at once while they are handled.
 
-    Every replica may have one push arriving, plus two more (a retry that
-    overtakes its stalled first attempt, a peer's stray call), and never less
-    than :data:`STAGING_FLOOR`. A push's payload is held from its first byte
-    to its application, so this bounds a ps task's memory beyond its
-    parameters and optimizer state, whatever its peers send or withhold.
+    A push holds one received chunk at a time (checked, applied or summed,
+    then freed), so this bounds chunk buffers, not whole pushes: four chunks
+    for every replica and two more pushes (a retry overtaking its stalled
+    first attempt, a peer's stray call), never less than
+    :data:`STAGING_FLOOR`, never more than the shard itself.
     """
-    return max(STAGING_FLOOR, (replicas + 2) * nbytes)
+    return max(STAGING_FLOOR, min(nbytes, (replicas + 2) * 4 * CHUNK_BYTES))
 
 
 class ShardState:
@@ -93,7 +101,8 @@ class ShardState:
     them only through its methods. An aggregator whose own bookkeeping (a sync
     step's sum, the ssp clocks) must change together with the step holds the
     shard's lock with :meth:`locked`, waits with :meth:`wait_once` and wakes
-    the waiters with :meth:`notify`.
+    the waiters with :meth:`notify`. A range lock (:meth:`ranges`) may be
+    taken while the shard's lock is held, never the other way round.
 
     Args:
         layout: the segments this shard holds.
@@ -123,8 +132,11 @@ class ShardState:
         self._stats = ShardStats()
         #: guards step, stats, the push table and staging; waiters wait on it
         self._cond = threading.Condition(threading.RLock())
-        #: guards the values of params and the optimizer state
-        self._apply_lock = threading.Lock()
+        #: one lock per PARTITION elements: guards those values of params, slots and sums
+        self._range_locks = [threading.Lock()
+                             for _ in range(max(1, -(-layout.numel // PARTITION)))]
+        #: guards the optimizer's update count and its magnitude bounds
+        self._optimizer_lock = threading.Lock()
         #: the (worker, incarnation, seq) table: each push applied at most once
         self._table = PushTable()
         #: the newest ledger records, oldest first (see :meth:`ledger_since`)
@@ -132,10 +144,7 @@ class ShardState:
         #: records ever made (the absolute index of the next one)
         self.ledger_total = 0
         self.staging_limit = staging_limit or default_staging_limit(layout.nbytes, 1)
-        keep_free_heap(self.staging_limit)
-        #: updates begun and not yet counted (see :meth:`begin_streamed`)
-        self._applying = 0
-        #: bytes of payloads received and not yet applied
+        #: bytes of pushed chunks being handled (received, not yet applied or summed)
         self._staged = 0
         self._expected = layout.signature
         self._zeros = np.zeros(min(layout.numel, CHECK_BLOCK) or 1, np.float32)
@@ -148,7 +157,7 @@ class ShardState:
 
     @property
     def staged(self) -> int:
-        """Bytes of pushed payloads received and not yet applied."""
+        """Bytes of pushed chunks received and not yet applied or summed."""
         return self._staged
 
     @property
@@ -200,6 +209,15 @@ class ShardState:
                                 tuple(self._stats.refusals), self._staged, tuple(self._table.rows()))
 
     # -- updates ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def ranges(self, first: int, stop: int) -> Iterator[None]:
+        """Hold the range locks of elements ``first .. stop - 1`` (taken in ascending order)."""
+        locks = self._range_locks[first // PARTITION:max(first, stop - 1) // PARTITION + 1]
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            yield
+
     def apply(self, grad: np.ndarray, lr: float) -> int:
         """Apply the whole gradient ``grad`` with rate ``lr``; return the new step."""
         return self.apply_parts([(0, grad)], lr)
@@ -207,14 +225,29 @@ class ShardState:
     def apply_parts(self, parts: Sequence[tuple[int, np.ndarray]], lr: float) -> int:
         """Apply one gradient given as ``(first element, values)`` parts; return the new step.
 
-        The whole update is made under the apply lock, in one step: a pull
-        never sees part of it applied to a range it reads.
+        Each partition is updated under its range lock: a pull never sees
+        part of the update applied to a range it copies.
         """
-        with self._apply_lock:
-            update = self.optimizer.begin()
-            for first, values in parts:
-                self.optimizer.apply_range(self.params, first, values, lr, update)
+        update = self.begin_update()
+        for first, values in parts:
+            for start in range(0, values.size, PARTITION):
+                self.apply_range(first + start, values[start:start + PARTITION], lr, update)
         return self.commit_update()
+
+    def begin_update(self) -> int:
+        """Number one more update of the optimizer (a gradient applied in pieces takes one)."""
+        with self._optimizer_lock:
+            return self.optimizer.begin()
+
+    def apply_range(self, first: int, values: np.ndarray, lr: float, update: int) -> None:
+        """Apply ``values`` to elements ``first ..`` as part of update number ``update``."""
+        with self.ranges(first, first + values.size):
+            self.optimizer.apply_range(self.params, first, values, lr, update)
+
+    def add_range(self, into: np.ndarray, first: int, values: np.ndarray) -> None:
+        """Add ``values`` to elements ``first ..`` of ``into`` (a sum over this shard's layout)."""
+        with self.ranges(first, first + values.size):
+            into[first:first + values.size] += values
 
     def commit_update(self) -> int:
         """Count one applied update; return the new step (waking waiters)."""
@@ -224,31 +257,18 @@ class ShardState:
             self._cond.notify_all()
             return self._step
 
-    def begin_streamed(self, parts: Sequence[tuple[int, np.ndarray]], lr: float,
-                       chunk_bytes: int, on_done: Callable[[int], None]) -> StreamedApply:
-        """Start applying one whole, checked gradient while the new parameters stream out.
-
-        Returns a :class:`StreamedApply`: iterating it applies the gradient
-        range by range and yields each range of the updated parameters as soon
-        as it is done, so the reply overlaps the update. The gradient is
-        applied whole whatever happens to the reply (see
-        :meth:`StreamedApply.finish`); ``on_done(step)`` runs once after.
-        """
-        with self._cond:
-            self._applying += 1
-            step = self._step + self._applying
-        with self._apply_lock:
-            update = self.optimizer.begin()
-        return StreamedApply(self, parts, lr, update, step, chunk_bytes, on_done)
-
-    def _end_streamed(self) -> None:
-        with self._cond:
-            self._applying -= 1
-        self.commit_update()
-
     # -- staging ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def holding(self, nbytes: int, who: str) -> Iterator[None]:
+        """Count a received chunk of ``nbytes`` against the staging limit while it is handled."""
+        self.reserve(nbytes, who)
+        try:
+            yield
+        finally:
+            self.release(nbytes)
+
     def reserve(self, nbytes: int, who: str) -> None:
-        """Count ``nbytes`` more of received payload held before it is applied.
+        """Count ``nbytes`` more of received chunks held before they are applied or summed.
 
         Raises:
             ResourceExhaustedError: the shard's staging limit would be exceeded.
@@ -256,15 +276,15 @@ class ShardState:
         with self._cond:
             if self._staged + nbytes > self.staging_limit:
                 raise ResourceExhaustedError(
-                    f"ps shard {self.layout.index} holds {self._staged} bytes of payloads still "
-                    f"arriving; {nbytes} more from {who} would pass its staging limit of "
-                    f"{self.staging_limit} bytes. The push was refused; retry it (a peer "
-                    "that stalls mid-push holds its bytes until its call ends)."
+                    f"ps shard {self.layout.index} holds {self._staged} bytes of pushed chunks "
+                    f"being handled; {nbytes} more from {who} would pass its staging limit of "
+                    f"{self.staging_limit} bytes. The push stopped there; retry it (its retry "
+                    "continues where it stopped)."
                 )
             self._staged += nbytes
 
     def release(self, nbytes: int) -> None:
-        """Payload bytes applied or dropped."""
+        """Chunk bytes applied, summed or dropped."""
         with self._cond:
             self._staged -= nbytes
 
@@ -276,8 +296,10 @@ class ShardState:
         Returns:
             The earlier outcome (``duplicate``) when this push was answered
             already (a retry: the gradient is not applied twice), after waiting
-            for it when it is still in progress; else the new push's
-            :class:`~towerflow.ps.server.pushes.Pending` record.
+            for it when it is still in progress; the suspended push's
+            :class:`~towerflow.ps.server.pushes.Pending` record when it was cut
+            off part way (the retry resumes it after ``pending.applied``
+            elements); else the new push's record.
 
         Raises:
             InvalidArgumentError: a superseded incarnation, or a header that
@@ -295,6 +317,10 @@ class ShardState:
                 if found.kind == "done":
                     self._stats.duplicates += 1
                     return replace(found.outcome, duplicate=True)
+                if found.kind == "resume":  # cut off part way: this retry continues it
+                    self.validate_header(header)
+                    found.pending.active = True
+                    return found.pending
                 if found.kind == "new":
                     break
                 self.wait_once(deadline, lambda: (
@@ -350,6 +376,16 @@ class ShardState:
             self._table.drop(header)
             self._cond.notify_all()
 
+    def suspend_push(self, header: PushHeader, pending: Pending) -> None:
+        """A push cut off: forget it when nothing of it was applied, else keep it for its
+        retry to resume after ``pending.applied`` elements (nothing is applied twice)."""
+        with self._cond:
+            if pending.applied:
+                self._table.suspend(header)
+            else:
+                self._table.drop(header)
+            self._cond.notify_all()
+
     def refuse(self, outcome: PushOutcome) -> PushOutcome:
         """Count a refusal that registered nothing; keep its (bounded) message."""
         with self._cond:
@@ -357,22 +393,25 @@ class ShardState:
             self._stats.refusals = [*self._stats.refusals[-(REFUSALS_KEPT - 1):], outcome.message]
         return outcome
 
-    def finish_push(self, header: PushHeader, outcome: PushOutcome) -> PushOutcome:
+    def finish_push(self, header: PushHeader, outcome: PushOutcome,
+                    applied: int = 0) -> PushOutcome:
         """Answer ``header``'s push with ``outcome`` (answers its retries); return it.
 
         An answer given already (a sync step answers all its pushes) is not
-        counted again.
+        counted again. ``applied``: elements of a refused push applied before
+        it was refused (its ledger record is then partial).
         """
         with self._cond:
             if not self._table.settle(header, outcome):
                 return outcome
-            if outcome.status == APPLIED:
-                self._stats.applied += 1
+            if outcome.status == APPLIED or applied:
+                self._stats.applied += outcome.status == APPLIED
+                partial = outcome.status != APPLIED
                 self._records.append(LedgerRecord(
                     header.worker_id, header.incarnation, header.seq, outcome.step,
-                    applied_stop=self.layout.numel))
+                    partial=partial, applied_stop=applied if partial else self.layout.numel))
                 self.ledger_total += 1
-            elif outcome.status == REFUSED:
+            if outcome.status == REFUSED:
                 self.refuse(outcome)
             elif outcome.status == STALE:
                 self._stats.stale += 1
@@ -419,22 +458,26 @@ class ShardState:
         return None if bad is None else base + bad
 
     def check_update(self, parts: Sequence[tuple[int, np.ndarray]], lr: float, who: str,
-                     grad_bound: float | None = None) -> None:
+                     grad_bound: float | None = None, applied: str = "nothing was applied"
+                     ) -> None:
         """Raise unless applying ``parts`` with ``lr`` keeps every parameter and slot finite.
 
         ``grad_bound``: an upper bound of the gradient's magnitudes known already
         (the root of its squares' sum, from :meth:`scan`); else it is measured.
+        An async push is checked chunk by chunk, each chunk as one update (the
+        bounds kept are then looser than the buffers, and measured again when
+        too loose); ``applied`` says in the refusal what of the push was applied.
 
         Raises:
             InvalidArgumentError: the update could overflow float32 (finite
-                inputs, non-finite result); nothing was applied.
+                inputs, non-finite result); ``parts`` were not applied.
         """
         def measured() -> float:
             return max((absmax(values) for _, values in parts), default=0.0)
 
         loose = grad_bound is not None and math.isfinite(grad_bound)
         grad_max = grad_bound if loose else measured()
-        with self._apply_lock:
+        with self._optimizer_lock:
             bound = self.optimizer.check_result(self.params, grad_max, lr)
             if bound is not None and loose:  # the root of the squares' sum was too loose
                 grad_max = measured()
@@ -444,8 +487,8 @@ class ShardState:
                 f"The update of {who} to ps shard {self.layout.index} (learning rate {lr:g}, "
                 f"largest gradient {grad_max:.3g}) could take a parameter or optimizer slot of "
                 f"{self.optimizer.name} to {bound:.3g}, past {RESULT_LIMIT:.3g} (float32 ends at "
-                "3.4e38); it was refused and nothing was applied. Lower the learning rate or "
-                "clip the gradients."
+                f"3.4e38); it was refused and {applied}. Lower the learning rate or clip the "
+                "gradients."
             )
 
     def scan(self, values: np.ndarray, base: int = 0) -> tuple[int | None, float]:
@@ -454,9 +497,10 @@ class ShardState:
         bad, squares = scan_gradient(values, self._zeros)
         return (None if bad is None else base + bad), squares
 
-    def nonfinite_message(self, header: PushHeader, index: int) -> str:
-        """The refusal message for a NaN / inf at buffer ``index``."""
-        return checks.nonfinite_message(self.layout, header, index)
+    def nonfinite_message(self, header: PushHeader, index: int, applied: int = 0) -> str:
+        """The refusal message for a NaN / inf at buffer ``index`` (``applied`` elements of the
+        push were applied before it)."""
+        return checks.nonfinite_message(self.layout, header, index, applied)
 
     # -- reads ----------------------------------------------------------------------
     def buffer(self, name: str) -> np.ndarray:
@@ -472,7 +516,7 @@ class ShardState:
         return slot
 
     def read_chunks(self, name: str = "params", chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-        """Yield a copy of buffer ``name`` in chunks, each copied under the apply lock.
+        """Yield a copy of buffer ``name`` in chunks, each copied under its range locks.
 
         The ``bytes`` of a chunk are the one copy a reply needs (gRPC sends
         ``bytes``): each is a consistent snapshot of its range.
@@ -481,80 +525,11 @@ class ShardState:
         sent = 0
         try:
             for start in range(0, raw.size, chunk_bytes):
-                with self._apply_lock:
-                    data = raw[start:start + chunk_bytes].tobytes()
+                stop = min(start + chunk_bytes, raw.size)
+                with self.ranges(start // ITEM, -(-stop // ITEM)):
+                    data = raw[start:stop].tobytes()
                 sent += len(data)
                 yield data
         finally:
             self._count_out(sent, sent == raw.size)
 
-
-class StreamedApply:
-    """One gradient being applied while the updated parameters stream back.
-
-    Made by :meth:`ShardState.begin_streamed` once the whole gradient has
-    arrived and been checked, so the update cannot fail part way: iterating
-    yields the parameters in ``chunk_bytes`` ranges, each applied (under the
-    shard's apply lock) just before it is copied, so a range a reply carries
-    is never half updated. :meth:`finish` applies what is left when the reply
-    ends early (its caller went away): the gradient is applied whole, once.
-
-    Attributes:
-        step: the step the update makes (its number among the shard's updates).
-    """
-
-    def __init__(self, state: ShardState, parts: Sequence[tuple[int, np.ndarray]], lr: float,
-                 update: int, step: int, chunk_bytes: int,
-                 on_done: Callable[[int], None]) -> None:
-        self.step = step
-        self._state, self._parts, self._lr, self._update = state, list(parts), lr, update
-        self._chunk = max(ITEM, chunk_bytes - chunk_bytes % ITEM) // ITEM
-        self._on_done = on_done
-        self._next = 0  # parts[:_next] are applied whole
-        self._done_in_part = 0  # elements of parts[_next] applied
-        self._lock = threading.Lock()  # finish() may run on another thread (call ended)
-        self._finished = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        state = self._state
-        raw = state.params.view(np.uint8)
-        sent = 0
-        try:
-            for start in range(0, state.layout.numel, self._chunk):
-                stop = min(start + self._chunk, state.layout.numel)
-                with self._lock, state._apply_lock:
-                    self._apply_until(stop)
-                    data = raw[start * ITEM:stop * ITEM].tobytes()
-                sent += len(data)
-                yield data
-        finally:
-            state._count_out(sent, sent == raw.size)
-            self.finish()
-
-    def _apply_until(self, stop: int) -> None:
-        """Apply the gradient's elements before ``stop`` not applied yet (locks held)."""
-        state, parts = self._state, self._parts
-        while self._next < len(parts):
-            first, values = parts[self._next]
-            begin = first + self._done_in_part
-            if begin >= stop:
-                return
-            take = min(values.size - self._done_in_part, stop - begin)
-            state.optimizer.apply_range(state.params, begin,
-                                        values[self._done_in_part:self._done_in_part + take],
-                                        self._lr, self._update)
-            self._done_in_part += take
-            if self._done_in_part == values.size:
-                self._next, self._done_in_part = self._next + 1, 0
-
-    def finish(self) -> None:
-        """Apply whatever is left, count the update and run ``on_done`` (once; idempotent)."""
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-            with self._state._apply_lock:
-                self._apply_until(self._state.layout.numel)
-            self._parts.clear()
-        self._state._end_streamed()
-        self._on_done(self.step)
