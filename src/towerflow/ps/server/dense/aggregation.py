@@ -57,7 +57,11 @@ the received bytes) is checked finite, then
   applied, so a backup's late gradient is never summed into the next step. A
   replica counts once its whole push was summed; a push cut off keeps its
   replica's prefix in the sum and its retry (or the replica's next
-  incarnation) continues after it, and the step waits for it. A NaN / inf
+  incarnation) continues after it, and the step waits for it, unless another
+  replica waits to be admitted while no chunk of it arrived for
+  :data:`STALL_SECONDS`: then the step is voided (its part sum cannot be taken
+  out again), naming the stalled worker, so a peer that stalls half way
+  through its push holds the others for that long at most. A NaN / inf
   voids the step: every push of it is answered ``voided`` naming the worker
   and the element, the accumulator is reset, and the workers compute the
   step again. The averaged gradient is checked against the magnitude bound
@@ -76,6 +80,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import time
 from collections.abc import Callable, Container, Iterable
 
 import numpy as np
@@ -100,7 +105,11 @@ from towerflow.ps.server.dense.shard import ShardState
 from towerflow.ps.server.pushes import Pending
 
 __all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator", "MODES",
-           "DEFAULT_TIMEOUT"]
+           "DEFAULT_TIMEOUT", "STALL_SECONDS"]
+
+#: sync: seconds an admitted push may send no chunk, part summed, while another replica waits
+#: to be admitted, before the step is voided
+STALL_SECONDS = 2.0
 
 class Aggregator(abc.ABC):
     """Receives pushes for one :class:`ShardState` and applies them."""
@@ -314,6 +323,8 @@ class _SyncAggregator(Aggregator):
         self._summed: dict[int, int] = {}
         #: admitted replicas whose push is arriving now -> that push's record
         self._arriving: dict[int, Pending] = {}
+        #: admitted replicas -> time.monotonic() of their last chunk summed (or admission)
+        self._progress: dict[int, float] = {}
         #: chunks being summed now (outside the shard's lock)
         self._summing = 0
         #: the step's attempts: a push sums into the attempt it was admitted to only
@@ -378,9 +389,31 @@ class _SyncAggregator(Aggregator):
                     worker in self._summed or len(self._summed) < self._needed()):
                 self._summed.setdefault(worker, 0)
                 self._arriving[worker] = pending
+                self._progress[worker] = time.monotonic()
                 self._waiting.append((header, pending))
                 return True
-            state.wait_once(deadline, lambda: self._missing_message(header), active)
+            if worker not in self._summed and self._void_stalled(header):
+                continue
+            state.wait_once(deadline, lambda: self._missing_message(header), active,
+                            most=STALL_SECONDS / 4)
+
+    def _void_stalled(self, header: PushHeader) -> bool:
+        """Void the step when an admitted replica's part sum holds it while ``header``'s replica
+        waits to be admitted (caller holds the shard's lock); True when it did."""
+        now = time.monotonic()
+        for worker, summed in self._summed.items():
+            if worker in self._counted or not summed:
+                continue
+            idle = now - self._progress.get(worker, now)
+            if idle >= STALL_SECONDS:
+                self._void(
+                    f"step {self.state.step} of ps shard {self.state.layout.index} was voided: "
+                    f"the push of worker {worker} stopped after {summed} of "
+                    f"{self.state.layout.numel} values were summed (no chunk for {idle:.0f} s) "
+                    f"while worker {header.worker_id} waited; compute the step again, and check "
+                    f"worker {worker} and its network")
+                return True
+        return False
 
     def _sum(self, header: PushHeader, pending: Pending, attempt: int, first: int,
              values: np.ndarray) -> None:
@@ -406,6 +439,7 @@ class _SyncAggregator(Aggregator):
                 self._summing -= 1
                 if bad is None and attempt == self._attempt:
                     self._summed[worker] = first + values.size
+                    self._progress[worker] = time.monotonic()
                 state.notify()
         if bad is not None:
             with state.locked():
@@ -470,6 +504,7 @@ class _SyncAggregator(Aggregator):
         self._counted.clear()
         self._summed.clear()
         self._arriving.clear()
+        self._progress.clear()
         for header, pending in waiting:
             self.state.finish_push(header, outcome)
             if pending.outcome is None:

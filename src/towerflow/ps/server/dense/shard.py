@@ -337,7 +337,7 @@ class ShardState:
         return None if timeout is None else time.monotonic() + timeout
 
     def wait_once(self, deadline: float | None, message: Callable[[], str],
-                  active: Callable[[], bool] | None = None) -> None:
+                  active: Callable[[], bool] | None = None, most: float | None = None) -> None:
         """Wait on the condition once (caller holds it) or raise DeadlineExceededError.
 
         ``active()`` says whether the call that waits is still going (its gRPC
@@ -345,12 +345,15 @@ class ShardState:
         passed, or the caller went away) the wait stops, so it holds no handler
         thread for nobody. What it waited for still happens: a sync step
         answers the push in the push table, and the retry gets that answer.
+        ``most``: seconds this wait lasts at most (the caller looks again).
         """
         if active is not None and not active():
             raise DeadlineExceededError(
                 f"A call waiting on ps shard {self.layout.index} ended (its caller's deadline "
                 "passed, or it went away); its retry gets the answer.")
         slice_ = None if active is None else LIVENESS_SECONDS
+        if most is not None:
+            slice_ = most if slice_ is None else min(slice_, most)
         if deadline is None:
             self._cond.wait(slice_)
             return
