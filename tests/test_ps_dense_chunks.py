@@ -205,20 +205,13 @@ PARAM_MB = 24
 WORKERS = 4
 
 
-def _vm_hwm(pid: int) -> int:
+def _status_bytes(pid: int, field: str) -> int:
+    """A memory figure of ``/proc/<pid>/status`` (``VmHWM``, ``VmRSS``) in bytes."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
-def _vm_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def _reset_hwm(pid: int) -> bool:
@@ -269,7 +262,7 @@ def test_ps_memory_under_four_pushing_workers_holds_no_copy_per_worker(free_port
         grads = [np.full(numel, 1e-3, np.float32)]
         pulled = {w: [np.empty(numel, np.float32)] for w in range(WORKERS)}
         clients[0].push(grads, lr=0.1, pull_into=pulled[0])  # warm: every page touched once
-        after_init = _vm_rss(ps.pid) if _reset_hwm(ps.pid) else _vm_hwm(ps.pid)
+        after_init = _status_bytes(ps.pid, "VmRSS") if _reset_hwm(ps.pid) else _status_bytes(ps.pid, "VmHWM")
         start = threading.Barrier(WORKERS)
 
         def work(worker: int) -> None:
@@ -279,7 +272,7 @@ def test_ps_memory_under_four_pushing_workers_holds_no_copy_per_worker(free_port
 
         with ThreadPoolExecutor(WORKERS) as pool:
             list(pool.map(work, range(WORKERS)))
-        growth = _vm_hwm(ps.pid) - after_init
+        growth = _status_bytes(ps.pid, "VmHWM") - after_init
         print(f"ps peak RSS growth {growth / MB:.1f} MiB over {PARAM_MB} MiB of parameters")
         params = PARAM_MB * MB
         assert clients[0].pull(pulled[0]) == 1 + 3 * WORKERS

@@ -127,7 +127,7 @@ class PSService:
         replicas: the cluster's number of training replicas (chief and
             workers), when known: an Init may not name more, and a ``Done`` must
             name one of them.
-        staging_bytes: payload bytes a shard may hold while pushes arrive
+        staging_bytes: bytes of pushed chunks a shard may hold while they are handled
             (default :func:`~towerflow.ps.server.dense.shard.default_staging_limit`).
         describe_peer: ``describe_peer(replica) -> (task, heartbeat,
             last_heartbeat_age)`` for the per-replica figures of ``Status``.

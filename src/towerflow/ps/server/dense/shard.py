@@ -87,10 +87,11 @@ def default_staging_limit(nbytes: int, replicas: int) -> int:
     A push holds one received chunk at a time (checked, applied or summed,
     then freed), so this bounds chunk buffers, not whole pushes: four chunks
     for every replica and two more pushes (a retry overtaking its stalled
-    first attempt, a peer's stray call), never less than
-    :data:`STAGING_FLOOR`, never more than the shard itself.
+    first attempt, a peer's stray call), never less than :data:`STAGING_FLOOR`
+    (``nbytes`` no longer matters: no push is held whole).
     """
-    return max(STAGING_FLOOR, min(nbytes, (replicas + 2) * 4 * CHUNK_BYTES))
+    del nbytes
+    return max(STAGING_FLOOR, (replicas + 2) * 4 * CHUNK_BYTES)
 
 
 class ShardState:
@@ -109,8 +110,8 @@ class ShardState:
         params: the initial values, ``layout.numel`` float32 elements (owned).
         optimizer: the server-side optimizer over the same number of elements.
         step: the initial step (restored from a checkpoint, else 0).
-        staging_limit: bytes of pushed payloads this shard may hold at once
-            while they arrive (default :func:`staging_limit` of one replica).
+        staging_limit: bytes of pushed chunks this shard may hold at once
+            while they are handled (default :func:`default_staging_limit` of one replica).
     """
 
     def __init__(self, layout: ShardLayout, params: np.ndarray, optimizer: ServerOptimizer,

@@ -10,10 +10,11 @@ reply is applied once. The calls to one ps task are a
 :class:`~towerflow.ps.worker.dense.shard_client.ShardClient`'s.
 
 Before streaming a gradient larger than one chunk the client checks that it is
-finite (one read pass, no allocation) and says so in the push header: the ps
-then applies each chunk as it arrives instead of staging the whole gradient. A
-gradient with a NaN / inf is sent unmarked, so the ps refuses it whole and
-counts it. A client also tunes its process's malloc for the chunk-sized
+finite (one read pass, no allocation) and says so in the push header
+(informative: the ps checks every chunk itself). The ps applies each chunk as
+it arrives; a gradient with a NaN / inf is refused at the chunk that holds it
+(the chunks before it stay applied, the parameters never hold a NaN) and
+counted, and the refusal says how many of its values were applied. A client also tunes its process's malloc for the chunk-sized
 ``bytes`` gRPC Python sends and receives (``tune_malloc=False`` to opt out).
 
 Example (with a running ps task)::

@@ -212,7 +212,7 @@ class ShardClient:
         header = PushHeader(
             worker_id=worker_id, incarnation=incarnation, seq=seq, token=self.version, lr=lr,
             dtype="float32" if grad.dtype == np.float32 else str(grad.dtype), numel=grad.size,
-            # a finite gradient lets the ps apply chunks as they arrive
+            # informative: the ps checks every chunk itself
             finite=not self.small and grad.dtype == np.float32 and all_finite(grad))
         return header, encode_push_header(header, want_params=want_params,
                                           signature=self._signature)
