@@ -43,7 +43,10 @@ def measure(tree: Path, numel: int, workers: int, mode: str, iters: int, optimiz
     )
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=900, check=True)
+                         timeout=900, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring {tree} ({workers} worker(s) {mode}) failed with status "
+                           f"{out.returncode}: {out.stderr.strip()[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
