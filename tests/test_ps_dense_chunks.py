@@ -288,3 +288,17 @@ def test_ps_memory_under_four_pushing_workers_holds_no_copy_per_worker(free_port
         except subprocess.TimeoutExpired:
             ps.kill()
             ps.wait(10)
+
+
+def test_a_push_cut_off_part_way_by_a_worker_that_restarts_is_in_the_ledger_as_partial():
+    state, agg = make()
+    grad = distinct(50)
+    with pytest.raises(ConnectionResetError):
+        agg.push(header(state), pieces(grad, cut_after=2))  # incarnation 5 dies part way
+    restarted = PushHeader(0, 1, state.step, 1.0, NUMEL, incarnation=6,
+                           segments=state.layout.signature)
+    assert agg.push(restarted, pieces(grad)).status == APPLIED
+    assert state.ledger_since(0)[1] == [(0, 5, 1, 0, True, 0, 2 * CHUNK),
+                                        (0, 6, 1, 1, False, 0, NUMEL)]
+    np.testing.assert_allclose(state.params[:2 * CHUNK], -2 * grad[:2 * CHUNK])
+    np.testing.assert_allclose(state.params[2 * CHUNK:], -grad[2 * CHUNK:])

@@ -38,8 +38,8 @@ it with its condition held.
 Example:
     >>> table = PushTable()
     >>> head = PushHeader(worker_id=0, seq=1, token=0, lr=0.1, numel=4, incarnation=7)
-    >>> table.lookup(head).kind, table.register(head) is not None
-    ('new', True)
+    >>> table.lookup(head).kind, table.register(head)[1]
+    ('new', [])
     >>> table.settle(head, PushOutcome(APPLIED, 1))
     True
     >>> table.lookup(head).kind, table.rows()
@@ -174,13 +174,21 @@ class PushTable:
                 f"{rec.done_seq}; it is not applied again")))
         return Lookup("new")
 
-    def register(self, header: PushHeader) -> Pending:
-        """Start ``header``'s push (a new incarnation replaces the older one's row)."""
+    def register(self, header: PushHeader) -> tuple[Pending, list[tuple[int, int, Pending]]]:
+        """Start ``header``'s push (a new incarnation replaces the older one's row).
+
+        Returns its record and the ``(incarnation, seq, record)`` of the pushes
+        the replaced row had suspended part applied: no retry resumes them now.
+        """
         rec = self._replicas.get(header.worker_id)
+        abandoned: list[tuple[int, int, Pending]] = []
         if rec is None or header.incarnation > rec.incarnation:
+            if rec is not None:
+                abandoned = [(rec.incarnation, seq, p) for seq, p in rec.pending.items()
+                             if not p.active and p.applied]
             rec = self._replicas[header.worker_id] = _Replica(header.incarnation)
         pending = rec.pending[header.seq] = Pending()
-        return pending
+        return pending, abandoned
 
     def drop(self, header: PushHeader) -> None:
         """Forget an unanswered push that changed nothing (its retry is handled afresh)."""

@@ -330,7 +330,13 @@ class ShardState:
                     "later."), active)
             self.validate_header(header)
             self._stats.pushes += 1
-            return self._table.register(header)
+            pending, abandoned = self._table.register(header)
+            for incarnation, seq, cut in abandoned:  # its worker restarted: part applied
+                self._records.append(LedgerRecord(
+                    header.worker_id, incarnation, seq, self._step, partial=True,
+                    applied_stop=cut.applied))
+                self.ledger_total += 1
+            return pending
 
     @staticmethod
     def deadline(timeout: float | None) -> float | None:

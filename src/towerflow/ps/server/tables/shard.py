@@ -308,7 +308,7 @@ class TableShard:
                 self._applied
         self._mode.check(header.worker_id)
         self.store.observe(ids)  # a dynamic table's admission counts each push once
-        pending = self._pushes.register(header)
+        pending, _ = self._pushes.register(header)  # row pushes are never suspended
         try:
             outcome = self._mode.accept(header, pending, ids, grads, lr, step, active)
         except DeadlineExceededError:
