@@ -88,7 +88,7 @@ def default_staging_limit(nbytes: int, replicas: int) -> int:
     then freed), so this bounds chunk buffers, not whole pushes: four chunks
     for every replica and two more pushes (a retry overtaking its stalled
     first attempt, a peer's stray call), never less than :data:`STAGING_FLOOR`
-    (``nbytes`` no longer matters: no push is held whole).
+    (``nbytes`` is not used: no push is held whole).
     """
     del nbytes
     return max(STAGING_FLOOR, (replicas + 2) * 4 * CHUNK_BYTES)
@@ -432,7 +432,8 @@ class ShardState:
 
     @property
     def ledger(self) -> list[tuple[int, int, int, int]]:
-        """``(worker_id, incarnation, seq, step)`` of each applied push, oldest first.
+        """``(worker_id, incarnation, seq, step)`` of each push in the parameters, oldest first
+        (applied, or part applied: :meth:`ledger_since` tells which).
 
         Of the newest :data:`LEDGER_CAPACITY` records.
         """
