@@ -1,19 +1,22 @@
-"""Sparse embedding table on the ps tasks: 2 ps + 2 workers, async, against a one-process loop.
+"""Sparse embedding table on the ps tasks: N ps + M workers, async, against a one-process loop.
 
 Workload: a 1M x 32 float32 table (``ShardedEmbedding``, mode ``sum``) and a
 linear layer; batches of 512 examples with 16 ids each drawn from Zipf(1.2)
-over the table's rows; Adagrad (row-wise on the ps); async. Figures:
+over the table's rows; Adagrad (row-wise on the ps); async; the table split
+over ``--ps`` tasks (default 2), ``--workers`` processes (default 2) each with
+its own batches (seeded by its index), started together. Figures:
 
-- examples/s of the 2 workers together, and of the one-process ceiling loop
+- examples/s of the workers together, and of the one-process ceiling loop
   (plain torch, one thread as the workers: unique ids, ``index_select`` of the
   rows, ``embedding_bag``, backward, a row-wise Adagrad on the touched rows)
   measured in the same run;
 - with ``--tf-python``: TensorFlow 1's ps runtime on the same workload
   (``sparse_embedding_tf.py``: partitioned ``get_variable``,
   ``embedding_lookup_sparse``, ``AdagradOptimizer``, ``Session(server.target)``,
-  2 ps + 2 workers), run after towerflow in the same run, and the ratio;
+  the same ps and workers), run after towerflow in the same run, and the ratio;
 - table bytes on the wire per step and direction, against unique rows x row bytes;
-- CPU time per step of the workers and the ps tasks;
+- CPU time per step of the workers and the ps tasks, and the cluster's CPU
+  seconds per example (all workers + all ps tasks; both runtimes);
 - each ps task's peak resident memory against its table + slot bytes, gross
   and net of a bare ps task's (interpreter, torch, gRPC, no table) measured
   in the same run.
@@ -36,6 +39,7 @@ Commands::
 
     python benchmarks/sparse_embedding.py --tf-python /tmp/tfvenv/bin/python --repeats 2
     python benchmarks/sparse_embedding.py --rows 100000 --seconds 5
+    python benchmarks/sparse_embedding.py --ps 1 --workers 8 --tf-python /tmp/tfvenv/bin/python
     python benchmarks/sparse_embedding.py --dynamic --repeats 3 --seconds 10
 """
 
@@ -45,6 +49,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +59,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
-from sparse_embedding_tf import peak_rss  # the same directory; it imports no TensorFlow
+from sparse_embedding_tf import (  # the same directory; it imports no TensorFlow
+    cpu_seconds,
+    peak_rss,
+    window_cpu,
+)
 from torch import nn
 
 DIM, BATCH, IDS = 32, 512, 16
@@ -168,6 +177,7 @@ def worker(args: argparse.Namespace) -> None:
         batches = [(b.to(args.device), labels_of(b).to(args.device)) for b in ranks]
     for b in batches[:5]:
         strategy.run_step(loss_fn, b)
+    start_together(Path(args.report).parent, args.index, args.workers)
     wire = model.emb.client.wire
     wire.clear()
     losses: list[torch.Tensor] = []
@@ -201,6 +211,13 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.report).write_text(json.dumps(report))
 
 
+def start_together(folder: Path, index: int, workers: int) -> None:
+    """Wait until every worker has warmed up (each leaves a file in ``folder``)."""
+    (folder / f"{index}.ready").touch()
+    while sum(1 for _ in folder.glob("*.ready")) < workers:
+        time.sleep(0.01)  # polling the other workers' files
+
+
 def distinct_ids(rows: int, batches: int = 50, steps: tuple[int, int] | None = None) -> int:
     """Distinct ids the two workers see: each cycles through its ``batches`` batches (5 of
     warm-up, then ``steps[i]`` measured steps; None: all of them)."""
@@ -216,19 +233,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def window_cpu(samples: list[tuple[float, float]], begin: float, end: float) -> float:
-    """CPU seconds between ``begin`` and ``end`` from ``(time, cpu)`` samples (interpolated)."""
-    times = [t for t, _ in samples]
-    values = [c for _, c in samples]
-    return float(np.interp(end, times, values) - np.interp(begin, times, values))
 
 
 PS_CODE = ("import sys, json, towerflow; from towerflow.cluster import ClusterSpec; "
@@ -250,8 +254,8 @@ def current_rss(pid: int) -> int:
 
 def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int = 1,
                 capacity: int = 0, batches: int = 50) -> dict:
-    spec = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(2)],
-            "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+    spec = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(args.ps)],
+            "worker": [f"127.0.0.1:{free_port()}" for _ in range(args.workers)]}
     bare_spec = {"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]}
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "TOWERFLOW_SECRET": os.environ.get("TOWERFLOW_SECRET", "bench-secret")}
@@ -259,17 +263,17 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
             "--seconds", str(args.seconds), "--device", args.device,
             *([] if args.defer_push else ["--no-defer-push"]), "--table", table,
             "--admit-after", str(admit_after), "--capacity", str(capacity),
-            "--batches", str(batches)]
+            "--batches", str(batches), "--workers", str(args.workers)]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
-          for i in range(2)]
+          for i in range(args.ps)]
     bare = subprocess.Popen([sys.executable, "-c", BARE_PS_CODE, json.dumps(bare_spec), "0"],
                             env=env)
     tmp = Path(tempfile.mkdtemp())
     try:
         workers = [subprocess.Popen([*base, "--role", "worker", "--index", str(i),
                                      "--report", str(tmp / f"{i}.json")], env=env)
-                   for i in range(2)]
-        rss, cpu, now_rss = [0, 0], [[], []], []
+                   for i in range(args.workers)]
+        rss, cpu, now_rss = [0] * args.ps, [[] for _ in ps], []
         deadline = time.monotonic() + args.seconds + 300
         while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
             rss = [max(r, peak_rss(p.pid)) for r, p in zip(rss, ps, strict=True)]
@@ -284,7 +288,7 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
         for p in [*ps, bare]:
             p.terminate()
             p.wait(30)
-    reports = [json.loads((tmp / f"{i}.json").read_text()) for i in range(2)]
+    reports = [json.loads((tmp / f"{i}.json").read_text()) for i in range(args.workers)]
     begin, end = max(r["began"] for r in reports), min(r["ended"] for r in reports)
     steps = sum(r["examples_per_s"] for r in reports) / BATCH * (end - begin)
     ps_ms = [1e3 * window_cpu(samples, begin, end) / steps for samples in cpu]
@@ -293,11 +297,13 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
             "ps_cpu_ms_per_step": ps_ms, "ps_rss_in_window": window}
 
 
-def measure_tensorflow(tf_python: str, rows: int, seconds: float) -> dict:
+def measure_tensorflow(tf_python: str, rows: int, seconds: float, ps: int = 2,
+                       workers: int = 2) -> dict:
     """TensorFlow 1's ps runtime on the same workload (``sparse_embedding_tf.py``)."""
     script = Path(__file__).with_name("sparse_embedding_tf.py")
     proc = subprocess.run([tf_python, str(script), "--rows", str(rows), "--seconds",
-                           str(seconds)], capture_output=True, text=True, timeout=seconds + 900,
+                           str(seconds), "--ps", str(ps), "--workers", str(workers)],
+                          capture_output=True, text=True, timeout=seconds + 900,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     if proc.returncode != 0:
         raise RuntimeError(f"{tf_python} {script} failed:\n{proc.stderr[-3000:]}")
@@ -308,6 +314,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--ps", type=int, default=2, help="ps tasks the table is split over")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes, each with its own batches")
     parser.add_argument("--tf-python", default=None,
                         help="a python with tensorflow-cpu: measure TensorFlow 1's ps runtime")
     parser.add_argument("--no-defer-push", dest="defer_push", action="store_false",
@@ -336,6 +345,9 @@ def main() -> None:
         worker(args)
         return
     if args.dynamic:
+        if (args.ps, args.workers) != (2, 2):
+            parser.error(f"--dynamic runs 2 ps + 2 workers, not {args.ps} ps + {args.workers} "
+                         "workers; drop --ps and --workers")
         from dynamic_report import run_dynamic
         run_dynamic(args, run_cluster, distinct_ids)
         return
@@ -344,25 +356,44 @@ def main() -> None:
         result = run_cluster(args)
         ceil = (ceiling(args.rows, args.seconds) if args.device == "cpu"
                 else gpu_ceiling(args.rows, args.seconds, args.device))
-        tf = measure_tensorflow(args.tf_python, args.rows, args.seconds) if args.tf_python \
-            else None
+        tf = (measure_tensorflow(args.tf_python, args.rows, args.seconds, args.ps, args.workers)
+              if args.tf_python else None)
         rounds.append((result, ceil, tf))
         total = sum(w["examples_per_s"] for w in result["workers"])
         print(f"round {index + 1}: towerflow {total:,.0f}, ceiling {ceil:,.0f}"
               + ("" if tf is None else f", TensorFlow {tf['examples_per_s']:,.0f}")
-              + " examples/s", flush=True)
+              + " examples/s; cluster CPU per example: towerflow " + cpu_text(result)
+              + ("" if tf is None else ", TensorFlow " + cpu_text(tf)), flush=True)
     best = max(rounds, key=lambda r: sum(w["examples_per_s"] for w in r[0]["workers"]))
     ceil = max(r[1] for r in rounds)
     tf = None if not args.tf_python else max((r[2] for r in rounds),
                                               key=lambda t: t["examples_per_s"])
     report(args, best[0], ceil, tf)
+    mine = statistics.median(sum(cpu_per_example(r[0])) for r in rounds)
+    line = f"  cluster CPU per example, median of {len(rounds)} round(s): towerflow {mine:.1f} µs"
+    if args.tf_python:
+        theirs = statistics.median(sum(cpu_per_example(r[2])) for r in rounds)
+        line += f", TensorFlow {theirs:.1f} µs (towerflow / TensorFlow {mine / theirs:.2f})"
+    print(line)
+
+
+def cpu_per_example(run: dict) -> tuple[float, float]:
+    """A run's CPU microseconds per example over the cluster: all workers' and all ps tasks'."""
+    steps = sum(w["steps"] for w in run["workers"])
+    workers = sum(w["cpu_ms_per_step"] * w["steps"] for w in run["workers"]) / steps
+    return 1e3 * workers / BATCH, 1e3 * sum(run["ps_cpu_ms_per_step"]) / BATCH
+
+
+def cpu_text(run: dict) -> str:
+    workers, ps = cpu_per_example(run)
+    return f"{workers + ps:.1f} µs (workers {workers:.1f} + ps tasks {ps:.1f})"
 
 
 def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None) -> None:
     total = sum(w["examples_per_s"] for w in result["workers"])
-    shard_bytes = args.rows // 2 * DIM * 4 * 2  # rows + Adagrad accumulator per ps
-    print(f"best of {args.repeats} round(s); 2 ps + 2 workers, {args.rows} x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), "
-          f"Adagrad, async, defer_push={args.defer_push}, workers on {args.device}")
+    shard_bytes = args.rows // args.ps * DIM * 4 * 2  # rows + Adagrad accumulator per ps
+    print(f"best of {args.repeats} round(s); {args.ps} ps + {args.workers} workers, {args.rows} "
+          f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, defer_push={args.defer_push}, workers on {args.device}")
     print(f"  towerflow: {total:,.0f} examples/s; one-process ceiling {ceil:,.0f} examples/s "
           f"(ratio {total / ceil:.2f})")
     if tf is not None:
@@ -370,6 +401,8 @@ def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None)
               f"(embedding_lookup_sparse, partition_strategy={tf['partition_strategy']}) -> "
               f"towerflow {total / tf['examples_per_s']:.2f}x (target >= 2x); TensorFlow ps "
               f"peak RSS {', '.join(f'{r / 2**20:.0f}' for r in tf['ps_peak_rss'])} MiB")
+    print(f"  cluster CPU per example: towerflow {cpu_text(result)}"
+          + ("" if tf is None else f", TensorFlow {cpu_text(tf)}"))
     for i, w in enumerate(result["workers"]):
         row_bytes = w["row_bytes_per_step"]
         print(f"  worker {i}: {w['examples_per_s']:,.0f} examples/s, {w['unique_rows_per_step']:.0f}"

@@ -3,15 +3,17 @@
 Runs under an interpreter with ``tensorflow-cpu`` (a throwaway venv; towerflow
 does not depend on TensorFlow) and prints one JSON line. The workload is the
 one of ``sparse_embedding.py``: a ``rows x 32`` float32 table made by
-``tf.compat.v1.get_variable(..., partitioner=fixed_size_partitioner(2))`` over
-2 ps tasks, looked up with ``tf.compat.v1.nn.embedding_lookup_sparse``
+``tf.compat.v1.get_variable(..., partitioner=fixed_size_partitioner(N))`` over
+N ps tasks (``--ps``, default 2), looked up with ``tf.compat.v1.nn.embedding_lookup_sparse``
 (combiner ``sum``; it de-duplicates the ids and gathers only their rows from
 the owning ps task) or ``tf.compat.v1.nn.embedding_lookup`` + ``reduce_sum``
 (``--lookup dense``), a linear layer, sigmoid cross entropy,
 ``AdagradOptimizer(0.1)`` (initial accumulator 0.1, sparse updates on the
-ps), async, 2 workers each in their own ``Session(server.target)``, batches
-of 512 examples x 16 ids drawn from Zipf(1.2) with the same generator and
-seeds as towerflow's workers, all on 127.0.0.1.
+ps), async, M workers (``--workers``, default 2) each in their own
+``Session(server.target)``, batches of 512 examples x 16 ids drawn from
+Zipf(1.2) with the same generator and seeds as towerflow's workers, all on
+127.0.0.1. Each worker reports its CPU time per step and the ps tasks' CPU
+time is sampled over the window in which every worker measured.
 
     /tmp/tfvenv/bin/python benchmarks/sparse_embedding_tf.py --rows 1000000 --seconds 20
 """
@@ -41,6 +43,21 @@ def peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def window_cpu(samples: list[tuple[float, float]], begin: float, end: float) -> float:
+    """CPU seconds between ``begin`` and ``end`` from ``(time, cpu)`` samples (interpolated)."""
+    import numpy as np
+
+    times = [t for t, _ in samples]
+    values = [c for _, c in samples]
+    return float(np.interp(end, times, values) - np.interp(begin, times, values))
 
 
 def zipf_batches(rows: int, count: int, seed: int) -> list:
@@ -108,14 +125,15 @@ def worker_main(cluster: dict, index: int, rows: int, seconds: float, start_at: 
         first = sess.run(loss, feeds[0])
         for feed in feeds[:5]:
             sess.run(train, feed)
-        time.sleep(max(0.0, start_at - time.time()))  # both workers start together
-        steps, t0 = 0, time.perf_counter()
+        time.sleep(max(0.0, start_at - time.time()))  # the workers start together
+        steps, t0, cpu, began = 0, time.perf_counter(), time.process_time(), time.time()
         while time.perf_counter() - t0 < seconds:
             sess.run(train, feeds[steps % len(feeds)])
             steps += 1
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu, ended = time.perf_counter() - t0, time.process_time() - cpu, time.time()
         last = float(sess.run(loss, feeds[0]))
     print(json.dumps({"examples_per_s": steps * BATCH / elapsed, "steps": steps,
+                      "cpu_ms_per_step": 1e3 * cpu / steps, "began": began, "ended": ended,
                       "loss_first": float(first), "loss_last": last}), flush=True)
 
 
@@ -132,12 +150,14 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--ps", type=int, default=2, help="ps tasks the table is split over")
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--start-at", type=float, default=0.0)
     parser.add_argument("--lookup", choices=("sparse", "dense"), default="sparse",
                         help="embedding_lookup_sparse (ids de-duplicated) or embedding_lookup")
     parser.add_argument("--partition-strategy", choices=("mod", "div"), default="mod",
-                        help="id -> partition of the lookup (mod: id %% 2, as towerflow's "
-                        "default; div: contiguous ranges)")
+                        help="id -> partition of the lookup (mod: id %% ps tasks, as "
+                        "towerflow's default; div: contiguous ranges)")
     args = parser.parse_args()
     cluster = json.loads(args.cluster)
     if args.role == "ps":
@@ -149,30 +169,38 @@ def main() -> None:
         return
     import tensorflow as tf
 
-    ports = free_ports(4)
-    spec = {"ps": [f"127.0.0.1:{p}" for p in ports[:2]],
-            "worker": [f"127.0.0.1:{p}" for p in ports[2:]]}
-    ps = [start("ps", spec, i) for i in range(2)]
+    ports = free_ports(args.ps + args.workers)
+    spec = {"ps": [f"127.0.0.1:{p}" for p in ports[:args.ps]],
+            "worker": [f"127.0.0.1:{p}" for p in ports[args.ps:]]}
+    ps = [start("ps", spec, i) for i in range(args.ps)]
     try:
-        start_at = str(time.time() + 30.0)  # both workers up and initialised by then
+        # every worker up and initialised by then (each process imports TensorFlow)
+        start_at = str(time.time() + max(30.0, 5.0 * (args.ps + args.workers)))
         workers = [start("worker", spec, i, "--rows", str(args.rows), "--seconds",
                          str(args.seconds), "--start-at", start_at, "--lookup", args.lookup,
-                         "--partition-strategy", args.partition_strategy) for i in range(2)]
-        rss = [0, 0]
+                         "--partition-strategy", args.partition_strategy)
+                   for i in range(args.workers)]
+        rss, cpu = [0] * args.ps, [[] for _ in ps]
         deadline = time.monotonic() + args.seconds + 600
         while any(w.poll() is None for w in workers) and time.monotonic() < deadline:
             rss = [max(r, peak_rss(p.pid)) for r, p in zip(rss, ps, strict=True)]
-            time.sleep(0.5)  # sampling interval of the ps tasks' high-water marks
+            for samples, p in zip(cpu, ps, strict=True):
+                samples.append((time.time(), cpu_seconds(p.pid)))
+            time.sleep(0.5)  # sampling interval of the ps tasks' high-water marks and CPU
         reports = [json.loads(w.communicate(timeout=60)[0].strip().splitlines()[-1])
                    for w in workers]
     finally:
         for p in ps:
             p.kill()
             p.wait()
+    begin, end = max(r["began"] for r in reports), min(r["ended"] for r in reports)
+    steps = sum(r["examples_per_s"] for r in reports) / BATCH * (end - begin)
     print(json.dumps({"version": tf.__version__, "lookup": args.lookup,
                       "partition_strategy": args.partition_strategy, "workers": reports,
                       "examples_per_s": sum(r["examples_per_s"] for r in reports),
-                      "ps_peak_rss": rss}), flush=True)
+                      "ps_peak_rss": rss,
+                      "ps_cpu_ms_per_step": [1e3 * window_cpu(s, begin, end) / steps
+                                             for s in cpu]}), flush=True)
 
 
 if __name__ == "__main__":
