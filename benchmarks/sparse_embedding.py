@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from sparse_embedding_tf import (  # the same directory; it imports no TensorFlow
     cpu_seconds,
+    free_ports,
     peak_rss,
     window_cpu,
 )
@@ -254,9 +255,9 @@ def current_rss(pid: int) -> int:
 
 def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int = 1,
                 capacity: int = 0, batches: int = 50) -> dict:
-    spec = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(args.ps)],
-            "worker": [f"127.0.0.1:{free_port()}" for _ in range(args.workers)]}
-    bare_spec = {"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}"]}
+    ports = [f"127.0.0.1:{port}" for port in free_ports(args.ps + args.workers + 2)]
+    spec = {"ps": ports[:args.ps], "worker": ports[args.ps:-2]}
+    bare_spec = {"ps": [ports[-2]], "worker": [ports[-1]]}
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "TOWERFLOW_SECRET": os.environ.get("TOWERFLOW_SECRET", "bench-secret")}
     base = [sys.executable, __file__, "--cluster", json.dumps(spec), "--rows", str(args.rows),
