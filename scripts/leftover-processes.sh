@@ -20,7 +20,7 @@ marked() {  # pids whose environment holds TOWERFLOW_RUN_MARK=$mark, not ours, n
     for d in /proc/[0-9]*; do
         pid=${d#/proc/}
         [ "$pid" = "$exclude" ] || [ "$pid" = "$$" ] || [ "$pid" = "$BASHPID" ] && continue
-        tr '\0' '\n' < "$d/environ" 2>/dev/null | grep -qxF "TOWERFLOW_RUN_MARK=$mark" \
+        { tr '\0' '\n' < "$d/environ"; } 2>/dev/null | grep -qxF "TOWERFLOW_RUN_MARK=$mark" \
             && echo "$pid"
     done
 }
