@@ -5,8 +5,8 @@ A worker's step sends one request to each of two ps tasks and reads both replies
 ``grpc.server``, the form a ps task uses) in their own processes; the client measures its own
 CPU time and the wall time per step for:
 
-- ``stream``: a long-lived bidirectional call per server, requests queued to gRPC's thread
-  (``towerflow.cluster.transport.RequestStream``'s form, what the row and dense streams use);
+- ``stream``: towerflow's own ``RequestStream`` per server (a long-lived bidirectional call,
+  requests queued to gRPC's thread: what the row and dense streams use);
 - ``unary``: a blocking unary call per server, one after the other;
 - ``future``: unary calls started together (``.future()``), then both results;
 - ``aio-seq``: ``grpc.aio`` streams driven from the calling thread
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import queue
 import resource
 import socket
 import statistics
@@ -36,10 +35,13 @@ from concurrent import futures
 import grpc
 import grpc.aio
 
+from towerflow.cluster.transport import ChannelOptions, RequestStream
+
 REQUEST = os.urandom(40_000)
 REPLY = os.urandom(80_000)
 ECHO, STREAM = "/bench.Echo/Echo", "/bench.Echo/Stream"
-OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+SERVER_OPTIONS = ChannelOptions().server_options()  # a ps task's
+OPTIONS = ChannelOptions().grpc_options()  # a worker's channels
 
 
 def _ident(data: bytes) -> bytes:
@@ -57,25 +59,11 @@ def serve(port: int) -> None:
     handler = grpc.method_handlers_generic_handler("bench.Echo", {
         "Echo": grpc.unary_unary_rpc_method_handler(echo, _ident, _ident),
         "Stream": grpc.stream_stream_rpc_method_handler(stream, _ident, _ident)})
-    server = grpc.server(futures.ThreadPoolExecutor(8), handlers=[handler], options=OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(8), handlers=[handler],
+                         options=SERVER_OPTIONS)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     server.wait_for_termination()
-
-
-class _Stream:
-    """A bidirectional call whose requests gRPC's own thread takes off a queue."""
-
-    def __init__(self, channel: grpc.Channel) -> None:
-        self.requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.replies = channel.stream_stream(STREAM, _ident, _ident)(
-            iter(self.requests.get, None))
-
-    def send(self, data: bytes) -> None:
-        self.requests.put(data)
-
-    def receive(self) -> bytes:
-        return next(self.replies)
 
 
 def _cpu() -> float:
@@ -88,7 +76,9 @@ def measure(ports: list[int], steps: int, rounds: int) -> dict[str, list[tuple[f
     for channel in channels:
         grpc.channel_ready_future(channel).result(timeout=60)
     unary = [c.unary_unary(ECHO, _ident, _ident) for c in channels]
-    streams = [_Stream(c) for c in channels]
+    streams = [RequestStream(c, STREAM, 3600.0, REQUEST) for c in channels]
+    for stream in streams:  # the first request went out when the call started
+        stream.receive()
     loop = asyncio.new_event_loop()
 
     async def open_aio():  # noqa: ANN202
@@ -130,7 +120,7 @@ def measure(ports: list[int], steps: int, rounds: int) -> dict[str, list[tuple[f
             results[name].append(((_cpu() - cpu) / steps * 1e3,
                                   (time.perf_counter() - wall) / steps * 1e3))
     for s in streams:
-        s.requests.put(None)
+        s.close()
     for call in aio_calls:
         call.cancel()
     async def close_aio() -> None:
