@@ -32,8 +32,9 @@ store of ``--memory-rows`` rows (bytes per stored row) and one of ``capacity``
 fed ten times as many distinct ids (bytes as they pass).
 
 The table is built with ``defer_push=True`` (a step's row gradients travel
-with the next step's pull: one round trip per shard and step);
-``--no-defer-push`` measures a pull and a push per shard and step.
+with the next step's pull, and so does its dense push: one round trip per ps
+task and step); ``--no-defer-push`` measures a pull and a push per shard and
+step, ``--dense-apart`` the dense push in its own request each step.
 
 Commands::
 
@@ -159,14 +160,14 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     cluster = ClusterSpec(json.loads(args.cluster))
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device=args.device,
-                               server=False)
+                               server=False, dense_with_rows=not args.dense_apart)
     model = nn.Sequential()
     model.emb = make_table(args)
     model.out = nn.Linear(DIM, 1)
     strategy.prepare(model, OptimizerConfig("adagrad", lr=0.1))
 
     def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        out = m.out(m.emb(batch[0])).squeeze(1)
+        out = m(batch[0]).squeeze(1)
         return F.binary_cross_entropy_with_logits(out, batch[1])
 
     ranks = zipf_batches(args.rows, args.batches, args.index)
@@ -262,7 +263,8 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
            "TOWERFLOW_SECRET": os.environ.get("TOWERFLOW_SECRET", "bench-secret")}
     base = [sys.executable, __file__, "--cluster", json.dumps(spec), "--rows", str(args.rows),
             "--seconds", str(args.seconds), "--device", args.device,
-            *([] if args.defer_push else ["--no-defer-push"]), "--table", table,
+            *([] if args.defer_push else ["--no-defer-push"]),
+            *(["--dense-apart"] if args.dense_apart else []), "--table", table,
             "--admit-after", str(admit_after), "--capacity", str(capacity),
             "--batches", str(batches), "--workers", str(args.workers)]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
@@ -320,6 +322,9 @@ def main() -> None:
                         help="worker processes, each with its own batches")
     parser.add_argument("--tf-python", default=None,
                         help="a python with tensorflow-cpu: measure TensorFlow 1's ps runtime")
+    parser.add_argument("--dense-apart", action="store_true",
+                        help="the dense push in its own request each step "
+                             "(ParameterServer(dense_with_rows=False))")
     parser.add_argument("--no-defer-push", dest="defer_push", action="store_false",
                         help="a pull and a push per shard and step (default: push with the "
                         "next pull)")
@@ -394,7 +399,7 @@ def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None)
     total = sum(w["examples_per_s"] for w in result["workers"])
     shard_bytes = args.rows // args.ps * DIM * 4 * 2  # rows + Adagrad accumulator per ps
     print(f"best of {args.repeats} round(s); {args.ps} ps + {args.workers} workers, {args.rows} "
-          f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, defer_push={args.defer_push}, workers on {args.device}")
+          f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, defer_push={args.defer_push}, dense push {'apart' if args.dense_apart else 'with the rows'}, workers on {args.device}")
     print(f"  towerflow: {total:,.0f} examples/s; one-process ceiling {ceil:,.0f} examples/s "
           f"(ratio {total / ceil:.2f})")
     if tf is not None:

@@ -523,9 +523,10 @@ def test_small_shards_are_pushed_side_by_side_and_a_broken_stream_is_pushed_agai
         # shard 0's request is on its way, then its stream breaks before the reply is read
         grads = [np.ones_like(v) for v in values]
         ident = {"worker_id": 0, "incarnation": c.incarnation, "seq": 2, "lr": 0.5}
-        assert c.shards[0].start_push(grads[0], want_params=True, **ident)
+        request = c.shards[0].encode_small(grads[0], want_params=True, **ident)
+        assert c.shards[0].start_push(request)
         c.shards[0]._stream._call.cancel()  # the ps may have applied it or not: either way once
-        reply = c.shards[0].finish_push(grads[0], pull_into=fresh[0], **ident)
+        reply = c.shards[0].finish_push(request, pull_into=fresh[0])
         assert reply.status == "applied"
         assert services[0].shard[0].stats.applied == 2  # the push and its retry: applied once
         np.testing.assert_allclose(fresh[0], values[0] - 1.25)  # momentum 0.5: 0.5 + 0.75

@@ -132,6 +132,14 @@ class ParameterServer(Strategy):
             must then be None.
         max_elastic_workers: (the chief) how many elastic workers each ps task
             admits at once (async mode; 0: none).
+        dense_with_rows: async, for a model with sparse tables whose dense
+            shards each fit one message (the common click model): a step's dense
+            push travels with the next step's table pull, so that the step's
+            whole traffic to a ps task is one request and one reply (the ps
+            applies the dense push, then answers the fresh parameters before
+            the model's forward runs; ``StepResult.global_step`` is then the step
+            after this push, as with ``prefetch``). False: the dense push goes in
+            its own request at the end of each step.
     """
 
     name = "ps"
@@ -147,7 +155,8 @@ class ParameterServer(Strategy):
                  bind_host: str | None = None,
                  sparse_threshold_bytes: int | None = DEFAULT_SPARSE_THRESHOLD,
                  table_part_bytes: int | None = None, join: bool = False,
-                 max_elastic_workers: int = DEFAULT_MAX_ELASTIC) -> None:
+                 max_elastic_workers: int = DEFAULT_MAX_ELASTIC,
+                 dense_with_rows: bool = True) -> None:
         from towerflow.cluster import resolve_cluster
         from towerflow.devices import resolve_device
         from towerflow.ps.protocol import AggregationConfig
@@ -189,6 +198,9 @@ class ParameterServer(Strategy):
         self._threshold = partition_threshold_bytes
         self._timeout, self._init_timeout = timeout, init_timeout
         self._policy, self._prefetch = on_bad_gradient, prefetch
+        self._dense_with_rows = dense_with_rows
+        self._carry = False  # prepare(): the dense push travels with the next table pull
+        self._carried_hook: Any = None
         self._client: Any = None
         self._server, self._owns_server = (None if isinstance(server, bool) else server), False
         self._serve = server is True and not join
@@ -298,6 +310,7 @@ class ParameterServer(Strategy):
             timeout=self._timeout, push_timeout=self._push_timeout(),
             push_wait=self.aggregation.timeout, on_bad_gradient=self._policy)
         self._model = model
+        self._carry = self._carries_dense(model)
         if self._chief:
             self._needs_init = True  # after a possible restore (load_state)
         else:
@@ -306,6 +319,21 @@ class ParameterServer(Strategy):
                 self._sigterm = join_running_job(self._client)
             self._pull()
         return model
+
+    def _carries_dense(self, model: nn.Module) -> bool:
+        """Whether each step's dense push goes with the next step's table pull (async, a
+        model with tables that all defer their pushes, every dense shard one message)."""
+        tables = self._tables
+        if not (self._dense_with_rows and tables and self.aggregation.mode == "async"
+                and not self._prefetch and all(m.defer_push for _, m in tables.modules)
+                and all(shard.small for shard in self.client.shards)):
+            return False
+        tables.pull_ahead_always(model)
+        # after the tables' pull ahead
+        self._carried_hook = model.register_forward_pre_hook(self._before_forward)
+        log.info("the dense push of each step travels with the next step's table pull: one "
+                 "request per ps task and step")
+        return True
 
     def _push_timeout(self) -> float:
         """Deadline of one attempt of a push: the step timeout and a call's deadline.
@@ -388,7 +416,7 @@ class ParameterServer(Strategy):
         if self._model is None:
             raise FailedPreconditionError("ParameterServer.run_step before prepare(model, optimizer).")
         self._ensure_initialized()
-        self._drain()
+        self._drain(carried=False)  # a carried dense push goes with this step's table pull
         buffers = self._buffers
         buffers.zero_grads()
         if self._tables:
@@ -409,6 +437,13 @@ class ParameterServer(Strategy):
         if rows:  # (unique ids, summed row gradients) to the owning shards
             self._tables.push(rows, lr=rate, step=self._step + 1)
         grads = buffers.grads_to_host()
+        if self._carry and self._send_carried():  # no forward of the model took it
+            self._stop_carrying()
+        if self._carry:  # sent with the next forward's table pull (or before it, alone)
+            push = self.client.prepare_push(grads, rate)
+            self._tables.carry(dict(enumerate(push.requests)),
+                               lambda replies: self._take_carried(push, replies))
+            return StepResult(loss=loss.detach(), global_step=self._step + 1)
         if self._prefetch:
             self._pending = self.client.push_async(grads, rate, pull_into=buffers.host_param_arrays)
             return StepResult(loss=loss.detach(), global_step=self._step + 1)
@@ -423,10 +458,42 @@ class ParameterServer(Strategy):
         self._step = result.global_step
         self._buffers.params_to_device()
 
-    def _drain(self) -> None:
+    def _drain(self, *, carried: bool = True) -> None:
+        """Finish the push of the last step (in the background; ``carried``: also one
+        waiting for the next table pull)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self._take(self._outcome(pending.result))
+        if carried:
+            self._send_carried()
+
+    def _take_carried(self, push: Any, replies: dict[int, bytes]) -> None:
+        """Adopt a carried dense push's replies (by ps task; none: send it now)."""
+        self._take(self._outcome(lambda: self.client.finish_prepared(
+            push, replies, pull_into=self._buffers.host_param_arrays)))
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """A forward that did not pull its tables ahead gets fresh dense parameters first."""
+        self._send_carried()
+
+    def _send_carried(self) -> bool:
+        """Send the dense push that no table pull has carried; whether there was one."""
+        carried = self._tables.take_carried() if self._carry else None
+        if carried is not None:
+            carried[1]({})
+        return carried is not None
+
+    def _stop_carrying(self) -> None:
+        """A step ran without the model's forward (the loss function calls its parts): the
+        tables cannot be pulled before it, so the dense push goes alone each step."""
+        self._carry = False
+        if self._carried_hook is not None:
+            self._carried_hook.remove()
+            self._carried_hook = None
+        log.warning("the dense push goes in its own request each step: the loss function does "
+                    "not call the model (model(inputs)), so the tables cannot be pulled with it "
+                    "before the forward. Call the model itself in the loss function for one "
+                    "request per ps task and step.")
 
     def _outcome(self, push: Any) -> Any:
         """``push()``'s result; a push that failed for a missing peer leaves this worker
@@ -571,14 +638,17 @@ class ParameterServer(Strategy):
 
         Then stop this task's server if :meth:`prepare` started it.
         """
-        client, self._client = self._client, None
+        client = self._client
         try:
-            pending, self._pending = self._pending, None
-            if client is not None and pending is not None:
-                self._outcome(pending.result)
+            if client is not None:  # the last step's push (in the background, or carried)
+                self._drain()
             if self._tables:  # deferred row pushes (and the tables' Done) before this Done
                 self._outcome(self._tables.flush if self._unfinished else self._tables.done)
         finally:
+            self._client = None
+            if self._carried_hook is not None:
+                self._carried_hook.remove()
+            self._carried_hook, self._carry = None, False
             if client is not None:  # an elastic worker always leaves: nothing waits for it
                 client.close(done=not self._unfinished or self._elastic,
                              checkpoint_step=self._checkpoint_step, failure=self._failure)

@@ -24,7 +24,9 @@ method                  kind             messages
                                          ``RowBatchReply``: the
                                          ``PushPullRows`` of many table
                                          shards, all checked before any
-                                         is applied, then applied in order
+                                         is applied, then applied in order;
+                                         then the task's dense push-and-pull
+                                         it may carry (``dense``)
 ``RowBatchStream``      stream-stream    many ``RowBatch`` on one long-lived
                                          call (a worker's hot path: one
                                          stream per ps task, one request
@@ -114,6 +116,9 @@ class TableService:
         self.task_index = task_index
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
+        #: the dense shard's ``push_pull_small(request, context)`` of this ps task (a RowBatch's
+        #: ``dense``); wired by :class:`TableHost`, None where no dense shard is served
+        self.dense: Any = None
 
     def handlers(self) -> Any:
         """The ``towerflow.ps.Tables`` gRPC service."""
@@ -281,7 +286,17 @@ class TableService:
         reply = tpb.RowBatchReply()
         for item, (shard, ready) in zip(request.items, checked, strict=True):
             reply.items.append(self._item_reply(shard, item.pull, shard.run(ready, active)))
+        if request.dense:  # the dense shard's push-and-pull of the same step, after the rows
+            reply.dense = self._dense_step(request.dense, context)
         return reply.SerializeToString()
+
+    def _dense_step(self, request: bytes, context: grpc.ServicerContext | None) -> bytes:
+        if self.dense is None:
+            raise FailedPreconditionError(
+                f"ps task {self.task_index} serves tables but no dense shard here, so a RowBatch "
+                "cannot carry a dense push; send it to the ps shard service (PushPullSmall)."
+            )
+        return self.dense(request, context)
 
     def row_batch_stream(self, requests: Iterator[bytes],
                          context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
@@ -384,7 +399,12 @@ class TableHost:
         return self.service.handlers()
 
     def start(self) -> None:
-        """Nothing to start: tables are created by ``InitTable``."""
+        """Wire the task's dense shard (a RowBatch's ``dense``); tables are created by
+        ``InitTable``."""
+        for hosted in self.server.services:
+            handler = getattr(getattr(hosted, "service", None), "push_pull_small", None)
+            if handler is not None:
+                self.service.dense = handler
 
     def stop(self) -> None:
         """Nothing to stop."""

@@ -60,11 +60,20 @@ from towerflow.ps.protocol import (
 )
 from towerflow.ps.worker.dense.shard_client import ShardClient
 
-__all__ = ["PSClient", "PushResult", "ShardSnapshot", "tell_chief_failure"]
+__all__ = ["PSClient", "PreparedPush", "PushResult", "ShardSnapshot", "tell_chief_failure"]
 
 logger = logging.getLogger("towerflow.ps")
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPush:
+    """A push encoded ahead of sending (:meth:`PSClient.prepare_push`): one
+    ``PushPullSmall`` request per shard, and how log lines name it."""
+
+    requests: tuple[bytes, ...]
+    what: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,15 +263,16 @@ class PSClient:
         Raises:
             InvalidArgumentError: a shard refused the gradient and the policy is ``raise``.
         """
+        small = self.prepare_push(grads, lr, want_params=pull_into is not None)
+        if small is not None:
+            return self.send_prepared(small, pull_into=pull_into)
         self._seq += 1
-        seq = self._seq
-        ident = {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": seq,
+        ident = {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": self._seq,
                  "lr": lr}
-        if len(self.shards) > 1 and all(shard.small for shard in self.shards):
-            replies = self._push_small(grads, ident, pull_into)
-        else:
-            replies = self._each(lambda shard, i: shard.push(
-                grads[i], pull_into=None if pull_into is None else pull_into[i], **ident))
+        return self._result(self._each(lambda shard, i: shard.push(
+            grads[i], pull_into=None if pull_into is None else pull_into[i], **ident)))
+
+    def _result(self, replies: Sequence[pb.PushReply]) -> PushResult:
         result = PushResult(int(replies[0].step), tuple(r.status for r in replies),
                             tuple(r.message for r in replies))
         if result.refused:
@@ -273,24 +283,54 @@ class PSClient:
             logger.warning("gradient skipped: %s", message)
         return result
 
-    def _push_small(self, grads: Sequence[np.ndarray], ident: dict[str, Any],
-                    pull_into: Sequence[np.ndarray] | None) -> list[pb.PushReply]:
-        """Small shards' pushes: every request on its stream first, then every reply read
-        (no thread per shard); a shard whose stream is busy is pushed in its turn."""
+    def prepare_push(self, grads: Sequence[np.ndarray], lr: float, *,
+                     want_params: bool = True) -> PreparedPush | None:
+        """The next push, encoded now as one ``PushPullSmall`` request per shard (a copy of
+        ``grads``), or None when a shard is too large for one message.
+
+        :meth:`send_prepared` sends it; or each request travels in another
+        call to its ps task (a table ``RowBatch``, :meth:`finish_prepared` reads
+        the replies). Either way the ps applies it once (its ``seq``).
+        """
+        if not all(shard.small for shard in self.shards):
+            return None
+        self._seq += 1
+        ident = {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": self._seq,
+                 "lr": lr}
+        requests = tuple(shard.encode_small(grad, want_params=want_params, **ident)
+                         for shard, grad in zip(self.shards, grads, strict=True))
+        return PreparedPush(requests, f"push {self._seq} of worker {self.worker_id} "
+                                      f"(incarnation {self.incarnation})")
+
+    def send_prepared(self, push: PreparedPush, *,
+                      pull_into: Sequence[np.ndarray] | None = None) -> PushResult:
+        """Send a :meth:`prepare_push` push: every request on its shard's stream first,
+        then every reply read (no thread per shard); a shard whose stream is busy is
+        pushed in its turn."""
         started = []
         try:
-            for shard, grad in zip(self.shards, grads, strict=True):
-                started.append(shard.start_push(grad, want_params=pull_into is not None,
-                                                **ident))
+            for shard, request in zip(self.shards, push.requests, strict=True):
+                started.append(shard.start_push(request))
         except BaseException:
             for shard, begun in zip(self.shards, started, strict=False):
                 if begun:  # its reply will not be read: the stream goes, the push's retry
                     shard.abandon_push()  # (same seq) is applied once
             raise
-        return [(shard.finish_push if begun else shard.push)(
-                    grad, pull_into=None if pull_into is None else pull_into[i], **ident)
-                for i, (shard, grad, begun) in enumerate(zip(self.shards, grads, started,
-                                                             strict=True))]
+        return self._result([
+            (shard.finish_push if begun else shard.push_small)(
+                request, pull_into=None if pull_into is None else pull_into[i], what=push.what)
+            for i, (shard, request, begun) in enumerate(zip(self.shards, push.requests, started,
+                                                            strict=True))])
+
+    def finish_prepared(self, push: PreparedPush, replies: Mapping[int, bytes], *,
+                        pull_into: Sequence[np.ndarray] | None = None) -> PushResult:
+        """The result of a :meth:`prepare_push` push whose requests travelled in other calls,
+        from their reply bytes by shard; a shard with no reply is sent its request now."""
+        return self._result([
+            shard.small_reply(replies[i], into) if i in replies else
+            shard.push_small(push.requests[i], pull_into=into, what=push.what)
+            for i, shard in enumerate(self.shards)
+            for into in (None if pull_into is None else pull_into[i],)])
 
     def push_async(self, grads: Sequence[np.ndarray], lr: float, *,
                    pull_into: Sequence[np.ndarray] | None = None) -> Future[PushResult]:

@@ -113,6 +113,7 @@ class ShardClient:
         self.version = 0  # the shard step of the last parameters received
         self._stream: RequestStream | None = None
         self._stream_lock = threading.Lock()
+        self._sent_at = 0.0  # when start_push queued the push finish_push reads
         self._signature = signature_bytes(layout)
 
     @property
@@ -217,54 +218,70 @@ class ShardClient:
         return header, encode_push_header(header, want_params=want_params,
                                           signature=self._signature)
 
-    def start_push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int,
-                   lr: float, want_params: bool) -> bool:
-        """Queue a small push on this shard's stream without waiting for its reply.
+    def encode_small(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int,
+                     lr: float, want_params: bool) -> bytes:
+        """A small push as one ``PushPullSmall`` request (header and gradient packed: a copy,
+        so the gradient's buffer may be reused before it is sent)."""
+        _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
+                             lr=lr, want_params=want_params)
+        return pack(head, memoryview(np.ascontiguousarray(grad)).cast("B"))
+
+    def start_push(self, request: bytes) -> bool:
+        """Queue a small push (:meth:`encode_small`) on this shard's stream without waiting
+        for its reply.
 
         True: :meth:`finish_push` reads the reply (the stream is held until then).
-        False: nothing was sent (a large push, or another thread holds the stream):
-        call :meth:`push`. So a worker's pushes to several shards are on their way
+        False: nothing was sent (a large shard, or another thread holds the stream):
+        call :meth:`push_small`. So a worker's pushes to several shards are on their way
         before it reads the first reply, with no thread per shard.
         """
         if not self.small or not self._stream_lock.acquire(blocking=False):
             return False
         try:
-            _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
-                                 lr=lr, want_params=want_params)
-            self._send_on_stream(pack(head, memoryview(np.ascontiguousarray(grad)).cast("B")))
+            self._send_on_stream(request)
         except BaseException:
             self.close_stream()
             self._stream_lock.release()
             raise
+        self._sent_at = time.monotonic()
         return True
 
-    def finish_push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int,
-                    lr: float, pull_into: np.ndarray | None = None) -> pb.PushReply:
-        """The reply of the push :meth:`start_push` queued (the same arguments).
+    def finish_push(self, request: bytes, *, pull_into: np.ndarray | None = None,
+                    what: str = "a push") -> pb.PushReply:
+        """The reply of the push :meth:`start_push` queued.
 
-        A stream that fails is dropped and the push sent again by :meth:`push`,
-        with its retries and waits: the ps applies a push once, whatever the tries.
+        A stream that fails is dropped and the push sent again by :meth:`push_small`,
+        with its retries and waits: the ps applies a push once, whatever the tries. A
+        push out of time once ``push_wait`` has passed raises, as :meth:`push` does.
         """
         stream = self._stream
         try:
             data = stream.receive() if stream is not None else None
+        except DeadlineExceededError:
+            if self.push_wait is not None and time.monotonic() - self._sent_at >= self.push_wait:
+                self.close_stream()
+                self._stream_lock.release()
+                raise
+            data = None
         except TowerflowError:
             data = None
         if data is None:
             self.close_stream()
         self._stream_lock.release()
         if data is None:
-            return self.push(grad, worker_id=worker_id, incarnation=incarnation, seq=seq, lr=lr,
-                             pull_into=pull_into)
-        reply = self._small_reply(data, pull_into)
-        if pull_into is not None and reply.numel:
-            self.version = reply.step
-        return reply
+            return self.push_small(request, pull_into=pull_into, what=what)
+        return self.small_reply(data, pull_into)
 
     def abandon_push(self) -> None:
         """Give up the push :meth:`start_push` queued without reading its reply."""
         self.close_stream()
         self._stream_lock.release()
+
+    def push_small(self, request: bytes, *, pull_into: np.ndarray | None = None,
+                   what: str = "a push") -> pb.PushReply:
+        """Send a small push (:meth:`encode_small`) and read its reply, with the retries and
+        waits of :meth:`push` (``what`` names it in their log lines)."""
+        return self._waiting(lambda: self._push_pull_small(request, pull_into), what)
 
     def push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
              pull_into: np.ndarray | None = None) -> pb.PushReply:
@@ -279,7 +296,8 @@ class ShardClient:
 
         def call() -> pb.PushReply:
             if small:
-                return self._push_pull_small(head, grad, pull_into)
+                return self._push_pull_small(
+                    pack(head, memoryview(np.ascontiguousarray(grad)).cast("B")), pull_into)
             if pull_into is None:
                 data = stream_unary(self.channel, method_path("Push"), messages(),
                                     timeout=self.push_timeout)
@@ -313,10 +331,7 @@ class ShardClient:
                     "applies it once); waiting %s.", what, self.layout.index, self.address,
                     waited, retries, self.push_timeout, limit)
 
-    def _push_pull_small(self, head: bytes, grad: np.ndarray,
-                         into: np.ndarray | None) -> pb.PushReply:
-        payload = memoryview(np.ascontiguousarray(grad)).cast("B")
-        request = pack(head, payload)
+    def _push_pull_small(self, request: bytes, into: np.ndarray | None) -> pb.PushReply:
         if self._stream_lock.acquire(blocking=False):
             try:
                 data = self._stream_round_trip(request)
@@ -324,13 +339,16 @@ class ShardClient:
                 self._stream_lock.release()
         else:  # another thread's push holds the stream
             data = unary(self.channel, method_path("PushPullSmall"), request, timeout=self.push_timeout)
-        return self._small_reply(data, into)
+        return self.small_reply(data, into)
 
-    def _small_reply(self, data: bytes, into: np.ndarray | None) -> pb.PushReply:
+    def small_reply(self, data: bytes, into: np.ndarray | None) -> pb.PushReply:
+        """A ``PushPullSmall`` reply: its ``PushReply``, the parameters it carries written
+        into ``into``."""
         head, params = unpack(data)
         reply = parse_message(pb.PushReply, head, "PushReply")
         if reply.numel and into is not None:
             _receive(into, iter((params,)), reply.numel, f"ps shard {self.layout.index}")
+            self.version = reply.step
         return reply
 
     def _send_on_stream(self, request: bytes) -> None:

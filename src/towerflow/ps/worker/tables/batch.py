@@ -68,9 +68,10 @@ class Item:
         return pulled + pushed
 
 
-def batch_call(shard: int, items: list[Item]) -> Call:
-    """The ``RowBatchRequest`` of ``items`` (all of ``shard``) as one call."""
-    request = tpb.RowBatchRequest()
+def batch_call(shard: int, items: list[Item], dense: bytes = b"") -> Call:
+    """The ``RowBatchRequest`` of ``items`` (all of ``shard``) as one call, carrying the
+    ps task's ``dense`` push-and-pull request when given."""
+    request = tpb.RowBatchRequest(dense=dense)
     pulls = pushes = False
     for item in items:
         entry = request.items.add()
@@ -81,29 +82,32 @@ def batch_call(shard: int, items: list[Item]) -> Call:
         if item.push is not None:
             entry.push.CopyFrom(item.push)
             pushes = True
-    kind = "PushPullRows" if pulls and pushes else "PullRows" if pulls else "PushRows"
+    kind = "PushPullRows" if pulls and pushes else "PullRows" if pulls else \
+        "PushRows" if pushes else "Dense"
     return Call(shard, kind, request.SerializeToString(), True, items)
 
 
-def group_calls(shard: int, items: list[Item], limit: int) -> list[Call]:
-    """``items`` of one shard in calls of at most ``limit`` bytes of rows (in order)."""
+def group_calls(shard: int, items: list[Item], limit: int, dense: bytes = b"") -> list[Call]:
+    """``items`` of one shard in calls of at most ``limit`` bytes of rows (in order); the
+    first carries ``dense`` (a call of no item when there are none)."""
     calls: list[Call] = []
     batch: list[Item] = []
     size = 0
     for item in items:
         n = item.nbytes()
         if batch and size + n > limit:
-            calls.append(batch_call(shard, batch))
+            calls.append(batch_call(shard, batch, b"" if calls else dense))
             batch, size = [], 0
         batch.append(item)
         size += n
-    if batch:
-        calls.append(batch_call(shard, batch))
+    if batch or not calls and dense:
+        calls.append(batch_call(shard, batch, b"" if calls else dense))
     return calls
 
 
 class Call:
-    """One request to one ps task: its kind (``PullRows``, ``PushRows``, ``PushPullRows``: the
+    """One request to one ps task: its kind (``PullRows``, ``PushRows``, ``PushPullRows``,
+    ``Dense``: only a dense push-and-pull; the
     ``wire`` counters' key), its ``RowBatchRequest`` bytes, whether it may be sent again, and
     the items it carries."""
 

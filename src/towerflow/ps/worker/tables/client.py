@@ -336,6 +336,14 @@ class TableClient:
         item per ps task. A request larger than ``max_call_bytes`` is cut into
         several, in order.
         """
+        return self.pull_with_dense(lookups, {})[0]
+
+    def pull_with_dense(self, lookups: Sequence[tuple[TableConfig, torch.Tensor]],
+                        dense: Mapping[int, bytes]) -> tuple[list[torch.Tensor], dict[int, bytes]]:
+        """:meth:`pull_many`, each ps task's request also carrying ``dense[task]``: a
+        ``PushPullSmall`` request to its dense shard (``RowBatchRequest.dense``), handled
+        after the rows. Returns the rows and the ``PushPullSmall`` reply bytes by task:
+        the step's row and dense traffic in one round trip per ps task."""
         on_ps: dict[str, tuple[TableConfig, list[tuple[int, torch.Tensor]]]] = {}
         for index, (config, ids) in enumerate(lookups):
             table, offset = self._on_ps(config)
@@ -364,18 +372,25 @@ class TableClient:
                         positions=positions[first:first + step]))
         for (name, shard), push in sorted(deferred.items()):  # not pulled: the push alone
             per_shard[shard].append(Item(name, shard, push=push))
-        self._exchange(per_shard)
-        return outs
+        dense_replies: dict[int, bytes] = {}
+        self._exchange(per_shard, dense, dense_replies)
+        return outs, dense_replies
 
-    def _exchange(self, per_shard: list[list[Item]]) -> list[Any]:
-        """Send each shard's items (one request, or more past ``max_call_bytes``), the shards
-        side by side; copy the rows into their outputs; the ``PushRowsReply``s of the pushes."""
-        queues = [group_calls(shard, items, self.max_call_bytes)
-                  for shard, items in enumerate(per_shard) if items]
+    def _exchange(self, per_shard: list[list[Item]], dense: Mapping[int, bytes] | None = None,
+                  dense_replies: dict[int, bytes] | None = None) -> list[Any]:
+        """Send each shard's items (one request, or more past ``max_call_bytes``; the first
+        carries ``dense[shard]``), the shards side by side; copy the rows into their outputs;
+        the ``PushRowsReply``s of the pushes (the dense replies into ``dense_replies``)."""
+        dense = dense or {}
+        queues = [group_calls(shard, items, self.max_call_bytes, dense.get(shard, b""))
+                  for shard, items in enumerate(per_shard) if items or dense.get(shard)]
         pushed = []
         for queue, replies in zip(queues, self._run(queues), strict=True):
             for call, data in zip(queue, replies, strict=True):
-                answers = tpb.RowBatchReply.FromString(data).items
+                reply = tpb.RowBatchReply.FromString(data)
+                if reply.dense and dense_replies is not None:
+                    dense_replies[call.shard] = reply.dense
+                answers = reply.items
                 if len(answers) != len(call.items):
                     raise DataLossError(
                         f"ps task {call.shard} answered {len(answers)} of {len(call.items)} "

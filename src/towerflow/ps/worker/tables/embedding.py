@@ -442,6 +442,28 @@ class SparseTables:
                      table.name)
         #: pulls every table of a forward in one request per ps task (two tables and more)
         self.prefetcher = Prefetcher(model, self._prefetch) if len(self.modules) > 1 else None
+        #: a dense push-and-pull per ps task for the next prefetched pull to carry, and who
+        #: takes its replies (:meth:`carry`)
+        self._carried: tuple[Mapping[int, bytes], Callable[[dict[int, bytes]], None]] | None = None
+
+    def pull_ahead_always(self, model: nn.Module) -> None:
+        """Pull the tables before each forward also for a single table (so that a dense push
+        can travel with the pull: :meth:`carry`)."""
+        if self.prefetcher is None and self.client is not None:
+            self.prefetcher = Prefetcher(model, self._prefetch, min_sites=1)
+
+    def carry(self, requests: Mapping[int, bytes],
+              answer: Callable[[dict[int, bytes]], None]) -> None:
+        """Have the next forward's prefetched pull carry ``requests[task]`` (a
+        ``PushPullSmall`` request) in its request to each ps task, and hand the replies by
+        task to ``answer`` before the forward's code runs. A forward that does not pull
+        ahead leaves them here (:meth:`take_carried`)."""
+        self._carried = (requests, answer)
+
+    def take_carried(self) -> tuple[Mapping[int, bytes], Callable[[dict[int, bytes]], None]] | None:
+        """The requests :meth:`carry` left that no pull has carried yet (then forgotten)."""
+        carried, self._carried = self._carried, None
+        return carried
 
     def __bool__(self) -> bool:
         return self.client is not None
@@ -457,8 +479,17 @@ class SparseTables:
         wanted = [(module, ids) for module, ids in lookups
                   if isinstance(module, ShardedEmbedding) and isinstance(ids, torch.Tensor)
                   and ids.dtype in (torch.int64, torch.int32)]  # else the lookup refuses
-        if wanted:
-            pull_ahead(self.client, self.views, wanted, unique_ids)
+        carried = self.take_carried()
+        if not wanted and carried is None:
+            return
+        try:
+            replies = pull_ahead(self.client, self.views, wanted, unique_ids,
+                                 None if carried is None else carried[0])
+        except BaseException:
+            self._carried = carried  # left to be sent again (a push applies once)
+            raise
+        if carried is not None:
+            carried[1](replies)
 
     def initialize(self) -> None:
         """Create every table on every ps task (the chief; idempotent).

@@ -123,10 +123,11 @@ class _Recorder(TorchFunctionMode):
         self.keep.append(tensor)
         self.made.pop(id(tensor), None)
 
-    def recipe(self) -> _Recipe | str:
-        """The recipe of the recorded forward, or why there is none."""
-        if len(self.sites) < 2:
-            return "one table lookup"
+    def recipe(self, min_sites: int = 2) -> _Recipe | str:
+        """The recipe of the recorded forward, or why there is none (fewer than
+        ``min_sites`` lookups: nothing to gain)."""
+        if len(self.sites) < min_sites:
+            return "one table lookup" if self.sites else "no table lookup"
         needed: set[int] = set()
         stack = [ref.step for _, ref in self.sites if ref is not None and ref.step >= 0]
         if any(ref is None for _, ref in self.sites):
@@ -183,16 +184,19 @@ class Prefetcher:
     """Pulls all of a model's tables in one request per ps task before its forward.
 
     Installed on the model's root module (forward hooks) by the strategy when
-    the model has at least two tables.
+    the model has at least two tables, or one table whose pull carries the
+    dense push (``min_sites=1``).
 
     Args:
         model: the model.
         pull: ``pull_many([(table module, ids), ...])`` -> rows, one per lookup.
+        min_sites: the fewest table lookups a forward's recipe is kept for.
     """
 
     def __init__(self, model: nn.Module, pull: Callable[[list[tuple[nn.Module, torch.Tensor]]],
-                                                         None]) -> None:
+                                                         None], *, min_sites: int = 2) -> None:
         self._pull = pull
+        self._min_sites = min_sites
         self._recipe: _Recipe | None = None
         self._spec: Any = None
         self._recorder: _Recorder | None = None
@@ -245,7 +249,7 @@ class Prefetcher:
             return
         recorder.__exit__(None, None, None)
         _local.recorder = None
-        recipe = recorder.recipe()
+        recipe = recorder.recipe(self._min_sites)
         if isinstance(recipe, str):
             self.enabled = False
             if len(recorder.sites) >= 2:
@@ -257,9 +261,11 @@ class Prefetcher:
 
 def pull_ahead(client: Any, views: Mapping[str, Any],
                lookups: Sequence[tuple[nn.Module, torch.Tensor]],
-               unique: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+               unique: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+               dense: Mapping[int, bytes] | None = None) -> dict[int, bytes]:
     """Pull the rows of every ``(table module, ids)`` in one request per ps task and leave
-    each table its ``(ids, unique ids, inverse, rows)`` in ``module.prefetched``.
+    each table its ``(ids, unique ids, inverse, rows)`` in ``module.prefetched``; each
+    task's request also carries ``dense[task]`` (a dense push-and-pull): their replies.
 
     The lookups of tables fused on the ps (``views``: their offsets) are made
     unique together, as the ids of one table (one sort for all of them); each
@@ -290,8 +296,10 @@ def pull_ahead(client: Any, views: Mapping[str, Any],
         pulls.append((view.table, together))
         plans.append(lambda rows, ms=members, os=offsets, u=together, v=inverse:
                      _share(ms, os, u, v, rows))
-    for plan, rows in zip(plans, client.pull_many(pulls), strict=True):
+    pulled, replies = client.pull_with_dense(pulls, dense or {})
+    for plan, rows in zip(plans, pulled, strict=True):
         plan(rows)
+    return replies
 
 
 def _share(members: Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]],
