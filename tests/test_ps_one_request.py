@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from row_frames import frame, unframe
 from torch import nn
 
 from towerflow.cluster import TaskInfo
@@ -193,20 +194,21 @@ def test_a_combined_request_sent_twice_applies_nothing_twice(start_ps_tasks) -> 
             ids=ids.numpy().tobytes(), grads=torch.ones(3, DIM).numpy().tobytes())
         item = tpb.PushPullRowsRequest(push=row_push, pull=tpb.PullRowsRequest(
             table=table.config.name, shard=0, num_ids=3, ids=ids.numpy().tobytes()))
-        payload = tpb.RowBatchRequest(items=[item], dense=push.requests[0]).SerializeToString()
+        payload = frame([item], dense=push.requests[0])
         channel = make_channel(spec.task_address("ps", 0), SECRET)
         try:
-            replies = [tpb.RowBatchReply.FromString(unary(
-                channel, "/towerflow.ps.Tables/RowBatch", payload, timeout=10))
-                for _ in range(2)]
+            answers = [unframe(unary(channel, "/towerflow.ps.Tables/RowBatch", payload,
+                                     timeout=10)) for _ in range(2)]
         finally:
             channel.close()
-        heads = [pb.PushReply.FromString(bytes(unpack(r.dense)[0])) for r in replies]
+        replies = [reply for reply, _ in answers]
+        dense = [data for _, data in answers]
+        heads = [pb.PushReply.FromString(unpack(d)[0]) for d in dense]
         assert [h.status for h in heads] == ["applied", "applied"]
         assert [h.duplicate for h in heads] == [False, True]
         assert [r.items[0].push.duplicate for r in replies] == [False, True]
         assert replies[0].items[0].pull.rows == replies[1].items[0].pull.rows
-        assert unpack(replies[0].dense)[1] == unpack(replies[1].dense)[1]  # same parameters
+        assert unpack(dense[0])[1] == unpack(dense[1])[1]  # the same parameters
         assert dense_stats(strategy, "applied")[0] == 2
     finally:
         strategy.shutdown()
@@ -235,3 +237,44 @@ def test_a_loss_function_that_calls_the_models_parts_gets_the_dense_push_apart(
         assert dense_stats(strategy, "duplicates") == [0, 0]
     finally:
         strategy.shutdown()
+
+
+def test_received_buffers_are_read_in_place_and_never_written_through() -> None:
+    """The ps reads a framed batch's ids and gradients as views of the received bytes
+    (no copy): a buffer changed after the call changes nothing of the table, and the
+    rows it answered are a copy of the table's, not a view."""
+    from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.server.tables.service import TableService
+    from towerflow.ps.worker.tables.config import TableConfig
+
+    config = TableConfig("t", ModPartitioner(1, num_rows=10), 4, {"name": "sgd", "hyper": {}},
+                         {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3})
+    service = TableService(0)
+    service.init_table(tpb.InitTableRequest(spec=config.spec(0)).SerializeToString())
+
+    def rows() -> torch.Tensor:
+        item = tpb.PushPullRowsRequest(pull=tpb.PullRowsRequest(
+            table="t", shard=0, num_ids=10, ids=torch.arange(10).numpy().tobytes()))
+        reply, _ = unframe(service.row_batch(frame([item])))
+        return torch.frombuffer(bytearray(reply.items[0].pull.rows), dtype=torch.float32
+                                ).view(10, 4)
+
+    before = rows()
+    ids = torch.tensor([1, 3], dtype=torch.int64)
+    item = tpb.PushPullRowsRequest(
+        pull=tpb.PullRowsRequest(table="t", shard=0, num_ids=2, ids=ids.numpy().tobytes()),
+        push=tpb.PushRowsRequest(table="t", shard=0, worker_id=0, incarnation=1, seq=1, lr=1.0,
+                                 step=1, num_ids=2, dtype="float32", ids=ids.numpy().tobytes(),
+                                 grads=torch.ones(2, 4).numpy().tobytes()))
+    received = bytearray(frame([item]))  # a writable buffer: the ps's views could write it
+    data = bytearray(service.row_batch(received))
+    received[-32:] = torch.full((2, 4), float("nan")).numpy().tobytes()  # the gradients
+    received[-48:-32] = torch.tensor([5, 7]).numpy().tobytes()  # the push's ids
+    after = rows()
+    expected = before.clone()
+    expected[[1, 3]] -= 1.0
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+    answered = torch.frombuffer(unframe(bytes(data))[0].items[0].pull.rows, dtype=torch.float32)
+    data[:] = bytes(len(data))  # the reply's bytes changed: the table is not a view of them
+    torch.testing.assert_close(rows(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(answered.view(2, 4), expected[[1, 3]], rtol=0, atol=0)

@@ -24,9 +24,11 @@ from towerflow.ps.protocol import (
     encode_push_header,
     method_path,
     pack,
+    pack_parts,
     push_records,
     push_rows,
     signature_bytes,
+    split_parts,
     unpack,
 )
 from towerflow.ps.server.dense.optimizers import make_optimizer
@@ -71,6 +73,29 @@ def test_a_truncated_packed_message_is_data_loss_never_a_crash(data: bytes) -> N
         assert "header" in str(exc)
     else:
         assert 4 + len(head) + len(payload) == len(data)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(head=st.binary(max_size=32), parts=st.lists(st.binary(max_size=24), max_size=6))
+def test_a_framed_message_splits_into_its_parts_as_views(head: bytes,
+                                                         parts: list[bytes]) -> None:
+    data = pack_parts(head, [memoryview(p) for p in parts])
+    got_head, payload = unpack(data)
+    views = split_parts(payload, [len(p) for p in parts], "batch")
+    assert got_head == head and [bytes(v) for v in views] == parts
+    assert all(v.obj is payload.obj for v in views)  # views of the received bytes, no copy
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(payload=st.binary(max_size=24), sizes=st.lists(st.integers(-4, 30), max_size=5))
+def test_parts_that_do_not_add_up_are_data_loss_never_a_crash(payload: bytes,
+                                                              sizes: list[int]) -> None:
+    try:
+        views = split_parts(memoryview(payload), sizes, "RowBatch")
+    except DataLossError as exc:
+        assert "RowBatch" in str(exc) and "same towerflow version" in str(exc)
+    else:
+        assert [len(v) for v in views] == sizes and sum(sizes) == len(payload)
 
 
 def test_a_malformed_push_header_is_refused_by_name() -> None:

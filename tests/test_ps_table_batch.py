@@ -14,6 +14,7 @@ import logging
 
 import pytest
 import torch
+from row_frames import frame, unframe
 from torch import nn
 
 from towerflow.cluster import TaskInfo
@@ -144,11 +145,10 @@ def item(table: str, pull: list[int], push: list[int] | None = None, seq: int = 
 def row_batch(spec, *items) -> tpb.RowBatchReply:
     channel = make_channel(spec.task_address("ps", 0), SECRET)
     try:
-        data = unary(channel, "/towerflow.ps.Tables/RowBatch",
-                     tpb.RowBatchRequest(items=list(items)).SerializeToString(), timeout=10)
+        data = unary(channel, "/towerflow.ps.Tables/RowBatch", frame(items), timeout=10)
     finally:
         channel.close()
-    return tpb.RowBatchReply.FromString(data)
+    return unframe(data)[0]
 
 
 def rows_of(reply) -> torch.Tensor:

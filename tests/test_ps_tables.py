@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from row_frames import unframe
 from torch import nn
 
 from towerflow.cluster import ClusterSpec, Server, TaskInfo
@@ -572,7 +573,7 @@ def test_a_push_whose_stream_reply_is_lost_is_sent_again_and_applied_once(cluste
     client._drop_stream(0), client._drop_stream(1)
     replies = client.push(cfg, torch.tensor([4]), torch.ones(1, 3), lr=0.5, step=1)
     assert [(r.status, r.duplicate, r.applied) for r in replies] == [("applied", True, 1)]
-    assert tpb.PushPullRowsReply.FromString(lost[0]).push.duplicate is False
+    assert unframe(lost[0])[0].items[0].push.duplicate is False
     torch.testing.assert_close(table_rows(client, cfg)[4], before[4] - 0.5)
     assert client.status(cfg, 0).applied == 1
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 import ctypes
 import math
 import platform
+import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +44,17 @@ _tuned: bool | None = None
 
 class PayloadCutOff(DataLossError):
     """A push's payload ended before the size its header announced (the sender went away)."""
+
+
+def raw_bytes(tensor: Any) -> memoryview:
+    """A view of a torch tensor's raw little-endian bytes, row-major (copied only when it is
+    not contiguous or not on the CPU): a buffer a framed message joins without a copy of
+    its own first."""
+    if not tensor.numel():
+        return memoryview(b"")
+    if sys.byteorder != "little":  # pragma: no cover
+        tensor = tensor.byteswap()
+    return memoryview(tensor.detach().contiguous().cpu().numpy()).cast("B")
 
 
 def receive_into(target: np.ndarray | None, chunks: Iterable[bytes | memoryview], numel: int,

@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +121,8 @@ __all__ = [
     "failure_line",
     "chunks",
     "pack",
+    "pack_parts",
+    "split_parts",
     "unpack",
     "parse_message",
     "layout_to_proto",
@@ -356,6 +358,31 @@ def unpack(message: bytes) -> tuple[bytes, memoryview]:
             f"A message announces a {length}-byte header but holds {len(view)} bytes in all."
         )
     return bytes(view[_LENGTH.size:end]), view[end:]
+
+
+def pack_parts(header: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
+    """:func:`pack` of a payload of several raw buffers end to end (each copied once)."""
+    return b"".join((_LENGTH.pack(len(header)), header, *parts))
+
+
+def split_parts(payload: memoryview, sizes: Sequence[int], what: str) -> list[memoryview]:
+    """The buffers of a :func:`pack_parts` payload, by their byte lengths (zero-copy views).
+
+    Raises:
+        DataLossError: the lengths are negative or do not add up to the payload.
+    """
+    out, start = [], 0
+    for size in sizes:
+        if size < 0 or start + size > len(payload):
+            break
+        out.append(payload[start:start + size])
+        start += size
+    if len(out) != len(sizes) or start != len(payload):
+        raise DataLossError(
+            f"A {what} of {len(payload)} payload bytes announces parts of {list(sizes)[:8]} "
+            "bytes; client and ps must run the same towerflow version."
+        )
+    return out
 
 
 def parse_message(cls: type, data: bytes, what: str):  # noqa: ANN201 - a protobuf message

@@ -71,7 +71,15 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.protocol import AggregationConfig, parse_message, push_records
+from towerflow.ps.buffers import raw_bytes
+from towerflow.ps.protocol import (
+    AggregationConfig,
+    pack_parts,
+    parse_message,
+    push_records,
+    split_parts,
+    unpack,
+)
 
 __all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS", "MAX_BATCH_ITEMS"]
 
@@ -215,13 +223,18 @@ class TableService:
                                  applied=applied).SerializeToString()
 
     def push_pull_rows(self, data: bytes, context: grpc.ServicerContext | None = None) -> bytes:
+        from towerflow.ps.server.tables.shard import encode
+
         request = parse_message(tpb.PushPullRowsRequest, data, "PushPullRows")
         shard, checked = self._check_item(request)
-        return self._item_reply(shard, request.pull, shard.run(checked, _active(context))
+        outcome, applied, rows = shard.run(checked, _active(context))
+        return self._item_reply(shard, request.pull, outcome, applied, encode(rows)
                                 ).SerializeToString()
 
-    def _check_item(self, request: Any) -> tuple[Any, Any]:
-        """The table shard of a ``PushPullRowsRequest`` and its checked push and pull."""
+    def _check_item(self, request: Any, parts: Iterator[memoryview] | None = None
+                    ) -> tuple[Any, Any]:
+        """The table shard of a ``PushPullRowsRequest`` and its checked push and pull (the
+        buffers from ``parts``, a framed batch's, when given)."""
         pull = request.pull
         push = request.push if request.HasField("push") else None
         if push is not None and (push.table, push.shard) != (pull.table, pull.shard):
@@ -229,12 +242,16 @@ class TableService:
                 f"PushPullRows pushes to table {push.table!r} shard {push.shard} but pulls from "
                 f"table {pull.table!r} shard {pull.shard}; one call serves one table shard."
             )
+        if parts is None:
+            ids, push_data = pull.ids, None
+        else:
+            ids = next(parts)
+            push_data = None if push is None else (next(parts), next(parts))
         shard = self.table(pull.table, pull.shard)
-        return shard, shard.check(push, pull.ids, pull.num_ids)
+        return shard, shard.check(push, ids, pull.num_ids, push_data)
 
     @staticmethod
-    def _item_reply(shard: Any, pull: Any, ran: tuple[Any, int, bytes]) -> Any:
-        outcome, applied, rows = ran
+    def _item_reply(shard: Any, pull: Any, outcome: Any, applied: int, rows: bytes = b"") -> Any:
         reply = tpb.PushPullRowsReply(pull=tpb.PullRowsReply(
             num_ids=pull.num_ids, dim=shard.store.dim,
             dtype=str(shard.dtype).removeprefix("torch."), rows=rows))
@@ -266,15 +283,23 @@ class TableService:
         before anything is applied or read; a push refused when it is applied
         (a superseded incarnation) ends the call there (``tables.proto``).
         """
-        request = parse_message(tpb.RowBatchRequest, data, "RowBatch")
+        from towerflow.ps.server.tables.shard import ROWS_REPLY_LIMIT
+
+        head, payload = unpack(data)
+        request = parse_message(tpb.RowBatchRequest, head, "RowBatch")
         if len(request.items) > MAX_BATCH_ITEMS:
             raise InvalidArgumentError(
                 f"A RowBatch carries {len(request.items)} items, more than {MAX_BATCH_ITEMS}; "
                 "send the tables in several calls."
             )
-        from towerflow.ps.server.tables.shard import ROWS_REPLY_LIMIT
-
-        checked = [self._check_item(item) for item in request.items]
+        wanted = sum(3 if item.HasField("push") else 1 for item in request.items) + request.dense
+        if len(request.parts) != wanted:
+            raise InvalidArgumentError(
+                f"A RowBatch of {len(request.items)} items announces {len(request.parts)} "
+                f"buffers, not {wanted}; client and ps must run the same towerflow version."
+            )
+        parts = iter(split_parts(payload, request.parts, "RowBatch"))
+        checked = [self._check_item(item, parts) for item in request.items]
         reply_bytes = sum(item.pull.num_ids * shard.store.dim * shard.dtype.itemsize
                           for item, (shard, _) in zip(request.items, checked, strict=True))
         if reply_bytes > ROWS_REPLY_LIMIT:
@@ -283,14 +308,18 @@ class TableService:
                 f"{ROWS_REPLY_LIMIT >> 20} MiB in one reply; send the tables in several calls."
             )
         active = _active(context)
-        reply = tpb.RowBatchReply()
+        reply = tpb.RowBatchReply(dense=request.dense)
+        out: list[bytes | memoryview] = []
         for item, (shard, ready) in zip(request.items, checked, strict=True):
-            reply.items.append(self._item_reply(shard, item.pull, shard.run(ready, active)))
+            outcome, applied, rows = shard.run(ready, active)
+            reply.items.append(self._item_reply(shard, item.pull, outcome, applied))
+            out.append(raw_bytes(rows))
         if request.dense:  # the dense shard's push-and-pull of the same step, after the rows
-            reply.dense = self._dense_step(request.dense, context)
-        return reply.SerializeToString()
+            out.append(self._dense_step(next(parts), context))
+        reply.parts.extend(len(part) for part in out)
+        return pack_parts(reply.SerializeToString(), out)
 
-    def _dense_step(self, request: bytes, context: grpc.ServicerContext | None) -> bytes:
+    def _dense_step(self, request: memoryview, context: grpc.ServicerContext | None) -> bytes:
         if self.dense is None:
             raise FailedPreconditionError(
                 f"ps task {self.task_index} serves tables but no dense shard here, so a RowBatch "

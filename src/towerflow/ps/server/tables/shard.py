@@ -47,6 +47,7 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
+from towerflow.ps.buffers import raw_bytes
 from towerflow.ps.protocol import push_rows
 from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome, PushTable
 from towerflow.ps.server.tables.aggregation import make_row_aggregator
@@ -142,9 +143,7 @@ _quiet_readonly_warning()
 
 def encode(tensor: torch.Tensor) -> bytes:
     """The raw little-endian bytes of ``tensor`` (row-major)."""
-    if sys.byteorder != "little":  # pragma: no cover
-        tensor = tensor.byteswap()
-    return tensor.contiguous().numpy().tobytes()
+    return bytes(raw_bytes(tensor))
 
 
 class TableShard:
@@ -242,27 +241,31 @@ class TableShard:
 
     def push_pull(self, push: Any | None, data: bytes, count: int,
                   active: Callable[[], bool] | None = None
-                  ) -> tuple[PushOutcome | None, int, bytes]:
+                  ) -> tuple[PushOutcome | None, int, torch.Tensor]:
         """Apply ``push`` (a ``PushRowsRequest`` or None) once, then read the rows of ``data``.
 
         Everything is checked before the lock is taken (a refused push refuses
         the call: nothing applied, nothing read); the rows are read after the
         push is applied (in sync mode, after its step), so they include it.
         Returns the push's outcome (None without a push), the updates
-        applied, the rows' bytes.
+        applied, the rows (a new tensor).
         """
         return self.run(self.check(push, data, count), active)
 
-    def check(self, push: Any | None, data: bytes, count: int) -> tuple[Any, torch.Tensor]:
+    def check(self, push: Any | None, data: bytes | memoryview, count: int,
+              push_data: tuple[memoryview, memoryview] | None = None
+              ) -> tuple[Any, torch.Tensor]:
         """:meth:`push_pull`'s checks, outside the lock: what :meth:`run` then applies and reads.
 
         A batch of many table shards (``RowBatch``) checks every item before it
-        runs any.
+        runs any; its push's ids and gradients come as ``push_data`` (views of
+        the framed request), not in the ``PushRowsRequest``.
         """
-        return (None if push is None else self._check_push(push)), self._pull_ids(data, count)
+        return (None if push is None else self._check_push(push, push_data)), \
+            self._pull_ids(data, count)
 
     def run(self, checked: tuple[Any, torch.Tensor], active: Callable[[], bool] | None = None
-            ) -> tuple[PushOutcome | None, int, bytes]:
+            ) -> tuple[PushOutcome | None, int, torch.Tensor]:
         """Apply a :meth:`check`-ed push once, then read its pull's rows (one hold of the lock)."""
         push, ids = checked
         with self.cond:
@@ -270,18 +273,20 @@ class TableShard:
                 self._apply_once(*push, active)
             rows = self.store.lookup(ids, checked=True)
             self._pulled_rows += ids.numel()
-        return outcome, applied, encode(rows)
+        return outcome, applied, rows
 
-    def _check_push(self, request: Any
+    def _check_push(self, request: Any, data: tuple[memoryview, memoryview] | None = None
                     ) -> tuple[PushHeader, torch.Tensor, torch.Tensor, float, int]:
-        """Everything a push needs checked, outside the lock: header, ids, grads, lr, step."""
+        """Everything a push needs checked, outside the lock: header, ids, grads, lr, step
+        (the ids and gradients from ``data`` when given, else from the request)."""
         if request.worker_id < 0 or request.seq < 1:
             raise InvalidArgumentError(
                 f"Table {self.name!r}: a push needs worker_id >= 0 and seq >= 1, got "
                 f"worker_id={request.worker_id}, seq={request.seq}."
             )
-        ids = self._ids(request.ids, request.num_ids)
-        grads = self._values(request.grads, request.dtype, ids, "row gradients")
+        ids_data, grads_data = (request.ids, request.grads) if data is None else data
+        ids = self._ids(ids_data, request.num_ids)
+        grads = self._values(grads_data, request.dtype, ids, "row gradients")
         try:
             lr, step = self.store.optimizer.check_step(request.lr, request.step)
         except InvalidArgumentError as exc:

@@ -1,9 +1,11 @@
 """The wire pieces of a worker's table requests: raw buffers, items and batched calls.
 
-A step's table traffic to one ps task is one ``RowBatchRequest`` (``tables.proto``):
-one :class:`Item` per table shard pulled and / or pushed, gathered into
-:class:`Call`s of at most ``max_call_bytes`` (:func:`group_calls`). Ids and rows
-travel as raw little-endian buffers (:func:`encode`, :func:`decode`).
+A step's table traffic to one ps task is one framed ``RowBatchRequest``
+(``tables.proto``): one :class:`Item` per table shard pulled and / or pushed,
+gathered into :class:`Call`s of at most ``max_call_bytes`` (:func:`group_calls`).
+Ids, row gradients and rows travel as raw little-endian buffers after the
+header (:func:`~towerflow.ps.buffers.raw_bytes` out, :func:`decode` in: a view
+of the received bytes).
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ import torch
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
+from towerflow.ps.buffers import raw_bytes
+from towerflow.ps.protocol import pack_parts
 
-__all__ = ["Call", "Item", "batch_call", "decode", "encode", "group_calls"]
+__all__ = ["Call", "Item", "Push", "batch_call", "decode", "encode", "group_calls"]
 
 
 def encode(tensor: torch.Tensor) -> bytes:
-    if sys.byteorder != "little":  # pragma: no cover
-        tensor = tensor.byteswap()
-    return tensor.detach().contiguous().cpu().numpy().tobytes()
+    """The raw little-endian bytes of ``tensor`` (a message field's)."""
+    return bytes(raw_bytes(tensor))
 
 
-def decode(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def decode(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
+           ) -> torch.Tensor:
     count = 1
     for n in shape:
         count *= n
@@ -48,14 +52,15 @@ with warnings.catch_warnings():  # torch warns once per process about read-only 
 
 
 class Item:
-    """One ``PushPullRowsRequest`` of a batch: a pull of ``count`` ids of one table shard
-    (``count`` 0: a push alone), maybe with a push, and where its rows go (``out`` at
-    ``positions``, rows of ``dim`` values of ``dtype``)."""
+    """One ``PushPullRowsRequest`` of a batch: a pull of the ``count`` ids ``ids`` of one table
+    shard (``count`` 0: a push alone), maybe with a push (its ``PushRowsRequest`` header, ids
+    and row gradients), and where its rows go (``out`` at ``positions``, rows of ``dim``
+    values of ``dtype``)."""
 
     __slots__ = ("table", "shard", "ids", "count", "push", "out", "positions")
 
-    def __init__(self, table: str, shard: int, *, ids: bytes = b"", count: int = 0,
-                 push: Any = None, out: torch.Tensor | None = None,
+    def __init__(self, table: str, shard: int, *, ids: torch.Tensor | None = None,
+                 count: int = 0, push: Push | None = None, out: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None) -> None:
         self.table, self.shard, self.ids, self.count, self.push = table, shard, ids, count, push
         self.out, self.positions = out, positions
@@ -64,27 +69,46 @@ class Item:
         """Bytes of the ids and rows it asks for or pushes (what a call's size counts)."""
         pulled = 0 if self.out is None else self.count * (8 + self.out[0:0].element_size()
                                                           * self.out.shape[1])
-        pushed = 0 if self.push is None else len(self.push.ids) + len(self.push.grads)
-        return pulled + pushed
+        return pulled + (0 if self.push is None else self.push.nbytes())
+
+
+class Push:
+    """A push of row gradients as it travels in a framed batch: the ``PushRowsRequest``
+    header (its ``ids`` and ``grads`` fields empty) and the two tensors."""
+
+    __slots__ = ("header", "ids", "grads")
+
+    def __init__(self, header: Any, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        self.header, self.ids, self.grads = header, ids, grads
+
+    def nbytes(self) -> int:
+        return self.ids.numel() * 8 + self.grads.numel() * self.grads.element_size()
 
 
 def batch_call(shard: int, items: list[Item], dense: bytes = b"") -> Call:
-    """The ``RowBatchRequest`` of ``items`` (all of ``shard``) as one call, carrying the
+    """The framed ``RowBatchRequest`` of ``items`` (all of ``shard``) as one call: the header,
+    then the ids and gradients as raw buffers (each copied once, into the request), and the
     ps task's ``dense`` push-and-pull request when given."""
-    request = tpb.RowBatchRequest(dense=dense)
+    request = tpb.RowBatchRequest(dense=bool(dense))
+    parts: list[bytes | memoryview] = []
     pulls = pushes = False
     for item in items:
         entry = request.items.add()
         entry.pull.table, entry.pull.shard = item.table, item.shard
         if item.count:
-            entry.pull.num_ids, entry.pull.ids = item.count, item.ids
+            entry.pull.num_ids = item.count
             pulls = True
+        parts.append(raw_bytes(item.ids) if item.count else b"")
         if item.push is not None:
-            entry.push.CopyFrom(item.push)
+            entry.push.CopyFrom(item.push.header)
+            parts += [raw_bytes(item.push.ids), raw_bytes(item.push.grads)]
             pushes = True
+    if dense:
+        parts.append(dense)
+    request.parts.extend(len(part) for part in parts)
     kind = "PushPullRows" if pulls and pushes else "PullRows" if pulls else \
         "PushRows" if pushes else "Dense"
-    return Call(shard, kind, request.SerializeToString(), True, items)
+    return Call(shard, kind, pack_parts(request.SerializeToString(), parts), True, items)
 
 
 def group_calls(shard: int, items: list[Item], limit: int, dense: bytes = b"") -> list[Call]:

@@ -43,8 +43,8 @@ from towerflow.errors import (
 )
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import check_ids
-from towerflow.ps.protocol import push_records
-from towerflow.ps.worker.tables.batch import Call, Item, decode, encode, group_calls
+from towerflow.ps.protocol import parse_message, push_records, split_parts, unpack
+from towerflow.ps.worker.tables.batch import Call, Item, Push, decode, encode, group_calls
 from towerflow.ps.worker.tables.config import _DTYPE_NAMES, TableConfig
 from towerflow.ps.worker.tables.fusion import TableView
 from towerflow.ps.worker.tables.stream import RowStream
@@ -147,7 +147,7 @@ class TableClient:
         self._stream_locks = [threading.Lock() for _ in addresses]
         self._seq = itertools.count(1)
         self._seq_lock = threading.Lock()
-        self._deferred: dict[tuple[str, int], Any] = {}  # (table, shard) -> PushRowsRequest
+        self._deferred: dict[tuple[str, int], Push] = {}  # (table, shard) -> its push
         self._deferred_lock = threading.Lock()
         self.wire: dict[str, list[int]] = {}
         self._wire_lock = threading.Lock()
@@ -367,7 +367,7 @@ class TableClient:
                 for first in range(0, shard_ids.numel(), step):
                     chunk = shard_ids[first:first + step]
                     per_shard[shard].append(Item(
-                        table.name, shard, ids=encode(chunk), count=chunk.numel(),
+                        table.name, shard, ids=chunk, count=chunk.numel(),
                         push=deferred.pop((table.name, shard), None), out=out,
                         positions=positions[first:first + step]))
         for (name, shard), push in sorted(deferred.items()):  # not pulled: the push alone
@@ -387,19 +387,22 @@ class TableClient:
         pushed = []
         for queue, replies in zip(queues, self._run(queues), strict=True):
             for call, data in zip(queue, replies, strict=True):
-                reply = tpb.RowBatchReply.FromString(data)
-                if reply.dense and dense_replies is not None:
-                    dense_replies[call.shard] = reply.dense
+                head, payload = unpack(data)
+                reply = parse_message(tpb.RowBatchReply, head, "RowBatchReply")
                 answers = reply.items
-                if len(answers) != len(call.items):
+                if len(answers) != len(call.items) or len(reply.parts) != len(answers) + \
+                        reply.dense:
                     raise DataLossError(
                         f"ps task {call.shard} answered {len(answers)} of {len(call.items)} "
                         "table requests; client and ps must run the same towerflow version."
                     )
-                for item, answer in zip(call.items, answers, strict=True):
+                parts = split_parts(payload, reply.parts, "RowBatchReply")
+                if reply.dense and dense_replies is not None:
+                    dense_replies[call.shard] = parts[-1]
+                for item, answer, part in zip(call.items, answers, parts, strict=False):
                     out = item.out
-                    if out is not None and item.count:
-                        rows = decode(answer.pull.rows, out.dtype, (item.count, out.shape[1]))
+                    if out is not None and item.count:  # a view of the reply: copied out
+                        rows = decode(part, out.dtype, (item.count, out.shape[1]))
                         out.index_copy_(0, item.positions, rows)  # type: ignore[arg-type]
                     if item.push is not None:
                         pushed.append(answer.push)
@@ -445,7 +448,7 @@ class TableClient:
         with self._deferred_lock:  # earlier deferred pushes of these tables go first
             for key in sorted(k for k in self._deferred if k[0] in on_ps):
                 per_shard[key[1]].append(Item(key[0], key[1], push=self._deferred.pop(key)))
-        keep: dict[tuple[str, int], Any] = {}
+        keep: dict[tuple[str, int], Push] = {}
         for table, defer, id_parts, grad_parts in on_ps.values():
             ids = id_parts[0] if len(id_parts) == 1 else torch.cat(id_parts)
             grads = grad_parts[0] if len(grad_parts) == 1 else torch.cat(grad_parts)
@@ -461,12 +464,11 @@ class TableClient:
                 requests = []
                 for cut in cuts:
                     chunk = shard_ids[cut]
-                    requests.append(tpb.PushRowsRequest(
+                    requests.append(Push(tpb.PushRowsRequest(
                         table=table.name, shard=shard, worker_id=self.worker_id,
                         incarnation=self.incarnation, seq=self.next_seq(),
-                        lr=rates[table.name], step=step,
-                        num_ids=chunk.numel(), dtype=dtype, ids=encode(chunk),
-                        grads=encode(shard_grads[cut])))
+                        lr=rates[table.name], step=step, num_ids=chunk.numel(), dtype=dtype),
+                        chunk, shard_grads[cut]))
                 if defer and len(requests) == 1:
                     keep[(table.name, shard)] = requests[0]
                 else:
