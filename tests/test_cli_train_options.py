@@ -46,6 +46,8 @@ def _ps_strategy(*flags: str):  # noqa: ANN202
     (["--init-timeout", "9"], lambda s: s._init_timeout, 9.0),
     (["--on-bad-gradient", "skip"], lambda s: s._policy, "skip"),
     (["--ps-prefetch"], lambda s: s._prefetch, True),
+    (["--dense-apart"], lambda s: s._dense_with_rows, False),
+    ([], lambda s: s._dense_with_rows, True),
     (["--sparse-threshold", "1MiB"], lambda s: s._sparse_threshold, 1048576),
     (["--sparse-threshold", "off"], lambda s: s._sparse_threshold, None),
     ([], lambda s: s._sparse_threshold, 64 << 20),

@@ -93,7 +93,7 @@ def test_a_click_model_trains_with_one_request_per_ps_task_a_step(start_ps_tasks
     strategy.prepare(model, OptimizerConfig("sgd", lr=0.5))
     data = click_batches(STEPS)
     try:
-        assert strategy._carry
+        assert strategy._carrier is not None
         strategy._tables.prefetcher.enabled = pull_ahead
         strategy.run_step(click_loss, data[0])  # records where the ids come from
         for batch in data[1:]:
@@ -142,7 +142,7 @@ def test_sync_and_ssp_keep_the_dense_push_in_its_own_step(start_ps_tasks, mode) 
     strategy = worker(start_ps_tasks(SECRET), mode=mode)
     strategy.prepare(Click(), OptimizerConfig("sgd", lr=0.5))
     try:
-        assert not strategy._carry
+        assert strategy._carrier is None
         strategy.run_step(click_loss, click_batches(1)[0])
         assert dense_stats(strategy, "applied") == [1, 1]
     finally:
@@ -231,7 +231,7 @@ def test_a_loss_function_that_calls_the_models_parts_gets_the_dense_push_apart(
         with caplog.at_level("WARNING", logger="towerflow.ps"):
             for batch in click_batches(4):
                 strategy.run_step(parts_loss, batch)
-        assert not strategy._carry
+        assert strategy._carrier is None
         assert "does not call the model (model(inputs))" in caplog.text
         assert dense_stats(strategy, "applied") == [4, 4]  # none waits, none twice
         assert dense_stats(strategy, "duplicates") == [0, 0]

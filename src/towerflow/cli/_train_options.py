@@ -37,7 +37,8 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "ps_strategy": ("ps", "ps_strategy"), "partition_threshold": ("ps", "partition_threshold_bytes"),
     "ps_timeout": ("ps", "timeout"), "step_timeout": ("ps", "step_timeout"),
     "init_timeout": ("ps", "init_timeout"), "on_bad_gradient": ("ps", "on_bad_gradient"),
-    "ps_prefetch": ("ps", "prefetch"), "bind": ("ps", "bind_host"),
+    "ps_prefetch": ("ps", "prefetch"), "dense_with_rows": ("ps", "dense_with_rows"),
+    "bind": ("ps", "bind_host"),
     "sparse_threshold": ("ps", "sparse_threshold_bytes"),
     "table_part_bytes": ("ps", "table_part_bytes"),
     "join": ("ps", "join"), "max_elastic_workers": ("ps", "max_elastic_workers"),
@@ -230,6 +231,10 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--ps-prefetch", action="store_true",
                        help="push and pull in the background while the next batch is prepared "
                        "(the step log then lags by one push)")
+    group.add_argument("--dense-apart", dest="dense_with_rows", action="store_false",
+                       help="async: push the dense layers in their own request each step "
+                       "(default: dense_with_rows=True, with the next step's table pull: one "
+                       "request per ps task and step)")
     group.add_argument("--bind", default=None, metavar="HOST",
                        help="the interface this task's server listens on (0.0.0.0 or :: for "
                        "all) instead of the host its cluster names, e.g. in a pod whose Service "

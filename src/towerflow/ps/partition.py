@@ -258,14 +258,17 @@ class Partitioner(abc.ABC):
                 )
         return self._local(ids, shard)
 
-    def split(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def split(self, ids: torch.Tensor, *, checked: bool = False
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Split a batch of ids into one ``(positions, ids)`` pair per shard.
 
         ``positions`` (int64, ascending) are where the shard's ids sit in
         ``ids``, so ``out.index_copy_(0, positions, rows)`` puts each shard's
         answer back in batch order. Every shard gets a pair, empty or not.
+        ``checked=True``: ``ids`` passed :meth:`check` already (not checked again).
         """
-        ids = self.check(ids)
+        if not checked:
+            ids = self.check(ids)
         owner = self._shard_of(ids)
         if self.num_shards <= _MASK_SPLIT_SHARDS:  # a pass per shard beats a stable sort
             places = [(owner == shard).nonzero().view(-1) for shard in range(self.num_shards)]

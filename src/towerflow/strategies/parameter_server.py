@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -65,7 +63,10 @@ from towerflow.ps.worker.dense.variables import (
 )
 from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
+from towerflow.strategies.ps_carry import DenseCarrier
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
+from towerflow.strategies.ps_peers import wait_for_workers
+from towerflow.strategies.ps_placement import plan_variables
 from towerflow.strategies.ps_tables import (
     attach_tables,
     start_tables,
@@ -132,14 +133,10 @@ class ParameterServer(Strategy):
             must then be None.
         max_elastic_workers: (the chief) how many elastic workers each ps task
             admits at once (async mode; 0: none).
-        dense_with_rows: async, for a model with sparse tables whose dense
-            shards each fit one message (the common click model): a step's dense
-            push travels with the next step's table pull, so that the step's
-            whole traffic to a ps task is one request and one reply (the ps
-            applies the dense push, then answers the fresh parameters before
-            the model's forward runs; ``StepResult.global_step`` is then the step
-            after this push, as with ``prefetch``). False: the dense push goes in
-            its own request at the end of each step.
+        dense_with_rows: async, a model with tables and small dense shards (a click
+            model): each step's dense push travels with the next step's table pull,
+            one request per ps task and step (``towerflow.strategies.ps_carry``;
+            ``StepResult.global_step`` as with ``prefetch``). False: in its own.
     """
 
     name = "ps"
@@ -199,8 +196,7 @@ class ParameterServer(Strategy):
         self._timeout, self._init_timeout = timeout, init_timeout
         self._policy, self._prefetch = on_bad_gradient, prefetch
         self._dense_with_rows = dense_with_rows
-        self._carry = False  # prepare(): the dense push travels with the next table pull
-        self._carried_hook: Any = None
+        self._carrier: DenseCarrier | None = None  # the dense push with the next table pull
         self._client: Any = None
         self._server, self._owns_server = (None if isinstance(server, bool) else server), False
         self._serve = server is True and not join
@@ -300,7 +296,9 @@ class ParameterServer(Strategy):
                 "Call model.float() first (use autocast for lower precision compute)."
             )
         check_dense_groups(optimizer, [n for n, _ in params])
-        placement = self._plan(params, model)
+        placement = plan_variables(params, model, self.cluster.num_tasks("ps"),
+                                   setter=self._setter, ps_strategy=self._ps_strategy,
+                                   threshold=self._threshold)
         self._buffers = FlatBuffers(placement, dict(params), self._device)
         self._opt = optimizer
         self._start_server()
@@ -310,7 +308,11 @@ class ParameterServer(Strategy):
             timeout=self._timeout, push_timeout=self._push_timeout(),
             push_wait=self.aggregation.timeout, on_bad_gradient=self._policy)
         self._model = model
-        self._carry = self._carries_dense(model)
+        if self._dense_with_rows and not self._prefetch \
+                and DenseCarrier.wanted(self._tables, self.client, self.aggregation):
+            self._carrier = DenseCarrier(model, self._tables, self.client,
+                                         lambda result_of: self._take(self._outcome(result_of)),
+                                         self._buffers.host_param_arrays)
         if self._chief:
             self._needs_init = True  # after a possible restore (load_state)
         else:
@@ -319,21 +321,6 @@ class ParameterServer(Strategy):
                 self._sigterm = join_running_job(self._client)
             self._pull()
         return model
-
-    def _carries_dense(self, model: nn.Module) -> bool:
-        """Whether each step's dense push goes with the next step's table pull (async, a
-        model with tables that all defer their pushes, every dense shard one message)."""
-        tables = self._tables
-        if not (self._dense_with_rows and tables and self.aggregation.mode == "async"
-                and not self._prefetch and all(m.defer_push for _, m in tables.modules)
-                and all(shard.small for shard in self.client.shards)):
-            return False
-        tables.pull_ahead_always(model)
-        # after the tables' pull ahead
-        self._carried_hook = model.register_forward_pre_hook(self._before_forward)
-        log.info("the dense push of each step travels with the next step's table pull: one "
-                 "request per ps task and step")
-        return True
 
     def _push_timeout(self) -> float:
         """Deadline of one attempt of a push: the step timeout and a call's deadline.
@@ -345,25 +332,6 @@ class ParameterServer(Strategy):
         if wait is None or self._elastic:  # an elastic worker's async pushes never wait
             return self._timeout
         return wait + self._timeout
-
-    def _plan(self, params: list[tuple[str, nn.Parameter]], model: nn.Module) -> Any:
-        """Where the variables live: as the model was built (under a setter scope), else
-        as the ``device_setter`` places them, else by ``ps_strategy``."""
-        from towerflow.devices import parameter_placements
-        from towerflow.ps.placement import placement_from_tasks, plan_placement
-
-        shapes = [(n, tuple(p.shape)) for n, p in params]
-        num_ps = self.cluster.num_tasks("ps")
-        built = parameter_placements(model)
-        if built:
-            source = next(iter(built.values())).source
-            threshold = getattr(source, "partition_threshold_bytes", self._threshold)
-            tasks = {n: p.spec.task for n, p in built.items() if p.spec.job == "ps"}
-            return placement_from_tasks(shapes, tasks, num_ps, partition_threshold_bytes=threshold)
-        if self._setter is not None and self._setter.num_ps == num_ps:
-            return self._setter.place(shapes)
-        return plan_placement(shapes, num_ps, strategy=self._ps_strategy,
-                              partition_threshold_bytes=self._threshold)
 
     @property
     def server(self) -> Any:
@@ -437,13 +405,10 @@ class ParameterServer(Strategy):
         if rows:  # (unique ids, summed row gradients) to the owning shards
             self._tables.push(rows, lr=rate, step=self._step + 1)
         grads = buffers.grads_to_host()
-        if self._carry and self._send_carried():  # no forward of the model took it
-            self._stop_carrying()
-        if self._carry:  # sent with the next forward's table pull (or before it, alone)
-            push = self.client.prepare_push(grads, rate)
-            self._tables.carry(dict(enumerate(push.requests)),
-                               lambda replies: self._take_carried(push, replies))
-            return StepResult(loss=loss.detach(), global_step=self._step + 1)
+        if self._carrier is not None:  # sent with the next forward's table pull
+            if self._carrier.carry(grads, rate):
+                return StepResult(loss=loss.detach(), global_step=self._step + 1)
+            self._carrier = None  # it stopped (no forward of the model): pushed below
         if self._prefetch:
             self._pending = self.client.push_async(grads, rate, pull_into=buffers.host_param_arrays)
             return StepResult(loss=loss.detach(), global_step=self._step + 1)
@@ -464,36 +429,8 @@ class ParameterServer(Strategy):
         pending, self._pending = self._pending, None
         if pending is not None:
             self._take(self._outcome(pending.result))
-        if carried:
-            self._send_carried()
-
-    def _take_carried(self, push: Any, replies: dict[int, bytes]) -> None:
-        """Adopt a carried dense push's replies (by ps task; none: send it now)."""
-        self._take(self._outcome(lambda: self.client.finish_prepared(
-            push, replies, pull_into=self._buffers.host_param_arrays)))
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """A forward that did not pull its tables ahead gets fresh dense parameters first."""
-        self._send_carried()
-
-    def _send_carried(self) -> bool:
-        """Send the dense push that no table pull has carried; whether there was one."""
-        carried = self._tables.take_carried() if self._carry else None
-        if carried is not None:
-            carried[1]({})
-        return carried is not None
-
-    def _stop_carrying(self) -> None:
-        """A step ran without the model's forward (the loss function calls its parts): the
-        tables cannot be pulled before it, so the dense push goes alone each step."""
-        self._carry = False
-        if self._carried_hook is not None:
-            self._carried_hook.remove()
-            self._carried_hook = None
-        log.warning("the dense push goes in its own request each step: the loss function does "
-                    "not call the model (model(inputs)), so the tables cannot be pulled with it "
-                    "before the forward. Call the model itself in the loss function for one "
-                    "request per ps task and step.")
+        if carried and self._carrier is not None:
+            self._carrier.send()
 
     def _outcome(self, push: Any) -> Any:
         """``push()``'s result; a push that failed for a missing peer leaves this worker
@@ -597,22 +534,7 @@ class ParameterServer(Strategy):
         if not self._chief or self.aggregation.mode == "sync" or self._client is None \
                 or self._world <= 1:
             return False
-        deadline, said = time.monotonic() + timeout, False
-        while True:
-            left = self._world - 1 - sum(  # one the ps's heartbeats find dead says no Done
-                w.done or w.heartbeat == "dead" for w in self._client.shards[0].status().workers
-                if w.worker_id != self._rank)
-            if left <= 0:
-                return said
-            if time.monotonic() >= deadline:
-                log.warning("%d worker(s) did not finish within %g s; the final checkpoint "
-                            "holds the pushes applied so far", left, timeout)
-                return True
-            if not said:
-                log.info("waiting up to %g s for %d other worker(s) to finish before the "
-                         "final checkpoint", timeout, left)
-                said = True
-            threading.Event().wait(0.1)
+        return wait_for_workers(self._client.shards[0].status, self._rank, self._world, timeout)
 
     def end_training(self, *, finished: bool, checkpoint_step: int | None = None,
                      error: BaseException | None = None) -> None:
@@ -646,9 +568,9 @@ class ParameterServer(Strategy):
                 self._outcome(self._tables.flush if self._unfinished else self._tables.done)
         finally:
             self._client = None
-            if self._carried_hook is not None:
-                self._carried_hook.remove()
-            self._carried_hook, self._carry = None, False
+            carrier, self._carrier = self._carrier, None
+            if carrier is not None:
+                carrier.close()
             if client is not None:  # an elastic worker always leaves: nothing waits for it
                 client.close(done=not self._unfinished or self._elastic,
                              checkpoint_step=self._checkpoint_step, failure=self._failure)

@@ -70,10 +70,10 @@ _T = TypeVar("_T")
 @dataclass(frozen=True, slots=True)
 class PreparedPush:
     """A push encoded ahead of sending (:meth:`PSClient.prepare_push`): one
-    ``PushPullSmall`` request per shard, and how log lines name it."""
+    ``PushPullSmall`` request per shard, and how log lines name each."""
 
     requests: tuple[bytes, ...]
-    what: str
+    whats: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,8 +299,9 @@ class PSClient:
                  "lr": lr}
         requests = tuple(shard.encode_small(grad, want_params=want_params, **ident)
                          for shard, grad in zip(self.shards, grads, strict=True))
-        return PreparedPush(requests, f"push {self._seq} of worker {self.worker_id} "
-                                      f"(incarnation {self.incarnation})")
+        return PreparedPush(requests, tuple(
+            f"push {self._seq} of worker {self.worker_id} (incarnation {self.incarnation}, "
+            f"computed on step {shard.version})" for shard in self.shards))
 
     def send_prepared(self, push: PreparedPush, *,
                       pull_into: Sequence[np.ndarray] | None = None) -> PushResult:
@@ -318,7 +319,8 @@ class PSClient:
             raise
         return self._result([
             (shard.finish_push if begun else shard.push_small)(
-                request, pull_into=None if pull_into is None else pull_into[i], what=push.what)
+                request, pull_into=None if pull_into is None else pull_into[i],
+                what=push.whats[i])
             for i, (shard, request, begun) in enumerate(zip(self.shards, push.requests, started,
                                                             strict=True))])
 
@@ -328,7 +330,7 @@ class PSClient:
         from their reply bytes by shard; a shard with no reply is sent its request now."""
         return self._result([
             shard.small_reply(replies[i], into) if i in replies else
-            shard.push_small(push.requests[i], pull_into=into, what=push.what)
+            shard.push_small(push.requests[i], pull_into=into, what=push.whats[i])
             for i, shard in enumerate(self.shards)
             for into in (None if pull_into is None else pull_into[i],)])
 

@@ -363,7 +363,8 @@ class TableClient:
                 outs[index] = out[start:start + part.numel()]
                 start += part.numel()
             step = max(1, self.max_call_bytes // (table.row_bytes + 8))
-            for shard, (positions, shard_ids) in enumerate(table.partitioner.split(ids)):
+            for shard, (positions, shard_ids) in enumerate(
+                    table.partitioner.split(ids, checked=True)):  # each part checked above
                 for first in range(0, shard_ids.numel(), step):
                     chunk = shard_ids[first:first + step]
                     per_shard[shard].append(Item(
@@ -454,7 +455,8 @@ class TableClient:
             grads = grad_parts[0] if len(grad_parts) == 1 else torch.cat(grad_parts)
             dtype = _DTYPE_NAMES[table.dtype]
             step_rows = max(1, self.max_call_bytes // (table.row_bytes + 8))
-            for shard, (positions, shard_ids) in enumerate(table.partitioner.split(ids)):
+            for shard, (positions, shard_ids) in enumerate(
+                    table.partitioner.split(ids, checked=True)):  # each part checked above
                 if not shard_ids.numel() and not self.every_shard:
                     continue
                 shard_grads = grads.index_select(0, positions)

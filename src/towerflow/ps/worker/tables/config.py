@@ -85,7 +85,7 @@ class TableConfig:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row."""
-        return self.dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.dim * self.dtype.itemsize
 
     def spec(self, shard: int) -> tpb.TableSpec:
         """The ``TableSpec`` message of shard ``shard``."""

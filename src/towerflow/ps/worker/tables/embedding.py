@@ -538,7 +538,10 @@ class SparseTables:
     def nonfinite(taken: list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]]) -> str | None:
         """The name of a table whose row gradient holds NaN / inf, or None."""
         for module, _, grads in taken:
-            if not bool(torch.isfinite(grads).all()):
+            # the sum is finite when every value is (one reduction, no mask); a sum that
+            # overflowed is checked value by value
+            if grads.numel() and not bool(torch.isfinite(grads.sum())) \
+                    and not bool(torch.isfinite(grads).all()):
                 return f"{module.config.name} (sparse table)"  # type: ignore[union-attr]
         return None
 

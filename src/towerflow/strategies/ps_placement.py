@@ -1,0 +1,30 @@
+"""Where a ``ParameterServer`` model's dense variables live on the ps tasks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["plan_variables"]
+
+
+def plan_variables(params: list[tuple[str, nn.Parameter]], model: nn.Module, num_ps: int, *,
+                   setter: Any, ps_strategy: str | None, threshold: int | None) -> Any:
+    """The ``Placement`` of ``params``: as the model was built (under a setter scope), else
+    as the ``setter`` (a ``replica_device_setter`` result) places them, else by
+    ``ps_strategy`` with variables over ``threshold`` bytes split."""
+    from towerflow.devices import parameter_placements
+    from towerflow.ps.placement import placement_from_tasks, plan_placement
+
+    shapes = [(n, tuple(p.shape)) for n, p in params]
+    built = parameter_placements(model)
+    if built:
+        source = next(iter(built.values())).source
+        threshold = getattr(source, "partition_threshold_bytes", threshold)
+        tasks = {n: p.spec.task for n, p in built.items() if p.spec.job == "ps"}
+        return placement_from_tasks(shapes, tasks, num_ps, partition_threshold_bytes=threshold)
+    if setter is not None and setter.num_ps == num_ps:
+        return setter.place(shapes)
+    return plan_placement(shapes, num_ps, strategy=ps_strategy,
+                          partition_threshold_bytes=threshold)
