@@ -278,3 +278,39 @@ def test_received_buffers_are_read_in_place_and_never_written_through() -> None:
     data[:] = bytes(len(data))  # the reply's bytes changed: the table is not a view of them
     torch.testing.assert_close(rows(), expected, rtol=0, atol=0)
     torch.testing.assert_close(answered.view(2, 4), expected[[1, 3]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lie", ["parts short", "parts long", "a part missing", "dense absent"])
+def test_a_framed_batch_that_lies_about_its_buffers_is_refused_and_applies_nothing(lie) -> None:
+    """A peer with the secret that sends buffers other than its header announces gets an
+    error naming the batch; no push of it is applied."""
+    from towerflow.errors import DataLossError, InvalidArgumentError
+    from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.protocol import pack_parts
+    from towerflow.ps.server.tables.service import TableService
+    from towerflow.ps.worker.tables.config import TableConfig
+
+    config = TableConfig("t", ModPartitioner(1, num_rows=10), 4, {"name": "sgd", "hyper": {}},
+                         {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3})
+    service = TableService(0)
+    service.init_table(tpb.InitTableRequest(spec=config.spec(0)).SerializeToString())
+    ids = torch.tensor([1, 3], dtype=torch.int64).numpy().tobytes()
+    grads = torch.ones(2, 4).numpy().tobytes()
+    header = tpb.RowBatchRequest(items=[tpb.PushPullRowsRequest(
+        pull=tpb.PullRowsRequest(table="t", shard=0, num_ids=2),
+        push=tpb.PushRowsRequest(table="t", shard=0, worker_id=0, incarnation=1, seq=1, lr=1.0,
+                                 step=1, num_ids=2, dtype="float32"))])
+    parts = [ids, ids, grads]
+    sizes = [len(p) for p in parts]
+    if lie == "parts short":
+        sizes[2] -= 4
+    elif lie == "parts long":
+        sizes[2] += 4
+    elif lie == "a part missing":
+        parts, sizes = parts[:2], sizes[:2]
+    else:
+        header.dense = True
+    header.parts.extend(sizes)
+    with pytest.raises((DataLossError, InvalidArgumentError), match="RowBatch"):
+        service.row_batch(pack_parts(header.SerializeToString(), parts))
+    assert service.table("t", 0).status()["applied"] == 0
