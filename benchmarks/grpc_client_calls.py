@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from concurrent import futures
 import grpc
 import grpc.aio
 
+from towerflow.cluster.launcher import free_ports
 from towerflow.cluster.transport import ChannelOptions, RequestStream
 
 REQUEST = os.urandom(40_000)
@@ -134,12 +134,6 @@ def measure(ports: list[int], steps: int, rounds: int) -> dict[str, list[tuple[f
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
@@ -150,7 +144,7 @@ def main() -> None:
         serve(args.serve)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    ports = [_free_port(), _free_port()]
+    ports = free_ports(2)
     servers = [subprocess.Popen([sys.executable, __file__, "--serve", str(p)], env=env)
                for p in ports]
     try:

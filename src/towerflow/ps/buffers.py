@@ -57,6 +57,11 @@ def raw_bytes(tensor: Any) -> memoryview:
     return memoryview(tensor.detach().contiguous().cpu().numpy()).cast("B")
 
 
+def tensor_bytes(tensor: Any) -> bytes:
+    """A torch tensor's raw little-endian bytes, row-major (a message field's)."""
+    return bytes(raw_bytes(tensor))
+
+
 def receive_into(target: np.ndarray | None, chunks: Iterable[bytes | memoryview], numel: int,
                  *, who: str,
                  on_chunk: Callable[[int, np.ndarray], None] | None = None) -> int:

@@ -231,8 +231,7 @@ class PSService:
         optimizer = make_optimizer(plan.optimizer["name"], plan.layout.numel, slots=slots,
                                    **{k: v for k, v in plan.optimizer.items() if k != "name"})
         optimizer.step = plan.optimizer_step
-        limit = self.staging_bytes or default_staging_limit(plan.layout.nbytes,
-                                                            plan.config.total_num_replicas)
+        limit = self.staging_bytes or default_staging_limit(plan.config.total_num_replicas)
         state = ShardState(plan.layout, params, optimizer, step=plan.step, staging_limit=limit)
         state.merge_pushes(plan.pushes, plan.step)
         aggregator = make_aggregator(state, plan.config, self.describe_worker, self.elastic)

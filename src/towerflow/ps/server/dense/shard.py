@@ -81,16 +81,15 @@ STAGING_FLOOR = 64 << 20
 PARTITION = CHUNK_BYTES // ITEM
 
 
-def default_staging_limit(nbytes: int, replicas: int) -> int:
+def default_staging_limit(replicas: int) -> int:
     """Bytes of pushed chunks a shard of ``nbytes`` may hold at once while they are handled.
 
     A push holds one received chunk at a time (checked, applied or summed,
     then freed), so this bounds chunk buffers, not whole pushes: four chunks
     for every replica and two more pushes (a retry overtaking its stalled
     first attempt, a peer's stray call), never less than :data:`STAGING_FLOOR`
-    (``nbytes`` is not used: no push is held whole).
+    (whatever the shard's size: no push is held whole).
     """
-    del nbytes
     return max(STAGING_FLOOR, (replicas + 2) * 4 * CHUNK_BYTES)
 
 
@@ -144,7 +143,7 @@ class ShardState:
         self._records: deque[LedgerRecord] = deque(maxlen=LEDGER_CAPACITY)
         #: records ever made (the absolute index of the next one)
         self.ledger_total = 0
-        self.staging_limit = staging_limit or default_staging_limit(layout.nbytes, 1)
+        self.staging_limit = staging_limit or default_staging_limit(1)
         #: bytes of pushed chunks being handled (received, not yet applied or summed)
         self._staged = 0
         self._expected = layout.signature
@@ -220,19 +219,14 @@ class ShardState:
             yield
 
     def apply(self, grad: np.ndarray, lr: float) -> int:
-        """Apply the whole gradient ``grad`` with rate ``lr``; return the new step."""
-        return self.apply_parts([(0, grad)], lr)
-
-    def apply_parts(self, parts: Sequence[tuple[int, np.ndarray]], lr: float) -> int:
-        """Apply one gradient given as ``(first element, values)`` parts; return the new step.
+        """Apply the whole gradient ``grad`` with rate ``lr``; return the new step.
 
         Each partition is updated under its range lock: a pull never sees
         part of the update applied to a range it copies.
         """
         update = self.begin_update()
-        for first, values in parts:
-            for start in range(0, values.size, PARTITION):
-                self.apply_range(first + start, values[start:start + PARTITION], lr, update)
+        for start in range(0, grad.size, PARTITION):
+            self.apply_range(start, grad[start:start + PARTITION], lr, update)
         return self.commit_update()
 
     def begin_update(self) -> int:

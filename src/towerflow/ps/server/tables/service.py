@@ -72,6 +72,7 @@ from towerflow.errors import (
 )
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.buffers import raw_bytes
+from towerflow.ps.buffers import tensor_bytes as encode
 from towerflow.ps.protocol import (
     AggregationConfig,
     pack_parts,
@@ -223,8 +224,6 @@ class TableService:
                                  applied=applied).SerializeToString()
 
     def push_pull_rows(self, data: bytes, context: grpc.ServicerContext | None = None) -> bytes:
-        from towerflow.ps.server.tables.shard import encode
-
         request = parse_message(tpb.PushPullRowsRequest, data, "PushPullRows")
         shard, checked = self._check_item(request)
         outcome, applied, rows = shard.run(checked, _active(context))
@@ -333,7 +332,6 @@ class TableService:
         return self._each_request(self.row_batch, requests, context)
 
     def export_rows(self, data: bytes) -> Iterator[bytes]:
-        from towerflow.ps.server.tables.shard import encode
 
         request = parse_message(tpb.ExportRowsRequest, data, "ExportRows")
         shard = self.table(request.table, request.shard)

@@ -47,7 +47,7 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.buffers import raw_bytes
+from towerflow.ps.buffers import tensor_bytes as encode
 from towerflow.ps.protocol import push_rows
 from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome, PushTable
 from towerflow.ps.server.tables.aggregation import make_row_aggregator
@@ -139,11 +139,6 @@ def _quiet_readonly_warning() -> None:
 
 
 _quiet_readonly_warning()
-
-
-def encode(tensor: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of ``tensor`` (row-major)."""
-    return bytes(raw_bytes(tensor))
 
 
 class TableShard:

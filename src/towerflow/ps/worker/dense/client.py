@@ -266,11 +266,15 @@ class PSClient:
         small = self.prepare_push(grads, lr, want_params=pull_into is not None)
         if small is not None:
             return self.send_prepared(small, pull_into=pull_into)
-        self._seq += 1
-        ident = {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": self._seq,
-                 "lr": lr}
+        ident = self._next_push(lr)
         return self._result(self._each(lambda shard, i: shard.push(
             grads[i], pull_into=None if pull_into is None else pull_into[i], **ident)))
+
+    def _next_push(self, lr: float) -> dict[str, Any]:
+        """The identity of this worker's next push (a new ``seq``) and its rate."""
+        self._seq += 1
+        return {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": self._seq,
+                "lr": lr}
 
     def _result(self, replies: Sequence[pb.PushReply]) -> PushResult:
         result = PushResult(int(replies[0].step), tuple(r.status for r in replies),
@@ -294,14 +298,12 @@ class PSClient:
         """
         if not all(shard.small for shard in self.shards):
             return None
-        self._seq += 1
-        ident = {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": self._seq,
-                 "lr": lr}
+        ident = self._next_push(lr)
         requests = tuple(shard.encode_small(grad, want_params=want_params, **ident)
                          for shard, grad in zip(self.shards, grads, strict=True))
         return PreparedPush(requests, tuple(
-            f"push {self._seq} of worker {self.worker_id} (incarnation {self.incarnation}, "
-            f"computed on step {shard.version})" for shard in self.shards))
+            shard.push_name(ident["worker_id"], ident["incarnation"], ident["seq"])
+            for shard in self.shards))
 
     def send_prepared(self, push: PreparedPush, *,
                       pull_into: Sequence[np.ndarray] | None = None) -> PushResult:

@@ -283,29 +283,34 @@ class ShardClient:
         waits of :meth:`push` (``what`` names it in their log lines)."""
         return self._waiting(lambda: self._push_pull_small(request, pull_into), what)
 
+    def push_name(self, worker_id: int, incarnation: int, seq: int) -> str:
+        """How log lines name a push of this shard (with the step it was computed on)."""
+        return (f"push {seq} of worker {worker_id} (incarnation {incarnation}, computed on "
+                f"step {self.version})")
+
     def push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
              pull_into: np.ndarray | None = None) -> pb.PushReply:
         """Push ``grad``; with ``pull_into``, receive the fresh parameters in the same call."""
-        small = self.small  # one message each way
-        header, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
-                                  lr=lr, want_params=pull_into is not None)
+        what = self.push_name(worker_id, incarnation, seq)
+        if self.small:  # one message each way
+            return self.push_small(self.encode_small(
+                grad, worker_id=worker_id, incarnation=incarnation, seq=seq, lr=lr,
+                want_params=pull_into is not None), pull_into=pull_into, what=what)
+        _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
+                             lr=lr, want_params=pull_into is not None)
 
         def messages() -> Iterator[bytes]:
             yield head
             yield from chunks(grad, self.chunk_bytes)
 
         def call() -> pb.PushReply:
-            if small:
-                return self._push_pull_small(
-                    pack(head, memoryview(np.ascontiguousarray(grad)).cast("B")), pull_into)
             if pull_into is None:
                 data = stream_unary(self.channel, method_path("Push"), messages(),
                                     timeout=self.push_timeout)
                 return parse_message(pb.PushReply, data, "PushReply")
             return self._push_pull(messages(), pull_into)
 
-        reply = self._waiting(call, f"push {seq} of worker {worker_id} (incarnation "
-                                    f"{incarnation}, computed on step {header.token})")
+        reply = self._waiting(call, what)
         if pull_into is not None and reply.numel:
             self.version = reply.step
         return reply

@@ -21,12 +21,7 @@ from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.buffers import raw_bytes
 from towerflow.ps.protocol import pack_parts
 
-__all__ = ["Call", "Item", "Push", "batch_call", "decode", "encode", "group_calls"]
-
-
-def encode(tensor: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of ``tensor`` (a message field's)."""
-    return bytes(raw_bytes(tensor))
+__all__ = ["Call", "Item", "Push", "batch_call", "decode", "group_calls"]
 
 
 def decode(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]

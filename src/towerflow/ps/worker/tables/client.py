@@ -42,9 +42,10 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps import tables_pb2 as tpb
+from towerflow.ps.buffers import tensor_bytes as encode
 from towerflow.ps.partition import check_ids
 from towerflow.ps.protocol import parse_message, push_records, split_parts, unpack
-from towerflow.ps.worker.tables.batch import Call, Item, Push, decode, encode, group_calls
+from towerflow.ps.worker.tables.batch import Call, Item, Push, decode, group_calls
 from towerflow.ps.worker.tables.config import _DTYPE_NAMES, TableConfig
 from towerflow.ps.worker.tables.fusion import TableView
 from towerflow.ps.worker.tables.stream import RowStream
