@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -531,3 +532,44 @@ def test_small_shards_are_pushed_side_by_side_and_a_broken_stream_is_pushed_agai
         assert services[0].shard[0].stats.applied == 2  # the push and its retry: applied once
         np.testing.assert_allclose(fresh[0], values[0] - 1.25)  # momentum 0.5: 0.5 + 0.75
         c.shards[1].push(grads[1], **ident)  # the same step's other shard
+
+
+def _steps(services) -> list[int]:
+    return [s.shard[0].step for s in services]
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync-client", "plain-client"])
+def test_sync_shards_a_step_apart_meet_again(ps_cluster, sync) -> None:
+    """A worker stopped between its pushes leaves shard 0 a step ahead of shard 1: the next
+    worker's push goes to shard 1 only, and from then on both complete the same steps
+    (a client that pushes each shard its own step keeps them a step apart for good)."""
+    from towerflow.ps.worker.dense.variables import consistent_snapshot
+
+    cluster, services = ps_cluster
+    with client(cluster, 0, sync=sync) as chief, client(cluster, 1, sync=sync) as other:
+        values = init(chief, mode="sync", replicas_to_aggregate=1)
+        ones = [np.ones_like(v) for v in values]
+        chief.pull([np.zeros_like(v) for v in values])
+        # the chief's push reached ps task 0 only (it stopped before its push to task 1)
+        chief.shards[0].push(ones[0], worker_id=0, incarnation=chief.incarnation, seq=99, lr=0.5)
+        assert _steps(services) == [1, 0]
+        into = [np.zeros_like(v) for v in values]
+        other.pull(into)
+        result = other.push(ones, lr=0.5, pull_into=into)
+        if not sync:  # the old way: each shard its own step, a step apart from now on
+            assert result.statuses == ("applied", "applied") and _steps(services) == [2, 1]
+            return
+        assert result.statuses == ("stale", "applied"), result.messages
+        assert re.search(r"step 1 of ps task 0 but of step 0 of ps task 1: sent to the tasks "
+                         r"at step 0 only", result.messages[0])
+        assert _steps(services) == [1, 1] and services[0].shard[0].stats.stale == 0
+        np.testing.assert_allclose(into[1], values[1] - 0.5)  # the step shard 1 lacked
+        for _ in range(3):
+            assert other.push(ones, lr=0.5, pull_into=into).applied
+        assert _steps(services) == [4, 4]
+        snaps = consistent_snapshot(other, sync=True, timeout=1.0)
+        assert [s.step for s in snaps] == [4, 4]
+        # four steps of gradient 1 on each shard, SGD at 0.5 with momentum 0.5
+        moved = 0.5 * (1 + 1.5 + 1.75 + 1.875)
+        for snap, start in zip(snaps, values, strict=True):
+            np.testing.assert_allclose(snap.params, start - moved)

@@ -306,7 +306,8 @@ class ParameterServer(Strategy):
             self.cluster, placement, worker_id=-1 if self._elastic else self._rank,
             credentials=self._credentials,
             timeout=self._timeout, push_timeout=self._push_timeout(),
-            push_wait=self.aggregation.timeout, on_bad_gradient=self._policy)
+            push_wait=self.aggregation.timeout, on_bad_gradient=self._policy,
+            sync=self.aggregation.mode == "sync")
         self._model = model
         if self._dense_with_rows and not self._prefetch \
                 and DenseCarrier.wanted(self._tables, self.client, self.aggregation):

@@ -53,6 +53,7 @@ from towerflow.ps.protocol import (
     CHIEF_REPLICA,
     CHUNK_BYTES,
     REFUSED,
+    STALE,
     AggregationConfig,
     failure_line,
     method_path,
@@ -138,13 +139,19 @@ class PSClient:
         channel_options: gRPC options of the channels to the ps tasks (message
             size, keepalive, per-call window; default
             :class:`~towerflow.cluster.transport.ChannelOptions`).
+        sync: the ps tasks aggregate in sync mode, where each completes a step
+            on its own: a push whose parameters came from different steps
+            (pulled while a step completed, or after a worker stopped between
+            its pushes) goes only to the shards at the lowest of them, and is
+            stale on the others, so every shard completes the same steps (see
+            :meth:`push`).
     """
 
     def __init__(self, cluster: Any, placement: Placement, *, worker_id: int,
                  credentials: Credentials | None = None, timeout: float = 30.0,
                  push_timeout: float | None = None, push_wait: float | None = 0.0,
                  on_bad_gradient: str = "raise", chunk_bytes: int = CHUNK_BYTES, tune_malloc: bool = True,
-                 channel_options: ChannelOptions | None = None) -> None:
+                 channel_options: ChannelOptions | None = None, sync: bool = False) -> None:
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(
                 f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'."
@@ -164,6 +171,7 @@ class PSClient:
         #: an elastic worker's ticket for its id (from ps task 0's Join reply; see join_job)
         self.elastic_ticket = b""
         self.on_bad_gradient = on_bad_gradient
+        self.sync = sync
         self.shards = [
             ShardClient(make_channel(cluster.task_address("ps", i), credentials,
                                      options=channel_options), layout,
@@ -260,15 +268,41 @@ class PSClient:
              pull_into: Sequence[np.ndarray] | None = None) -> PushResult:
         """Push every shard's gradient; with ``pull_into``, get fresh parameters back.
 
+        In sync mode a gradient computed on parameters of different steps goes
+        to the shards at the lowest step only: it is stale on the shards ahead
+        (answered here, with nothing sent), and completes the step the others
+        lack, so the shards' steps meet again instead of drifting apart for
+        good (a shard a step ahead would otherwise take each later push one
+        step ahead of the rest, and no consistent state could be read).
+
         Raises:
             InvalidArgumentError: a shard refused the gradient and the policy is ``raise``.
         """
+        ahead = self._ahead()
+        if ahead:
+            ident = self._next_push(lr)
+            return self._result(self._each(lambda shard, i: ahead[i] if i in ahead else shard.push(
+                grads[i], pull_into=None if pull_into is None else pull_into[i], **ident)))
         small = self.prepare_push(grads, lr, want_params=pull_into is not None)
         if small is not None:
             return self.send_prepared(small, pull_into=pull_into)
         ident = self._next_push(lr)
         return self._result(self._each(lambda shard, i: shard.push(
             grads[i], pull_into=None if pull_into is None else pull_into[i], **ident)))
+
+    def _ahead(self) -> dict[int, pb.PushReply]:
+        """Sync: the shards whose parameters this worker holds from a later step than the
+        lowest, each with the ``stale`` reply its push gets without being sent."""
+        versions = [shard.version for shard in self.shards]
+        low = min(versions)
+        if not self.sync or low == max(versions):
+            return {}
+        behind = ", ".join(str(i) for i, v in enumerate(versions) if v == low)
+        return {i: pb.PushReply(status=STALE, step=v, message=(
+            f"gradient of worker {self.worker_id} was computed on parameters of step {v} of ps "
+            f"task {i} but of step {low} of ps task {behind}: sent to the tasks at step {low} "
+            "only, so that every ps task completes the same steps"))
+            for i, v in enumerate(versions) if v > low}
 
     def _next_push(self, lr: float) -> dict[str, Any]:
         """The identity of this worker's next push (a new ``seq``) and its rate."""
