@@ -262,3 +262,29 @@ def test_a_table_that_exists_keeps_its_rows_when_a_chief_initialises_again(ps_se
             assert torch.equal(all_rows(model.emb), first)
         finally:
             tables.close()
+
+
+@pytest.mark.parametrize("threshold", [1 << 20, None])
+def test_an_embedding_on_meta_that_stays_dense_is_refused_naming_the_way_out(ps_servers,
+                                                                             threshold) -> None:
+    """A table built without values (``device="meta"``) under the swap threshold would
+    stay on the worker with nothing in it: refused before anything reaches the ps."""
+    model = Net(nn.Embedding(1000, 4, device="meta"))
+    strategy = strategy_for(ps_servers, sparse_threshold_bytes=threshold)
+    try:
+        with pytest.raises(InvalidArgumentError) as raised:
+            strategy.prepare(model, OptimizerConfig("adagrad", lr=0.1))
+        message = str(raised.value)
+        assert message.startswith("emb.weight (16,000 bytes) is on the meta device (no values)")
+        assert ("sparse_threshold_bytes is 1,048,576" if threshold else
+                "sparse_threshold_bytes=None: no table is swapped") in message
+        assert ("nn.Embedding(..., sparse=True), lower sparse_threshold_bytes" if threshold else
+                "Give the strategy a sparse_threshold_bytes") in message
+        assert message.endswith(", or build it with values.")
+        assert isinstance(model.emb, nn.Embedding)  # the model as it was
+    finally:
+        strategy.shutdown()
+    sparse = Net(nn.Embedding(1000, 4, sparse=True, device="meta"))  # the way out
+    strategy = train(ps_servers, sparse, OptimizerConfig("adagrad", lr=0.1), steps=1)
+    strategy.shutdown()
+    assert isinstance(sparse.emb, ShardedEmbedding)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from towerflow.errors import CheckpointError
+from towerflow.errors import CheckpointError, InvalidArgumentError
 from towerflow.ps.worker.tables.checkpoint import (
     FUSED_KEY,
     PART_BYTES,
@@ -62,8 +62,13 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
 
     Returns:
         The model's tables (false when it has none).
+
+    Raises:
+        InvalidArgumentError: a parameter built on the meta device (no values)
+            stays dense: only a table on the ps may start without values.
     """
     swapped = swap_embeddings(model, sparse_threshold)
+    _check_no_meta(model, sparse_threshold)
     addresses = [cluster.task_address("ps", i) for i in range(cluster.num_tasks("ps"))]
     tables = SparseTables(model, addresses, optimizer, **client_options)
     for path in swapped:
@@ -71,6 +76,27 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
     if not chief:
         tables.release()
     return tables
+
+
+def _check_no_meta(model: nn.Module, sparse_threshold: int | None) -> None:
+    """Refuse a parameter left on the meta device once the tables are swapped."""
+    meta = [(name, p.numel() * p.element_size()) for name, p in model.named_parameters()
+            if p.is_meta]
+    if not meta:
+        return
+    listing = ", ".join(f"{name} ({size:,} bytes)" for name, size in meta[:4])
+    if sparse_threshold is None:
+        threshold = "sparse_threshold_bytes=None: no table is swapped"
+        way_out = "Give the strategy a sparse_threshold_bytes (the default swaps sparse=True ones)"
+    else:
+        threshold = f"sparse_threshold_bytes is {sparse_threshold:,}"
+        way_out = ("Declare it nn.Embedding(..., sparse=True), lower sparse_threshold_bytes "
+                   "below its size")
+    raise InvalidArgumentError(
+        f"{listing} {'is' if len(meta) == 1 else 'are'} on the meta device (no values) but "
+        f"stay{'s' if len(meta) == 1 else ''} on the worker as dense parameters ({threshold}): "
+        "only an embedding that becomes a sparse table on the ps tasks may be built on meta. "
+        f"{way_out}, or build it with values.")
 
 
 def start_tables(tables: SparseTables, restore: tuple[Any, Any] | None) -> None:
