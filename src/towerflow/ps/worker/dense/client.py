@@ -279,15 +279,12 @@ class PSClient:
             InvalidArgumentError: a shard refused the gradient and the policy is ``raise``.
         """
         ahead = self._ahead()
-        if ahead:
-            ident = self._next_push(lr)
-            return self._result(self._each(lambda shard, i: ahead[i] if i in ahead else shard.push(
-                grads[i], pull_into=None if pull_into is None else pull_into[i], **ident)))
-        small = self.prepare_push(grads, lr, want_params=pull_into is not None)
-        if small is not None:
-            return self.send_prepared(small, pull_into=pull_into)
+        if not ahead:
+            small = self.prepare_push(grads, lr, want_params=pull_into is not None)
+            if small is not None:
+                return self.send_prepared(small, pull_into=pull_into)
         ident = self._next_push(lr)
-        return self._result(self._each(lambda shard, i: shard.push(
+        return self._result(self._each(lambda shard, i: ahead[i] if i in ahead else shard.push(
             grads[i], pull_into=None if pull_into is None else pull_into[i], **ident)))
 
     def _ahead(self) -> dict[int, pb.PushReply]:
@@ -297,11 +294,12 @@ class PSClient:
         low = min(versions)
         if not self.sync or low == max(versions):
             return {}
-        behind = ", ".join(str(i) for i, v in enumerate(versions) if v == low)
+        behind = [str(i) for i, v in enumerate(versions) if v == low]
+        tasks = f"ps task{'s' if len(behind) > 1 else ''} {', '.join(behind)}"
         return {i: pb.PushReply(status=STALE, step=v, message=(
             f"gradient of worker {self.worker_id} was computed on parameters of step {v} of ps "
-            f"task {i} but of step {low} of ps task {behind}: sent to the tasks at step {low} "
-            "only, so that every ps task completes the same steps"))
+            f"task {i} but of step {low} of {tasks}: sent to the tasks at step {low} only, so "
+            "that every ps task completes the same steps"))
             for i, v in enumerate(versions) if v > low}
 
     def _next_push(self, lr: float) -> dict[str, Any]:
