@@ -573,3 +573,19 @@ def test_sync_shards_a_step_apart_meet_again(ps_cluster, sync) -> None:
         moved = 0.5 * (1 + 1.5 + 1.75 + 1.875)
         for snap, start in zip(snaps, values, strict=True):
             np.testing.assert_allclose(snap.params, start - moved)
+
+
+def test_a_small_sync_push_out_of_time_raises_once_push_wait_has_passed(ps_cluster) -> None:
+    """Small shards' pushes go out on their streams side by side; a sync step that waits
+    for a replica past the push's deadline (``push_wait=0``: no second attempt) raises
+    instead of being sent again."""
+    cluster, services = ps_cluster
+    with client(cluster, chunk_bytes=1 << 20, push_timeout=0.5, push_wait=0.0) as c:
+        values = init(c, mode="sync")  # two replicas: worker 1 never pushes
+        sent_again = []
+        for shard in c.shards:
+            shard.push_small = lambda *args, **kw: sent_again.append(args)  # type: ignore
+        with pytest.raises(DeadlineExceededError):
+            c.push([np.ones_like(v) for v in values], lr=0.5)
+        assert sent_again == []  # each shard's one attempt, on its stream, then the error
+        assert [s.shard[0].step for s in services] == [0, 0]

@@ -88,7 +88,8 @@ class DenseCarrier:
         self.send()
 
     def close(self) -> None:
-        """Take the pre-hook off the model (send what is left first: :meth:`send`)."""
+        """Take the pre-hook off the model (a push still carried is not sent: :meth:`send`
+        it first)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

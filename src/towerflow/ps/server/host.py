@@ -26,6 +26,7 @@ from towerflow.cluster.server import stop_on_signals_from_now
 from towerflow.ps.server.dense.service import PSService, _worker_describer, replica_task
 from towerflow.ps.server.elastic import confirm_with_task0
 from towerflow.ps.server.lifecycle import JobLifecycle, peer_describer
+from towerflow.ps.server.tables.service import TableHost
 
 __all__ = ["ShardHost", "run_ps_task"]
 
@@ -91,7 +92,12 @@ class ShardHost:
         return self.service.handlers()
 
     def start(self) -> None:
-        """Start watching the chief and workers (the server listens already)."""
+        """Start watching the chief and workers (the server listens already); hand the
+        task's table service this shard's ``PushPullSmall`` for the dense push a
+        ``RowBatch`` carries."""
+        for hosted in self.server.services:
+            if isinstance(hosted, TableHost):
+                hosted.service.dense = self.service.push_pull_small
         if self.monitor is not None:
             self.monitor.start()
         self.lifecycle.start()

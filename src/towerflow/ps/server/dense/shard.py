@@ -82,7 +82,7 @@ PARTITION = CHUNK_BYTES // ITEM
 
 
 def default_staging_limit(replicas: int) -> int:
-    """Bytes of pushed chunks a shard of ``nbytes`` may hold at once while they are handled.
+    """Bytes of pushed chunks a shard may hold at once while they are handled.
 
     A push holds one received chunk at a time (checked, applied or summed,
     then freed), so this bounds chunk buffers, not whole pushes: four chunks

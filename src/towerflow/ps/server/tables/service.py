@@ -126,7 +126,7 @@ class TableService:
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
         #: the dense shard's ``push_pull_small(request, context)`` of this ps task (a RowBatch's
-        #: ``dense``); wired by :class:`TableHost`, None where no dense shard is served
+        #: ``dense``); set by the task's ``ShardHost``, None where no dense shard is served
         self.dense: Any = None
 
     def handlers(self) -> Any:
@@ -332,7 +332,6 @@ class TableService:
         return self._each_request(self.row_batch, requests, context)
 
     def export_rows(self, data: bytes) -> Iterator[bytes]:
-
         request = parse_message(tpb.ExportRowsRequest, data, "ExportRows")
         shard = self.table(request.table, request.shard)
         chunk_rows = request.chunk_rows or DEFAULT_CHUNK_ROWS
@@ -426,12 +425,8 @@ class TableHost:
         return self.service.handlers()
 
     def start(self) -> None:
-        """Wire the task's dense shard (a RowBatch's ``dense``); tables are created by
-        ``InitTable``."""
-        for hosted in self.server.services:
-            handler = getattr(getattr(hosted, "service", None), "push_pull_small", None)
-            if handler is not None:
-                self.service.dense = handler
+        """Nothing to start: tables are created by ``InitTable`` (the task's ``ShardHost``
+        hands the service its dense shard: ``TableService.dense``)."""
 
     def stop(self) -> None:
         """Nothing to stop."""

@@ -254,23 +254,20 @@ class ShardClient:
         with its retries and waits: the ps applies a push once, whatever the tries. A
         push out of time once ``push_wait`` has passed raises, as :meth:`push` does.
         """
-        stream = self._stream
+        stream, data, failure = self._stream, None, None
         try:
             data = stream.receive() if stream is not None else None
-        except DeadlineExceededError:
-            if self.push_wait is not None and time.monotonic() - self._sent_at >= self.push_wait:
-                self.close_stream()
-                self._stream_lock.release()
-                raise
-            data = None
-        except TowerflowError:
-            data = None
+        except TowerflowError as exc:
+            failure = exc
         if data is None:
             self.close_stream()
         self._stream_lock.release()
-        if data is None:
-            return self.push_small(request, pull_into=pull_into, what=what)
-        return self.small_reply(data, pull_into)
+        if data is not None:
+            return self.small_reply(data, pull_into)
+        if isinstance(failure, DeadlineExceededError) and self.push_wait is not None \
+                and time.monotonic() - self._sent_at >= self.push_wait:
+            raise failure
+        return self.push_small(request, pull_into=pull_into, what=what)
 
     def abandon_push(self) -> None:
         """Give up the push :meth:`start_push` queued without reading its reply."""

@@ -396,7 +396,8 @@ class TableClient:
                         reply.dense:
                     raise DataLossError(
                         f"ps task {call.shard} answered {len(answers)} of {len(call.items)} "
-                        "table requests; client and ps must run the same towerflow version."
+                        f"table requests in {len(reply.parts)} buffers; client and ps must run "
+                        "the same towerflow version."
                     )
                 parts = split_parts(payload, reply.parts, "RowBatchReply")
                 if reply.dense and dense_replies is not None:
