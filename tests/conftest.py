@@ -157,3 +157,28 @@ def table_ps_tasks(free_ports) -> Iterator[Callable[[Any], Any]]:
             client._close()
         for server in servers:
             server.stop()
+
+
+#: the folder whose sitecustomize makes PyTorch's ``lazy`` device ready in a child process
+SECOND_DEVICE_SITE = os.path.join(os.path.dirname(__file__), "second_device")
+
+
+@pytest.fixture(scope="session")
+def second_device() -> Any:
+    """PyTorch's ``lazy`` device: a device other than the CPU on a machine without a GPU
+    (tensors on it and on the CPU do not mix, as a GPU's do not), for tests that the
+    batches a program feeds follow its model there."""
+    import torch
+    import torch._lazy.ts_backend
+
+    torch._lazy.ts_backend.init()
+    return torch.device("lazy")
+
+
+@pytest.fixture
+def second_device_env(subprocess_env: dict[str, str]) -> dict[str, str]:
+    """``subprocess_env`` for a program whose model computes on the ``lazy`` device
+    (``TOWERFLOW_DEVICE=lazy``) while its batches come from the CPU."""
+    path = subprocess_env.get("PYTHONPATH")
+    return dict(subprocess_env, TOWERFLOW_DEVICE="lazy",
+                PYTHONPATH=SECOND_DEVICE_SITE + (os.pathsep + path if path else ""))

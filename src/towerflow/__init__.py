@@ -43,6 +43,7 @@ _LAZY: dict[str, str] = {
     "configure": "towerflow.devices",
     "resolve_device": "towerflow.devices",
     "get_config": "towerflow.devices",
+    "move_to_device": "towerflow.devices",
     # checkpoint
     "save": "towerflow.checkpoint",
     "load": "towerflow._public",

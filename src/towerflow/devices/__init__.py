@@ -18,6 +18,7 @@ from towerflow.devices.params import ParameterPlacement, parameter_placements
 from towerflow.devices.placer import current_scope, device, resolve_device
 from towerflow.devices.settings import DeviceConfig, get_config
 from towerflow.devices.spec import DeviceSpec
+from towerflow.devices.transfer import DEVICE_ENV, compute_device, move_to_device
 
 __all__ = [
     "DeviceSpec",
@@ -34,4 +35,7 @@ __all__ = [
     "resolve_device",
     "get_config",
     "current_scope",
+    "compute_device",
+    "move_to_device",
+    "DEVICE_ENV",
 ]

@@ -264,6 +264,18 @@ class Strategy(abc.ABC):
         """
         return value
 
+    def settle(self) -> None:
+        """Make the model hold every update this process has sent (no-op where a step's
+        update is in the model when :meth:`run_step` returns).
+
+        A ``ParameterServer`` worker may send a step's dense push with the next step's
+        table pull: until then its model lags its own last update by one step. Its
+        ``model.state_dict()``, :meth:`state_dict`, :attr:`global_step`, the end of a
+        ``Trainer`` or ``Supervisor`` loop, their summaries, moving averages and
+        exports settle first; a program that reads the parameters themselves between
+        steps calls this.
+        """
+
     def check_restored_step(self, step: int) -> None:
         """Raise when the replicas restored different steps (no-op in one process)."""
 

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from towerflow.devices import compute_device, move_to_device
+from towerflow.devices.transfer import inputs_follow
 from towerflow.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -61,6 +63,7 @@ from towerflow.ps.worker.dense.variables import (
     dense_groups,
     dense_restore,
 )
+from towerflow.ps.worker.tables.prefetch import host_copies
 from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.strategies.ps_carry import DenseCarrier
@@ -91,7 +94,8 @@ class ParameterServer(Strategy):
         replicas_to_aggregate: sync: gradients averaged per step (default: all
             replicas; fewer leaves the rest as backup workers).
         staleness: ssp: how many pushes a worker may run ahead of the slowest.
-        device: where this worker computes (default: its GPU when it has one).
+        device: where this worker computes (default: ``TOWERFLOW_DEVICE`` when set, else
+            its first GPU when it has one, else the CPU).
         credentials: the cluster credentials (default: from the environment).
         ps_strategy: placement of variables: ``greedy`` (default: each on the ps task
             holding the fewest bytes so far) or ``round_robin`` (in turn). A
@@ -136,7 +140,8 @@ class ParameterServer(Strategy):
         dense_with_rows: async, a model with tables and small dense shards (a click
             model): each step's dense push travels with the next step's table pull,
             one request per ps task and step (``towerflow.strategies.ps_carry``;
-            ``StepResult.global_step`` as with ``prefetch``). False: in its own.
+            ``StepResult.global_step`` as with ``prefetch``; the model lags this step's
+            dense update until then, :meth:`settle`). False: in its own.
     """
 
     name = "ps"
@@ -155,7 +160,6 @@ class ParameterServer(Strategy):
                  max_elastic_workers: int = DEFAULT_MAX_ELASTIC,
                  dense_with_rows: bool = True) -> None:
         from towerflow.cluster import resolve_cluster
-        from towerflow.devices import resolve_device
         from towerflow.ps.protocol import AggregationConfig
 
         if join:
@@ -188,7 +192,7 @@ class ParameterServer(Strategy):
                 partition_threshold_bytes = device_setter.partition_threshold_bytes
             if device is None:
                 device = device_setter.worker_device  # no device type: this task's default
-        self._device = resolve_device(device)
+        self._device = compute_device(device)
         self._credentials = credentials
         self._ps_strategy = ps_strategy or (None if device_setter is not None
                                             else DEFAULT_PS_STRATEGY)
@@ -288,6 +292,7 @@ class ParameterServer(Strategy):
                 "the worker to the cluster as a task instead (or, in a job whose every "
                 "worker keeps its embeddings dense, pass sparse_threshold_bytes=None).")
         model.to(self._device)
+        inputs_follow(model, self._device)  # a program's own model(x) too, before the tables'
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         wrong = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]
         if wrong:
@@ -309,6 +314,7 @@ class ParameterServer(Strategy):
             push_wait=self.aggregation.timeout, on_bad_gradient=self._policy,
             sync=self.aggregation.mode == "sync")
         self._model = model
+        model.register_state_dict_pre_hook(lambda *_: self.settle())
         if self._dense_with_rows and not self._prefetch \
                 and DenseCarrier.wanted(self._tables, self.client, self.aggregation):
             self._carrier = DenseCarrier(model, self._tables, self.client,
@@ -381,16 +387,23 @@ class ParameterServer(Strategy):
 
     # -- steps ---------------------------------------------------------------------------------
     def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
-        """Gradients of ``batch`` on this worker's device, pushed; fresh parameters back."""
+        """Gradients of ``batch`` on this worker's device, pushed; fresh parameters back.
+
+        ``batch`` is handed to ``loss_fn`` on :attr:`device`
+        (:func:`~towerflow.devices.move_to_device`); a table's ids are read from the
+        batch's host copy, never copied back from the device."""
         if self._model is None:
             raise FailedPreconditionError("ParameterServer.run_step before prepare(model, optimizer).")
         self._ensure_initialized()
         self._drain(carried=False)  # a carried dense push goes with this step's table pull
         buffers = self._buffers
         buffers.zero_grads()
+        twins: dict[int, torch.Tensor] = {}  # a moved batch tensor's host copy: the tables' ids
+        batch = move_to_device(batch, self._device, twins if self._tables else None)
         if self._tables:
             self._tables.forget()
-        loss = loss_fn(self._model, batch)
+        with host_copies(twins):
+            loss = loss_fn(self._model, batch)
         loss.backward()
         rate = float(lr if lr is not None else self._opt.lr)
         rows = self._tables.take() if self._tables else []
@@ -458,6 +471,13 @@ class ParameterServer(Strategy):
             self._ensure_initialized()
             self._drain()
         return self._step
+
+    def settle(self) -> None:
+        """Finish the pushes in flight (``prefetch``) and the dense push carried for the next
+        table pull (``dense_with_rows``): the model then holds every update this worker sent
+        (:meth:`Strategy.settle`; ``model.state_dict()`` calls it)."""
+        if self._client is not None:
+            self._drain()
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

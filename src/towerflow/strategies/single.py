@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from towerflow.devices import resolve_device
+from towerflow.devices import compute_device, move_to_device
+from towerflow.devices.transfer import inputs_follow
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 
@@ -62,6 +63,7 @@ class LocalOptimizerStrategy(Strategy):
             )
         config = as_optimizer_config(optimizer, model)
         model.to(self.device)
+        inputs_follow(model, self.device)  # a program's own model(x) too
         self._model = model
         self._train_model = self._wrap(model)
         self._optimizer = config.build_named(model.named_parameters())
@@ -87,13 +89,16 @@ class LocalOptimizerStrategy(Strategy):
         return self._model, self._optimizer
 
     def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
-        """Forward, backward and one optimizer update; the loss stays on the device."""
+        """Forward, backward and one optimizer update; the loss stays on the device.
+
+        ``batch`` is handed to ``loss_fn`` on :attr:`device` (its tensors moved there,
+        :func:`~towerflow.devices.move_to_device`)."""
         _, optimizer = self._prepared()
         if lr is not None:
             for group, factor in zip(optimizer.param_groups, self._lr_factors, strict=True):
                 group["lr"] = lr * factor
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self._train_model, batch)
+        loss = loss_fn(self._train_model, move_to_device(batch, self.device))
         loss.backward()
         optimizer.step()
         self._step += 1
@@ -161,14 +166,16 @@ class SingleDevice(LocalOptimizerStrategy):
 
     Args:
         device: ``"/gpu:0"``, ``"/cpu:0"``, ``"cuda:1"``, a ``torch.device`` or
-            None for the default device (the lowest-numbered GPU when there is one).
+            None for the default device (``TOWERFLOW_DEVICE`` when set, else the
+            lowest-numbered GPU when there is one, else the CPU:
+            :func:`~towerflow.devices.compute_device`).
     """
 
     name = "single"
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         super().__init__()
-        self._device = resolve_device(device)
+        self._device = compute_device(device)
 
     @property
     def device(self) -> torch.device:

@@ -430,6 +430,7 @@ class SummaryHook(Hook):
         from towerflow.training.summaries import parameter_histograms
 
         self._writer.scalars(ctx.step, scalars)
+        self._trainer.strategy.settle()
         self._writer.histograms(ctx.step, parameter_histograms(
             self._trainer.model.named_parameters()))
 

@@ -321,6 +321,7 @@ class Trainer:
                     last_loss = ctx.loss
                 for hook in hooks:
                     hook.after_step(ctx)
+            self.strategy.settle()  # the model holds every update this replica sent
             self._save_on_stop(ctx)
             self._save_after_peers(ctx)
         except PEER_FAILURES as exc:
@@ -373,6 +374,7 @@ class Trainer:
                 result = strategy.run_step(self.loss_fn, batch, lr=lr)
             step = result.global_step
             if self.ema is not None:
+                strategy.settle()  # the average of the parameters with this step's update
                 self.ema.update(num_updates=step - 1)
             guard.observe(step, result.loss)  # on the device: no host sync
             loss: float | None = None

@@ -31,16 +31,11 @@ Transform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Ten
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move the tensors of a (nested) batch to ``device`` without blocking the host."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple):
-        return tuple(to_device(item, device) for item in batch)
-    if isinstance(batch, list):
-        return [to_device(item, device) for item in batch]
-    if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    return batch
+    """Move the tensors of a (nested) batch to ``device``
+    (:func:`towerflow.devices.move_to_device`)."""
+    from towerflow.devices import move_to_device
+
+    return move_to_device(batch, device)
 
 
 def _leading_dim(batch: Any) -> int:

@@ -426,6 +426,7 @@ class Supervisor:
                     raise save_before_stopping(strategy, exc,
                                                lambda: self._save_before_stopping(session)
                                                ) from exc
+                strategy.settle()  # the model holds every update this task sent
                 self._final_save(session)
                 finished = True
         except FinalCheckpointAbandoned:

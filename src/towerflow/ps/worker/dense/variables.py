@@ -112,7 +112,7 @@ class FlatBuffers:
                 self.flat[index][seg.offset:seg.offset + seg.numel] = values
         if self.device.type != "cpu":
             for host, flat in zip(self.host_p, self.flat, strict=True):
-                host.copy_(flat)
+                _copy_to_host(host, flat)
         return self.host_param_arrays
 
     def load_from(self, shards: list[np.ndarray]) -> None:
@@ -154,7 +154,7 @@ class FlatBuffers:
         """The gradients, one flat host array per shard (views made once, reused every step)."""
         if self.device.type != "cpu":
             for host, grad in zip(self.host_g, self.grad, strict=True):
-                host.copy_(grad)
+                _copy_to_host(host, grad)
         return self.host_grad_arrays
 
     def params_to_device(self) -> None:
@@ -167,6 +167,12 @@ class FlatBuffers:
                 param = self.params[name]
                 param.data.reshape(-1)[seg.start:seg.start + seg.numel] = \
                     self.flat[index][seg.offset:seg.offset + seg.numel]
+
+
+def _copy_to_host(host: torch.Tensor, source: torch.Tensor) -> None:
+    """``host[...] = source``: straight from a GPU into the (pinned) host buffer; from a
+    device of another kind (``mps``, ``xpu``, ``lazy``) through its own ``cpu()``."""
+    host.copy_(source if source.device.type == "cuda" else source.cpu())
 
 
 def push_table_tensor(rows: Any) -> torch.Tensor:

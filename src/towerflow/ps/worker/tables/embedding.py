@@ -70,7 +70,7 @@ from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
 from towerflow.ps.worker.tables.fusion import fuse_tables
-from towerflow.ps.worker.tables.prefetch import Prefetcher, pull_ahead, recording
+from towerflow.ps.worker.tables.prefetch import Prefetcher, host_copy, pull_ahead, recording
 
 __all__ = ["ShardedEmbedding", "SparseTables", "sparse_optimizer_for", "unique_ids",
            "seeded_initializer"]
@@ -279,8 +279,7 @@ class ShardedEmbedding(nn.Module):
         if not self.prefetched:
             return None
         ids, unique, inverse, rows = self.prefetched.pop(0)
-        if ids is input or (ids.shape == input.shape and ids.device == input.device
-                            and torch.equal(ids, input)):
+        if ids is input or _same_ids(ids, input):
             return unique, inverse, rows
         self.prefetched.clear()
         if self.on_miss is not None:
@@ -290,8 +289,10 @@ class ShardedEmbedding(nn.Module):
     def _lookup(self, input: torch.Tensor, offsets: torch.Tensor | None,  # noqa: A002
                 per_sample_weights: torch.Tensor | None) -> torch.Tensor:
         ahead = self._ahead(input)
-        if ahead is None:
-            unique, inverse = unique_ids(input.reshape(-1).to("cpu", torch.int64))
+        if ahead is None:  # the ids from the batch's host copy when there is one
+            host = host_copy(input)
+            ids = input if host is None else host
+            unique, inverse = unique_ids(ids.reshape(-1).to("cpu", torch.int64))
             rows = self._client.pull(self.config, unique)  # type: ignore[union-attr, arg-type]
         else:
             unique, inverse, rows = ahead
@@ -333,6 +334,18 @@ class ShardedEmbedding(nn.Module):
     def forget(self) -> None:
         """Drop the lookups not pushed yet (a step that is not pushed)."""
         self._touched = []
+
+
+def _same_ids(predicted: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether the ids pulled ahead (read on the host) are the lookup's ``ids``."""
+    if predicted.shape != ids.shape:
+        return False
+    host = host_copy(ids)
+    if host is not None:
+        ids = host
+    if predicted.device != ids.device:
+        predicted = predicted.to(ids.device, non_blocking=True)
+    return torch.equal(predicted, ids.to(predicted.dtype))
 
 
 def seeded_initializer(name: str) -> dict[str, Any]:

@@ -30,9 +30,10 @@ of a table.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["Prefetcher", "MAX_RECORDINGS", "pull_ahead", "recording"]
+__all__ = ["Prefetcher", "MAX_RECORDINGS", "pull_ahead", "recording", "host_copies", "host_copy"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -57,6 +58,26 @@ _local = threading.local()
 def recording() -> _Recorder | None:
     """The recorder of the forward this thread runs, or None."""
     return getattr(_local, "recorder", None)
+
+
+@contextlib.contextmanager
+def host_copies(twins: Mapping[int, torch.Tensor]) -> Iterator[None]:
+    """While the block runs (a step's forward), a batch tensor moved to the model's device
+    has its host copy known (``twins``: ``id(moved) -> host tensor``, as
+    :func:`towerflow.devices.move_to_device` fills it): the tables pull the rows of ids
+    read from the host copy, not copied back from the device."""
+    previous = getattr(_local, "twins", None)
+    _local.twins = twins
+    try:
+        yield
+    finally:
+        _local.twins = previous
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The host copy of ``tensor`` (a batch tensor moved to the device this step), or None."""
+    twins = getattr(_local, "twins", None)
+    return None if not twins else twins.get(id(tensor))
 
 
 class _Ref:
@@ -165,12 +186,28 @@ class _Recipe:
         self.steps = [(func, pytree.tree_map(local, refs)) for func, refs in steps]
         self.sites = [(module, local(ref)) for module, ref in sites]
 
-    def replay(self, inputs: Sequence[Any]) -> list[tuple[nn.Module, torch.Tensor]]:
-        """Each table's ids for a forward of ``inputs`` (flattened)."""
+        #: host copies of the recipe's tensors on a device (a buffer of offsets): id -> (version,
+        #: tensor, copy); copied again when the tensor was changed in place
+        self._host: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def _on_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        kept = self._host.get(id(tensor))
+        if kept is None or kept[1] is not tensor or kept[0] != tensor._version:
+            kept = (tensor._version, tensor, tensor.detach().cpu())
+            self._host[id(tensor)] = kept
+        return kept[2]
+
+    def replay(self, inputs: Sequence[Any], *,
+               host: bool = False) -> list[tuple[nn.Module, torch.Tensor]]:
+        """Each table's ids for a forward of ``inputs`` (flattened); ``host``: the inputs are
+        the host copies of the forward's, and the recipe's own tensors on a device (a
+        buffer) are taken from their host copies too."""
         results: list[list[Any]] = []
 
         def value(ref: Any) -> Any:
             if not isinstance(ref, _Ref):
+                if host and isinstance(ref, torch.Tensor) and ref.device.type != "cpu":
+                    return self._on_host(ref)
                 return ref
             return inputs[ref.index] if ref.step < 0 else results[ref.step][ref.index]
 
@@ -222,14 +259,9 @@ class Prefetcher:
             return
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if self._recipe is not None and not self._stale and spec == self._spec:
-            try:
-                with torch.no_grad():
-                    lookups = self._recipe.replay(leaves)
-            except Exception as exc:  # noqa: BLE001 - a recipe that no longer applies
-                log.info("table ids not predicted for this batch (%s); pulled one by one",
-                         str(exc)[:200])
-                return
-            self._pull(lookups)
+            lookups = self._replay(self._recipe, leaves)
+            if lookups is not None:
+                self._pull(lookups)
             return
         if self.recordings >= MAX_RECORDINGS:
             self.enabled = False
@@ -242,6 +274,27 @@ class Prefetcher:
         self._recorder = _Recorder(leaves)
         _local.recorder = self._recorder
         self._recorder.__enter__()
+
+    @staticmethod
+    def _replay(recipe: _Recipe, leaves: list[Any]) -> list[tuple[nn.Module, torch.Tensor]] | None:
+        """Each table's ids for this forward: replayed on the host copies of the inputs moved
+        to the model's device this step (no ids back from the device), else on the inputs;
+        None when the recipe does not apply (one line)."""
+        hosts = [host_copy(leaf) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+        tries = [(leaves, False)]
+        if any(host is not None for host in hosts):
+            tries.insert(0, ([leaf if host is None else host
+                              for leaf, host in zip(leaves, hosts, strict=True)], True))
+        error: Exception | None = None
+        for inputs, on_host in tries:
+            try:
+                with torch.no_grad():
+                    return recipe.replay(inputs, host=on_host)
+            except Exception as exc:  # noqa: BLE001 - a recipe that no longer applies
+                error = exc
+        log.info("table ids not predicted for this batch (%s); pulled one by one",
+                 str(error)[:200])
+        return None
 
     def _after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         recorder, self._recorder = self._recorder, None
