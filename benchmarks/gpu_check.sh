@@ -2,10 +2,18 @@
 # Every GPU check and GPU figure of towerflow, in one command on a machine with an NVIDIA GPU
 # and a CUDA build of PyTorch (run from the repository root; logs land in OUT_DIR):
 #
-#   benchmarks/gpu_check.sh OUT_DIR gpu-tests suite figures   # all three, ~10 minutes
+#   benchmarks/gpu_check.sh OUT_DIR                    # gpu-tests suite figures, < 8 minutes
+#   benchmarks/gpu_check.sh OUT_DIR suite              # one part (gpu-tests, suite, figures)
 #
-# gpu-tests: the tests marked gpu; suite: the whole suite on the machine's CPUs, the GPU
-# visible; figures: article 002 / 000 section 1 on the GPU, then every GPU figure.
+# gpu-tests: the tests marked gpu; suite: every other test, with -n sized to the machine's
+# cores, the GPU visible (the names of failing tests are kept from the verbose log even when
+# the run is cut off); figures: article 002 / 000 section 1 on the GPU, then the GPU figures.
+# At the end one line goes to benchmarks/RESULTS.md (and OUT_DIR/summary.txt):
+#
+#   GPU suite: N passed, F failed, M skipped on NVIDIA <name> (commit <sha>)
+#
+# counting the GPU tests and the suite together. The commit is TOWERFLOW_COMMIT when set
+# (a copy of the tree without .git), else git's HEAD.
 #
 # Where towerflow is not installed, it runs from src/ (PYTHONPATH); wheels in .whl/ (the
 # dependencies missing on that machine) are installed to /tmp/site first.
@@ -21,40 +29,50 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -c "import towerflow" 2>/dev/null || export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 stage() { echo "=== $1 ($(date +%T))"; }
+cores=$(nproc)
+workers=$(( cores > 2 ? cores - 2 : 1 ))   # two cores left for the GPU tests' own processes
 
 stage environment
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import sys, torch, grpc, google.protobuf as pb; print('python', sys.version.split()[0],
 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0),
 'grpc', grpc.__version__, 'protobuf', pb.__version__)" | tee -a "$out/env.txt"
+echo "cores $cores, suite workers $workers, OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset}" \
+    | tee -a "$out/env.txt"
 
 if [[ $what == *" gpu-tests "* ]]; then
     stage "GPU tests"
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
-        | tee "$out/gpu-tests.log" | tail -25
+    timeout -s INT 150 python3 -m pytest -v -rfE -m gpu -p no:cacheprovider --timeout 120 tests \
+        > "$out/gpu-tests.log" 2>&1
+    grep -E "passed|failed" "$out/gpu-tests.log" | tail -1
 fi
 if [[ $what == *" suite "* ]]; then
-    stage "whole suite on the CPUs (GPU visible)"
-    timeout 420 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider --timeout 240 tests 2>&1 \
-        | tee "$out/suite.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -60
+    stage "the suite on $workers workers (GPU visible)"
+    timeout -s INT 330 python3 -m pytest -v -n "$workers" -rfE -m "not gpu" -p no:cacheprovider \
+        --timeout 150 tests > "$out/suite.log" 2>&1
+    grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/suite.log" | tail -1 \
+        || echo "the suite was cut off before its summary"
 fi
 if [[ $what == *" figures "* ]]; then
     stage "article 002 and 000 section 1 on the GPU"
-    timeout 120 python3 examples/device_placement.py --gpu-memory-fraction 0.5 \
+    timeout 60 python3 examples/device_placement.py --gpu-memory-fraction 0.5 \
         > "$out/device-placement.log" 2>&1
     grep -A2 -E "^Device mapping|^=== an operation|OutOfMemoryError|allocated|^add.*GPU" \
-        "$out/device-placement.log" | head -30
+        "$out/device-placement.log" | head -20
     stage "towerflow train cifar10 --num-gpus 1 vs a plain PyTorch loop"
-    timeout 240 python3 benchmarks/train_vs_plain.py --steps 600 --runs 2 2>&1 | tail -6
-    stage "Trainer (SingleDevice) vs a plain loop, same batches on the GPU"
-    timeout 120 python3 benchmarks/mirrored_vs_ddp.py --only single --device cuda:0 \
-        --batch-size 128 --steps 50 --rounds 10 2>&1 | tail -2
-    stage "article 001: variables on a CPU ps task vs mirrored, one GPU"
-    timeout 200 python3 benchmarks/ps_vs_mirrored.py --steps 300 2>&1 | tail -4
-    stage "placement log and scope on the GPU"
-    timeout 120 python3 benchmarks/placement_overhead.py --device cuda:0 --rounds 100 2>&1 \
-        | tail -7
+    timeout 90 python3 benchmarks/train_vs_plain.py --steps 300 --runs 1 2>&1 | tail -4
     stage "sparse click: GPU workers, tables on CPU ps tasks vs nn.EmbeddingBag on the GPU"
-    timeout 200 python3 benchmarks/sparse_embedding.py --device cuda --seconds 10 2>&1 | tail -9
+    timeout 60 python3 benchmarks/sparse_embedding.py --device cuda --seconds 5 2>&1 | tail -6
+fi
+
+logs=()
+for log in "$out/gpu-tests.log" "$out/suite.log"; do [ -f "$log" ] && logs+=("$log"); done
+if [ ${#logs[@]} -gt 0 ]; then
+    stage "summary"
+    commit=${TOWERFLOW_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+    python3 benchmarks/gpu_summary.py --gpu "$gpu" --commit "$commit" "${logs[@]}" \
+        | tee "$out/summary.txt"
+    printf '\n%s\n' "$(head -1 "$out/summary.txt")" >> benchmarks/RESULTS.md
 fi
 stage done

@@ -134,7 +134,42 @@ def test_a_gpu_worker_trains_dense_variables_and_table_rows_held_on_cpu_ps_tasks
         rows = model.emb.client.pull(model.emb.config, torch.arange(50))
         assert rows.device == torch.device("cpu")  # the table never left the ps tasks
         torch.testing.assert_close(rows, local.emb.weight.detach().cpu(), rtol=1e-5, atol=1e-6)
+        # the last step's dense push rides with the next table pull: settled here
+        strategy.settle()
         torch.testing.assert_close(model.out.weight, local.out.weight, rtol=1e-5, atol=1e-6)
+    finally:
+        strategy.shutdown()
+
+
+def test_a_gpu_worker_fed_pinned_cpu_batches_copies_them_once_and_reads_ids_on_the_host(
+        ps_servers) -> None:
+    from test_ps_worker_model import _IdsBack
+    from test_transfer import _Copies
+
+    from towerflow.devices import move_to_device
+
+    pinned = torch.arange(6).pin_memory()
+    with _Copies() as copies:
+        moved = move_to_device({"ids": pinned, "dense": torch.ones(2)}, CUDA0)
+    assert moved["ids"].device == CUDA0 and moved["ids"].dtype == torch.int64
+    assert [(src.type, non_blocking) for src, _, non_blocking in copies.calls] == [("cpu", True),
+                                                                           ("cpu", False)]
+    assert move_to_device(moved, CUDA0) is moved  # already there: no copy
+    torch.manual_seed(0)
+    model = _Click(nn.EmbeddingBag(50, 4, mode="sum", sparse=True))
+    strategy = ParameterServer(ps_servers, TaskInfo("worker", 0), credentials=SECRET,
+                               server=False, sparse_threshold_bytes=100)  # GPU first
+    try:
+        strategy.prepare(model, OptimizerConfig("sgd", lr=0.5))
+        assert strategy.device.type == "cuda" and model.hidden.weight.device.type == "cuda"
+        ids_back = _IdsBack()
+        for step in range(3):
+            batch = (torch.randint(0, 50, (16, 5)).pin_memory(), torch.ones(16))
+            with ids_back:
+                assert strategy.run_step(_loss, batch).global_step == step + 1
+        assert ids_back.copies == []
+        with torch.no_grad():  # the program's own call with CPU inputs: moved too
+            assert model(torch.randint(0, 50, (4, 5))).device.type == "cuda"
     finally:
         strategy.shutdown()
 
