@@ -4,6 +4,7 @@ process, and torch.compile'd modules logged as compiled regions."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import Iterator
 
@@ -12,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from test_placement import collect_placement_log
 from torch import nn
+
+import towerflow
+from towerflow.devices import placer
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -152,3 +156,49 @@ def test_a_compiled_module_runs_with_the_log_on_and_is_logged_as_compiled(
     assert f"compiled: (torch.compile): {CPU}" in placement_log
     assert f"gradients/compiled_grad: (torch.compile): {CPU}" in placement_log
     assert not [line for line in placement_log if "_orig_mod" in line]
+
+
+@pytest.mark.parametrize("active", ["log", "scope"])
+def test_a_compiled_module_does_not_depend_on_the_placers_cache(
+    active: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The placer classifies each torch function once and caches its kind (placer._KINDS),
+    # a dict that grows as new functions are met, also while compiled code runs. Dynamo
+    # traces the placer's __torch_function__: any read of that dict in a traced frame
+    # guards the compiled code on its size, a guard that fails (recompiles, or errors as it
+    # is built, as on a GPU with torch 2.11) whenever a function is classified. Compiled
+    # with nothing classified, called again after the cache grew and after it was emptied,
+    # the module must be compiled once, as one graph, and never again.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(placer, "_KINDS", {})  # nothing classified yet
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(2, 3)
+    expected = model(x)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    scope = towerflow.device("/cpu:0") if active == "scope" else None
+    lines: list[str] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch._dynamo.reset)
+        if scope is not None:
+            stack.enter_context(scope)
+        else:
+            lines = stack.enter_context(contextlib.contextmanager(collect_placement_log)())
+        compiled(x).sum().backward()
+        torch.cos(x).tanh_()  # more functions classified: the cache grows
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = compiled(x)
+            placer._KINDS.clear()
+            out_after_clear = compiled(x)
+        out_after_clear.sum().backward()
+    assert counter.frame_count == 1  # one graph, compiled once
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out_after_clear, expected)
+    if active == "log":
+        assert lines.count(f"compiled: (torch.compile): {CPU}") == 3
+        assert lines.count(f"gradients/compiled_grad: (torch.compile): {CPU}") == 2
+        assert f"cos: (aten::cos): {CPU}" in lines
+        assert not [line for line in lines if "_orig_mod" in line]

@@ -27,14 +27,21 @@ that ps task (:func:`towerflow.devices.params.parameter_placements`) and the
 parameter-server strategy keeps them there.
 
 Inside code being compiled by ``torch.compile`` the placer steps aside (the
-compiled module is logged as one region, see :mod:`towerflow.devices.log`).
+compiled module is logged as one region, see :mod:`towerflow.devices.log`): the
+first thing the mode asks is whether dynamo is tracing it, so that nothing of
+the placer's state (the kind cache below, the thread's scopes) is read in a
+traced frame. Were it read, dynamo would guard the compiled code on it, on the
+size of the kind cache for one, which grows as operations are met, and the
+compiled module would be recompiled, or refused, whenever that state changed.
 
 The placer is a :class:`torch.overrides.TorchFunctionMode` pushed onto the
 current thread's mode stack only while a scope is open, the placement log is
 on, or a default device is configured; otherwise nothing is installed and
 PyTorch runs untouched. Scopes are per thread, like PyTorch's mode stack. Per
-operation the placer pays a dictionary lookup (the operation's kind is
-classified once and cached) and a device check of each tensor argument.
+operation the placer pays a call of ``torch.compiler.is_dynamo_compiling`` (a
+function returning ``False`` outside dynamo), a dictionary lookup (the
+operation's kind is classified once and cached) and a device check of each
+tensor argument.
 Which device a scope's spec names, and moving inputs there, is
 :mod:`towerflow.devices.targets`'s.
 """
@@ -115,7 +122,11 @@ _INPLACE_DUNDERS = frozenset({
 _FACTORIES: frozenset[Callable[..., Any]] = frozenset(
     getattr(torch, name) for name in _FACTORY_NAMES if hasattr(torch, name)
 )
+# Filled as operations are met; never read while dynamo traces (see _Placer).
 _KINDS: dict[Callable[..., Any], int] = {}
+# a module global: one call, no attribute lookups, per operation; dynamo recognises the
+# function itself (not its name) and folds it to True while it traces
+_tracing = torch.compiler.is_dynamo_compiling
 
 
 def _kind(func: Callable[..., Any]) -> int:
@@ -372,6 +383,12 @@ class _Placer(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        # Traced by dynamo (torch.compile with a scope or the log on): step aside before
+        # any of the placer's state is read, or dynamo guards the compiled code on it
+        # (the size of _KINDS, which grows as operations are met: a guard that fails and
+        # recompiles, or fails as it is built, whenever an operation is first classified).
+        if _tracing():
+            return func(*args, **kwargs) if kwargs else func(*args)
         # The fast path (runs for every operation of a training step under a scope): a
         # neutral or in-place operation, or a computation whose inputs are all on the
         # scope's device, in a scope of one local device with the log off.
