@@ -99,7 +99,7 @@ def test_tf_config_orders_chief_then_workers_and_meets_at_the_chief() -> None:
     cluster = {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]}
     tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}})
     replica = ReplicaEnv.from_env({"TF_CONFIG": tf_config})
-    assert replica == ReplicaEnv(2, 3, 0, "host0", 2222)
+    assert replica == ReplicaEnv(2, 3, 0, "host0", 2222, 1)
 
 
 def test_tf_config_with_a_ps_job_points_to_the_parameter_server_strategy() -> None:
@@ -142,7 +142,7 @@ def test_slurm_replicas_of_a_node_take_their_slurm_local_id_as_local_rank(procid
     env = _slurm_task(procid, localid, node)
     cluster, task = resolve_cluster(env=env)
     replica = ReplicaEnv.from_cluster(cluster, task, env)
-    assert replica == ReplicaEnv(procid, 4, localid, "node01", 2400)
+    assert replica == ReplicaEnv(procid, 4, localid, "node01", 2400, 2)
     assert ReplicaEnv.from_cluster(cluster, task, {**env, "LOCAL_RANK": "0"}).local_rank == 0
 
 
@@ -151,19 +151,17 @@ def test_each_replica_of_a_node_computes_on_the_gpu_of_its_local_rank(monkeypatc
     from towerflow.strategies.mirrored import replica_device
 
     chosen: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     devices = []
     for procid in range(4):
         env = _slurm_task(procid, procid % 2, f"node0{procid // 2 + 1}")
         replica = ReplicaEnv.from_cluster(*resolve_cluster(env=env), env)
-        devices.append(replica_device(replica.local_rank))
+        assert replica.local_world_size == 2  # not the world of 4: no CPU fallback
+        devices.append(replica_device(replica.local_rank, gpus=2))
     assert devices == chosen == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
-    assert replica_device(1, "cpu") == torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(InvalidArgumentError, match=r"local rank 1 .* needs GPU 1 but 1 GPU\(s\) are visible.*--gpus-per-task"):
-        replica_device(1)
+    assert replica_device(1, "cpu", gpus=2) == torch.device("cpu")
+    with pytest.raises(InvalidArgumentError, match=r"local rank 1 .* needs GPU 1 but 1 GPU\(s\) are visible.*--gpus-per-task.*device='cpu'"):
+        replica_device(1, gpus=1)
 
 
 # One replica of the restore test: replica 0 alone "reads" each checkpoint (any other

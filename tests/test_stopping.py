@@ -232,13 +232,15 @@ def test_the_deadline_abandons_a_final_checkpoint_that_takes_too_long(tmp_path) 
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
-# One replica under a Supervisor, training until a signal stops it.
+# One replica under a Supervisor, training until a signal stops it: CPU replicas (Gloo),
+# named, so that the machine's GPUs (however many) change nothing.
 _SUPERVISED_REPLICA = r"""
 import os, sys, torch, towerflow
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
 
 rank = int(os.environ["RANK"])
-sv = towerflow.Supervisor(is_chief=rank == 0, logdir=sys.argv[1], save_model_secs=None)
+sv = towerflow.Supervisor(is_chief=rank == 0, logdir=sys.argv[1], save_model_secs=None,
+                          device="cpu")
 data = regression_data(8)
 with sv.managed_session(model=LinearRegression()) as sess:
     while not sv.should_stop():

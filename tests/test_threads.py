@@ -1,5 +1,8 @@
 """Each process's share of the cores: the rule, ``towerflow launch``'s children, a task
-started by hand, and the user's own ``OMP_NUM_THREADS`` kept. Real processes on 127.0.0.1."""
+started by hand, and the user's own ``OMP_NUM_THREADS`` kept. Real processes on 127.0.0.1.
+
+Every test states the thread variables its processes see (:func:`_env`), whatever the
+caller's environment holds (a GPU image may set ``OMP_NUM_THREADS=6``)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 import logging
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +26,30 @@ from towerflow.cluster.threads import (
 )
 from towerflow.errors import InvalidArgumentError
 
-REPORT = ("import json, os, torch; print('threads ' + json.dumps("
-          "[torch.get_num_threads(), os.environ.get('OMP_NUM_THREADS')]), flush=True)")
+# Each child of `towerflow launch` reports its threads. The launcher stops the ps task once
+# the workers have ended, so a worker ends only after the ps task has reported (its mark in
+# the directory argv[1]); else a slow ps task is stopped before it prints.
+REPORT = r"""
+import json, os, sys, time, torch
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+print("threads " + json.dumps([torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")]),
+      flush=True)
+open(os.path.join(sys.argv[1], f"{task['type']}-{task['index']}"), "w").close()
+deadline = time.monotonic() + 60
+while task["type"] == "worker" and time.monotonic() < deadline \
+        and not os.path.exists(os.path.join(sys.argv[1], "ps-0")):
+    time.sleep(0.05)
+"""
+
+#: what sets PyTorch's intra-op threads at start-up (MKL_NUM_THREADS wins over OMP_NUM_THREADS)
+THREAD_VARS = (OMP_ENV, "MKL_NUM_THREADS")
+
+
+def _env(base: dict[str, str], **thread_vars: str) -> dict[str, str]:
+    """``base`` without any thread variable of the caller's, then ``thread_vars`` set."""
+    env = {name: value for name, value in base.items() if name not in THREAD_VARS}
+    env.update(thread_vars)
+    return env
 
 
 @pytest.mark.parametrize(("cores", "processes", "expected"), [
@@ -83,10 +109,10 @@ def test_a_task_applies_its_share_to_torch_and_the_environment(caplog):
         torch.set_num_threads(before)
 
 
-def _launch(env: dict[str, str], python: str) -> subprocess.CompletedProcess:
+def _launch(env: dict[str, str], python: str, marks: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace", "5",
-         "--", python, "-c", REPORT],
+         "--", python, "-c", REPORT, str(marks)],
         env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -95,9 +121,8 @@ def _children(stdout: str) -> dict[str, list]:
     return {name: json.loads(report) for name, report in found}
 
 
-def test_launch_gives_every_child_its_share_and_says_so(subprocess_env, python):
-    subprocess_env.pop(OMP_ENV, None)
-    proc = _launch(subprocess_env, python)
+def test_launch_gives_every_child_its_share_and_says_so(subprocess_env, python, tmp_path):
+    proc = _launch(_env(subprocess_env), python, tmp_path)
     share = max(1, available_cores() // 3)
     assert proc.returncode == 0, proc.stderr
     assert _children(proc.stdout) == {name: [share, str(share)]
@@ -108,13 +133,12 @@ def test_launch_gives_every_child_its_share_and_says_so(subprocess_env, python):
     assert f"{each} (OMP_NUM_THREADS={share}); set OMP_NUM_THREADS to choose" in proc.stderr
 
 
-def test_launch_keeps_the_users_omp_num_threads(subprocess_env, python):
+def test_launch_keeps_the_users_omp_num_threads(subprocess_env, python, tmp_path):
     cores, share = available_cores(), max(1, available_cores() // 3)
     if share == cores:
         pytest.skip("one core: no count other than the share to set")
     mine = share + 1  # not the share (PyTorch runs at most one thread per core)
-    subprocess_env[OMP_ENV] = str(mine)
-    proc = _launch(subprocess_env, python)
+    proc = _launch(_env(subprocess_env, **{OMP_ENV: str(mine)}), python, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert _children(proc.stdout) == {name: [mine, str(mine)]
                                       for name in ("ps:0", "worker:0", "worker:1")}
@@ -132,13 +156,12 @@ print("threads " + json.dumps([status, torch.get_num_threads(), os.environ["OMP_
 def test_a_task_started_by_hand_applies_its_share_from_the_cluster_spec(subprocess_env, python,
                                                                       tmp_path):
     """An evaluator started with ``towerflow train`` under TF_CONFIG: 3 tasks on 127.0.0.1."""
-    subprocess_env.pop(OMP_ENV, None)
-    subprocess_env["TF_CONFIG"] = json.dumps({
+    env = _env(subprocess_env, TF_CONFIG=json.dumps({
         "cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]},
-        "task": {"type": "evaluator", "index": 0}})
+        "task": {"type": "evaluator", "index": 0}}))
     proc = subprocess.run([python, "-c", HAND_STARTED, "train", "digits", "--train-dir",
                            str(tmp_path / "run")],
-                          env=subprocess_env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120)
     share = max(1, available_cores() // 3)
     assert proc.returncode == 0, proc.stderr
     assert re.findall(r"^threads (.+)$", proc.stdout, re.MULTILINE) == [

@@ -20,8 +20,19 @@ Where a replica finds its place (first match wins):
    task's replica index in the ``ClusterSpec`` (the ``chief`` task first, then
    the ``worker`` tasks in order); the rank-0 task's address is the rendezvous;
    the local rank (which GPU of the machine) is ``LOCAL_RANK``, else Slurm's
-   ``SLURM_LOCALID`` (the task's index on its node), else 0;
+   ``SLURM_LOCALID`` (the task's index on its node), else the task's index among
+   the cluster's replicas on its host;
 3. nothing: a world of one process.
+
+Which device (:func:`replica_device`, one rule for every way a replica starts):
+the device named (``device=``; a GPU named without its index, ``"cuda"`` or
+``"/gpu"``, is the GPU of the local rank); with none named, GPU ``<local
+rank>``, or the CPU on a machine without GPUs. When every replica of the world
+runs on this machine (``towerflow train --replicas N``, ``spawn_replicas``,
+``torchrun --standalone``) and it has fewer GPUs than replicas, every replica
+runs on the CPU with Gloo, and one line says so and how to use the GPUs
+instead (NCCL runs one rank per GPU); across machines that case is refused
+instead, naming the counts and ``device='cpu'``.
 
 Example (two CPU replicas on one machine)::
 
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -45,11 +57,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from towerflow import _identity
-from towerflow.devices import resolve_device
+from towerflow.devices import DeviceSpec, resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.strategies.single import LocalOptimizerStrategy
 
 __all__ = ["Mirrored", "ReplicaEnv", "replica_device"]
+
+log = logging.getLogger("towerflow.training")
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -62,7 +76,12 @@ class ReplicaEnv:
         >>> env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
         ...        "MASTER_PORT": "29500"}
         >>> ReplicaEnv.from_env(env)
-        ReplicaEnv(rank=1, world_size=2, local_rank=1, master_addr='127.0.0.1', master_port=29500)
+        ReplicaEnv(rank=1, world_size=2, local_rank=1, master_addr='127.0.0.1', master_port=29500, local_world_size=2)
+
+    ``local_world_size`` is how many replicas run on this machine: torchrun's
+    ``LOCAL_WORLD_SIZE``, else the whole world when the rendezvous is on the
+    loopback interface, else the cluster's replicas on this task's host; None
+    when unknown.
     """
 
     rank: int
@@ -70,6 +89,7 @@ class ReplicaEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    local_world_size: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaEnv:
@@ -81,7 +101,7 @@ class ReplicaEnv:
             return cls._from_tf_config(env)
         from towerflow.cluster.launcher import free_ports
 
-        return cls(0, 1, 0, "127.0.0.1", free_ports(1)[0])
+        return cls(0, 1, 0, "127.0.0.1", free_ports(1)[0], 1)
 
     @classmethod
     def _from_torchrun(cls, env: Mapping[str, str]) -> ReplicaEnv:
@@ -95,7 +115,13 @@ class ReplicaEnv:
         world = _env_int(env, "WORLD_SIZE")
         local_rank = _env_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else rank
         port = _env_int(env, "MASTER_PORT")
-        return cls._checked(rank, world, local_rank, env["MASTER_ADDR"], port)
+        from towerflow.cluster.spec import is_loopback_host
+
+        if env.get("LOCAL_WORLD_SIZE"):
+            local_world: int | None = _env_int(env, "LOCAL_WORLD_SIZE")
+        else:  # a rendezvous on loopback: every replica runs on this machine
+            local_world = world if is_loopback_host(env["MASTER_ADDR"]) else None
+        return cls._checked(rank, world, local_rank, env["MASTER_ADDR"], port, local_world)
 
     @classmethod
     def _from_tf_config(cls, env: Mapping[str, str]) -> ReplicaEnv:
@@ -118,7 +144,7 @@ class ReplicaEnv:
             >>> from towerflow.cluster import ClusterSpec, TaskInfo
             >>> spec = ClusterSpec({"chief": ["h0:2222"], "worker": ["h1:2222"]})
             >>> ReplicaEnv.from_cluster(spec, TaskInfo("worker", 0), env={})
-            ReplicaEnv(rank=1, world_size=2, local_rank=0, master_addr='h0', master_port=2222)
+            ReplicaEnv(rank=1, world_size=2, local_rank=0, master_addr='h0', master_port=2222, local_world_size=1)
         """
         from towerflow.cluster.spec import parse_address
 
@@ -131,10 +157,15 @@ class ReplicaEnv:
         rank = cluster.replica_index(task)
         chief = cluster.replicas[0]
         host, port = parse_address(cluster.task_address(chief.job_name, chief.task_index))
-        return cls._checked(rank, cluster.num_replicas, _local_rank(env), host, port)
+        here = _replicas_on_host(cluster, task)
+        local_rank = _local_rank(env)
+        return cls._checked(rank, cluster.num_replicas,
+                            here.index(task) if local_rank is None else local_rank,
+                            host, port, len(here))
 
     @classmethod
-    def _checked(cls, rank: int, world: int, local_rank: int, addr: str, port: int) -> ReplicaEnv:
+    def _checked(cls, rank: int, world: int, local_rank: int, addr: str, port: int,
+                 local_world: int | None) -> ReplicaEnv:
         if world < 1 or not 0 <= rank < world:
             raise InvalidArgumentError(
                 f"Replica rank {rank} is outside a world of {world} replicas; "
@@ -142,42 +173,117 @@ class ReplicaEnv:
             )
         if local_rank < 0:
             raise InvalidArgumentError(f"LOCAL_RANK must be non-negative, got {local_rank}.")
-        return cls(rank, world, local_rank, addr, port)
+        if local_world is not None and local_world < 1:
+            raise InvalidArgumentError(
+                f"LOCAL_WORLD_SIZE={local_world} must be at least 1; set it to the number of "
+                "replicas on this machine, or unset it.")
+        return cls(rank, world, local_rank, addr, port, local_world)
 
 
-def _local_rank(env: Mapping[str, str]) -> int:
-    """This process's index among the replicas of its machine: ``LOCAL_RANK`` (torchrun),
-    else ``SLURM_LOCALID`` (the task's index on its node under ``srun``), else 0."""
+def _local_rank(env: Mapping[str, str]) -> int | None:
+    """This process's index among the replicas of its machine as the environment says it:
+    ``LOCAL_RANK`` (torchrun), else ``SLURM_LOCALID`` (the task's index on its node under
+    ``srun``), else None."""
     for name in ("LOCAL_RANK", "SLURM_LOCALID"):
         if env.get(name):
             return _env_int(env, name)
-    return 0
+    return None
 
 
-def replica_device(local_rank: int, device: str | torch.device | None = None) -> torch.device:
-    """The device a replica computes on: ``device`` when given, else ``cuda:<local_rank>``
-    when CUDA is available (made the current device), else the CPU.
+def _replicas_on_host(cluster: Any, task: Any) -> list[Any]:
+    """The replicas of ``cluster`` whose host is ``task``'s (loopback names are one host),
+    in replica order.
+
+    Example:
+        >>> from towerflow.cluster import ClusterSpec, TaskInfo
+        >>> spec = ClusterSpec({"chief": ["localhost:1"], "worker": ["127.0.0.1:2", "h:3"]})
+        >>> _replicas_on_host(spec, TaskInfo("worker", 0))
+        [TaskInfo(job_name='chief', task_index=0), TaskInfo(job_name='worker', task_index=0)]
+    """
+    from towerflow.cluster.spec import is_loopback_host, parse_address
+
+    def host(t: Any) -> str:
+        name = parse_address(cluster.task_address(t.job_name, t.task_index))[0].lower()
+        return "localhost" if is_loopback_host(name) else name
+
+    mine = host(task)
+    return [t for t in cluster.replicas if host(t) == mine]
+
+
+def replica_device(local_rank: int, device: str | torch.device | None = None, *,
+                   local_replicas: int | None = None, gpus: int | None = None) -> torch.device:
+    """The device a replica computes on (a GPU is made the current device).
+
+    - ``device`` naming a GPU without its index (``"cuda"``, ``"/gpu"``): GPU
+      ``<local_rank>``, refused when the machine has no such GPU;
+    - any other ``device``: that device;
+    - no ``device``: GPU ``<local_rank>``; the CPU on a machine without GPUs;
+      the CPU as well, said in one line (by local replica 0), when every
+      replica of the world runs on this machine (``local_replicas``) and it
+      has fewer GPUs than replicas (NCCL runs one rank per GPU, and the
+      replicas must all use one backend); otherwise, a local rank without its
+      GPU is refused.
+
+    Args:
+        local_rank: the replica's index among the replicas of its machine.
+        device: the device the user named, or None.
+        local_replicas: how many replicas run on this machine when they are the
+            whole world; None: unknown, or the world spans machines (where each
+            machine deciding alone could leave the replicas with two backends).
+        gpus: the GPUs visible to this process (default: the CUDA runtime's count,
+            :func:`towerflow.devices.local.gpu_count`).
 
     Raises:
-        InvalidArgumentError: the local rank has no GPU among the visible ones.
+        InvalidArgumentError: the local rank has no GPU among the visible ones
+            (with no fallback above).
+
+    Example:
+        >>> replica_device(1, local_replicas=2, gpus=0)
+        device(type='cpu')
+        >>> replica_device(0, "cpu", gpus=4)
+        device(type='cpu')
     """
-    if device is not None:
-        chosen = resolve_device(device)
-    elif torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise InvalidArgumentError(
-                f"Replica with local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) needs GPU "
-                f"{local_rank} but {count} GPU(s) are visible; start at most {count} replicas "
-                "per machine, let every replica of a machine see all of its GPUs (under Slurm: "
-                "no --gpus-per-task or --gpu-bind), or use CPU replicas."
-            )
-        chosen = torch.device("cuda", local_rank)
-    else:
-        chosen = torch.device("cpu")
+    chosen = _replica_choice(local_rank, device, local_replicas, gpus)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
     return chosen
+
+
+def _replica_choice(local_rank: int, device: str | torch.device | None,
+                    local_replicas: int | None, gpus: int | None) -> torch.device:
+    named_gpu = False
+    if device is not None:
+        spec = DeviceSpec.from_string(device)
+        named_gpu = spec.device_type == "GPU" and spec.device_index is None \
+            and spec.job is None and spec.task is None
+        if not named_gpu:
+            return resolve_device(device)
+    if gpus is None:
+        from towerflow.devices.local import gpu_count
+
+        gpus = gpu_count()
+    if local_rank < gpus:
+        if named_gpu or local_replicas is None or local_replicas <= gpus:
+            return torch.device("cuda", local_rank)
+    elif not named_gpu and gpus == 0:
+        return torch.device("cpu")
+    if not named_gpu and local_replicas is not None and local_replicas > gpus:
+        if local_rank == 0:
+            log.warning(
+                "%d replicas run on this machine but %d GPU(s) are visible (NCCL runs one "
+                "replica per GPU): every replica runs on the CPU with Gloo; to train on the "
+                "GPUs start at most %d replica(s) per machine, or name device='cpu' "
+                "(towerflow train --device cpu) to choose the CPU without this line.",
+                local_replicas, gpus, gpus)
+        return torch.device("cpu")
+    asked = f"device {str(device)!r} (GPU {local_rank})" if named_gpu else f"GPU {local_rank}"
+    raise InvalidArgumentError(
+        f"Replica with local rank {local_rank} (LOCAL_RANK or SLURM_LOCALID) needs {asked} "
+        f"but {gpus} GPU(s) are visible; start at most {gpus} replicas per machine, let every "
+        "replica of a machine see all of its GPUs (under Slurm: no --gpus-per-task or "
+        "--gpu-bind), or run every replica on the CPU (device='cpu', towerflow train "
+        "--device cpu)."
+    )
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int:
@@ -195,8 +301,11 @@ class Mirrored(LocalOptimizerStrategy):
     Args:
         backend: ``"nccl"`` or ``"gloo"``; by default NCCL for a GPU, Gloo for a CPU.
         device: force this replica's device (e.g. ``"cpu"`` for CPU replicas on a
-            machine with GPUs); by default ``cuda:<local rank>`` (``LOCAL_RANK``,
-            else ``SLURM_LOCALID``) when CUDA is available, else the CPU.
+            machine with GPUs; ``"cuda"``: the GPU of the local rank, or an error);
+            by default ``cuda:<local rank>`` (``LOCAL_RANK``, else ``SLURM_LOCALID``)
+            when CUDA is available, else the CPU; every replica on the CPU, said in
+            one line, when the whole world runs on one machine with fewer GPUs than
+            replicas (:func:`replica_device`).
         timeout_s: how long a collective (and the rendezvous) may wait for
             the other replicas.
         env: the environment to read (``os.environ`` by default).
@@ -217,7 +326,10 @@ class Mirrored(LocalOptimizerStrategy):
             raise InvalidArgumentError("Mirrored needs both cluster= and task=, or neither.")
         self.replica = (ReplicaEnv.from_env(env) if cluster is None
                         else ReplicaEnv.from_cluster(cluster, task, env))
-        self._device = replica_device(self.replica.local_rank, device)
+        whole_world_here = self.replica.local_world_size == self.replica.world_size
+        self._device = replica_device(
+            self.replica.local_rank, device,
+            local_replicas=self.replica.world_size if whole_world_here else None)
         self.backend = backend or ("nccl" if self._device.type == "cuda" else "gloo")
         if self.backend not in ("nccl", "gloo"):
             raise InvalidArgumentError(

@@ -166,7 +166,9 @@ def table_weights(groups: Mapping[str, Any], strategy_metadata: Any, model: nn.M
     parts of rows by id (``groups``' chunked ``ps_tables`` group); they are
     written into a weight of the module's shape, so that one process (``towerflow
     eval``, or a run resumed without a ps) holds the table as a plain weight.
-    Empty when the checkpoint holds no such table. With ``slots``, the rows'
+    Empty when the checkpoint holds no such table. The weights are on the device
+    the checkpoint was read onto (``towerflow eval``: the model's), whatever
+    device the model's own table is on. With ``slots``, the rows'
     optimizer slots go there too, as ``<table>.weight/<torch.optim state>``
     (:data:`TORCH_SLOTS`: Adagrad's accumulator is ``sum``, lazy Adam's ``m`` and
     ``v`` are ``exp_avg`` and ``exp_avg_sq``).
@@ -200,14 +202,16 @@ def table_weights(groups: Mapping[str, Any], strategy_metadata: Any, model: nn.M
                 f"{where} holds table {info['table']!r} of {shape[0]} x {shape[1]} rows, "
                 f"but {type(model).__name__}'s is {list(params[key].shape)}; load it into "
                 "the model that trained it.")
-        if key not in weights:
-            weights[key] = torch.empty_like(params[key], device="cpu")
-        weights[key].index_copy_(0, tensors["ids"], tensors["rows"].to(weights[key].dtype))
+        if key not in weights:  # where the reader put the rows (the model's device at eval)
+            weights[key] = torch.empty_like(params[key], device=tensors["rows"].device)
+        weight = weights[key]
+        ids = tensors["ids"].to(weight.device)
+        weight.index_copy_(0, ids, tensors["rows"].to(weight.device, weight.dtype))
         for name, values in tensors.items():
             kind = TORCH_SLOTS.get(name.removeprefix("slot."))
             if slots is not None and name.startswith("slot.") and kind is not None:
-                slot = slots.setdefault(f"{key}/{kind}", torch.zeros_like(weights[key]))
-                slot.index_copy_(0, tensors["ids"], values.to(slot.dtype))
+                slot = slots.setdefault(f"{key}/{kind}", torch.zeros_like(weight))
+                slot.index_copy_(0, ids.to(slot.device), values.to(slot.device, slot.dtype))
         filled[key] = filled.get(key, 0) + len(tensors["ids"])
     short = [f"{k} ({n} of {len(weights[k])} rows)" for k, n in filled.items()
              if n != len(weights[k])]
