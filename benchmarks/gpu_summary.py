@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 
 _XDIST = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) "
-                    r"(tests/\S+)")
-_PLAIN = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
-_SHORT = re.compile(r"^(FAILED|ERROR) (tests/\S+)")
+                    r"(tests/.+?)\s*$")
+_PLAIN = re.compile(r"^(tests/\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_SHORT = re.compile(r"^(FAILED|ERROR) (tests/.+?)(?: - .*)?$")
 _SUMMARY = re.compile(r"^=+ .*\d+ (passed|failed|skipped|error).* in [\d.]+s")
 
 
@@ -32,7 +32,15 @@ def outcomes(text: str) -> tuple[dict[str, str], bool]:
             found[match[1]] = match[2]
         elif match := _SHORT.match(line):
             found[match[2].rstrip(":")] = match[1]
-    return found, any(_SUMMARY.match(line) for line in text.splitlines())
+    finished = any(_SUMMARY.match(line) for line in text.splitlines()) \
+        and "KeyboardInterrupt" not in text  # a summary printed when stopped by SIGINT
+    return found, finished
+
+
+def collected(text: str) -> int | None:
+    """How many tests the run collected (``15 workers [1490 items]``, ``collected 20 items``)."""
+    match = re.search(r"\[(\d+) items?\]|collected (\d+) items?", text)
+    return None if match is None else int(match[1] or match[2])
 
 
 def main() -> None:
@@ -44,10 +52,13 @@ def main() -> None:
     everything: dict[str, str] = {}
     cut: list[str] = []
     for log in args.logs:
-        found, finished = outcomes(log.read_text(errors="replace"))
+        text = log.read_text(errors="replace")
+        found, finished = outcomes(text)
         everything.update(found)
         if not finished:
-            cut.append(log.name)
+            total = collected(text)
+            cut.append(log.name if total is None else
+                       f"{log.name}: {total - len(found)} of its {total} tests did not finish")
     counts = {kind: sum(1 for v in everything.values() if v == kind)
               for kind in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
     name = args.gpu.removeprefix("NVIDIA ").strip()
@@ -57,7 +68,7 @@ def main() -> None:
         if outcome in ("FAILED", "ERROR"):
             print(f"{outcome} {test}")
     for log in cut:
-        print(f"({log} has no final summary: the run was cut off; counted what it finished)")
+        print(f"({log}; the run was cut off: counted what it finished)")
 
 
 if __name__ == "__main__":

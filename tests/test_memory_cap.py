@@ -46,12 +46,17 @@ signal.pause()
 """
 
 
-@pytest.fixture(scope="module")
-def bench():  # noqa: ANN201 - the benchmark's module
+def load_benchmark():  # noqa: ANN201 - the benchmark's module
+    """``benchmarks/sparse_worker_memory.py`` as a module (its cap: ``run_under_rss_cap``)."""
     spec = importlib.util.spec_from_file_location("sparse_worker_memory", BENCHMARK)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():  # noqa: ANN201 - the benchmark's module
+    return load_benchmark()
 
 
 @pytest.fixture

@@ -317,12 +317,13 @@ def test_a_model_prepared_again_pulls_through_its_new_strategy_only(start_ps_tas
         strategy = strategy_for(start_ps_tasks(SECRET))
         strategy.prepare(model, OptimizerConfig("adagrad", lr=0.05))
         try:
-            # the tables' pull ahead, then the strategy's (the dense push no pull carried)
+            # the inputs to the model's device, the tables' pull ahead, then the strategy's
+            # (the dense push no pull carried)
             assert [h.__name__ for h in model._forward_pre_hooks.values()] == [
-                "_before", "_before_forward"]
+                "_to_model_device", "_before", "_before_forward"]
             for batch in batches(3):
                 strategy.run_step(loss, batch)
             assert strategy._tables.prefetcher.recordings == 1
         finally:
             strategy.shutdown()
-        assert len(model._forward_pre_hooks) == 0
+        assert len(model._forward_pre_hooks) == len(model._state_dict_pre_hooks) == 0

@@ -137,12 +137,12 @@ def inputs_follow(model: torch.nn.Module, device: torch.device) -> Any:
     (an evaluation, a check before training) feeds the model as ``run_step`` does. Returns
     the hook's handle."""
 
-    def before(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    def _to_model_device(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         given = (args, kwargs)
         moved = move_to_device(given, device)
         return None if moved is given else moved
 
-    return model.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+    return model.register_forward_pre_hook(_to_model_device, prepend=True, with_kwargs=True)
 
 
 def _rebuild_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:

@@ -464,6 +464,7 @@ class Mirrored(LocalOptimizerStrategy):
         # exception").
         self._train_model = self._model
         self._stop_vote = None
+        super().shutdown()
         _identity.unregister(self._identity)
         gc.collect()
         if self._owns_group and dist.is_initialized():

@@ -46,8 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from towerflow.devices import compute_device, move_to_device
-from towerflow.devices.transfer import inputs_follow
+from towerflow.devices.transfer import compute_device, inputs_follow, move_to_device
 from towerflow.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -68,7 +67,7 @@ from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.strategies.ps_carry import DenseCarrier
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
-from towerflow.strategies.ps_peers import wait_for_workers
+from towerflow.strategies.ps_peers import task_server, wait_for_workers
 from towerflow.strategies.ps_placement import plan_variables
 from towerflow.strategies.ps_tables import (
     attach_tables,
@@ -207,6 +206,7 @@ class ParameterServer(Strategy):
         self._sigterm: Any = None  # an elastic worker's SIGTERM handler replaced
         self._bind_host = bind_host
         self._model: nn.Module | None = None
+        self._hooks: list[Any] = []  # on the model: its inputs to the device, settle()
         self._pending: Future | None = None
         self._unfinished = False  # stopped on an error (a missing peer...): no Done at shutdown
         self._checkpoint_step: int | None = None  # the chief's final checkpoint, for its Done
@@ -292,7 +292,8 @@ class ParameterServer(Strategy):
                 "the worker to the cluster as a task instead (or, in a job whose every "
                 "worker keeps its embeddings dense, pass sparse_threshold_bytes=None).")
         model.to(self._device)
-        inputs_follow(model, self._device)  # a program's own model(x) too, before the tables'
+        self._hooks = [inputs_follow(model, self._device),  # a program's own model(x) too
+                       model.register_state_dict_pre_hook(lambda *_: self.settle())]
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         wrong = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]
         if wrong:
@@ -314,7 +315,6 @@ class ParameterServer(Strategy):
             push_wait=self.aggregation.timeout, on_bad_gradient=self._policy,
             sync=self.aggregation.mode == "sync")
         self._model = model
-        model.register_state_dict_pre_hook(lambda *_: self.settle())
         if self._dense_with_rows and not self._prefetch \
                 and DenseCarrier.wanted(self._tables, self.client, self.aggregation):
             self._carrier = DenseCarrier(model, self._tables, self.client,
@@ -347,22 +347,10 @@ class ParameterServer(Strategy):
 
     def _start_server(self) -> None:
         """Serve this task (so the ps tasks' heartbeats reach it), unless given one."""
-        from towerflow.cluster import Server, ServerOptions
-        from towerflow.errors import UnavailableError
-
-        if not self._serve or self._server is not None:
-            return
-        try:
-            self._server = Server(self.cluster, self.task.job_name, self.task.task_index,
-                                  credentials=self._credentials,
-                                  options=ServerOptions(bind_host=self._bind_host))
-        except (InvalidArgumentError, UnavailableError) as exc:
-            if self._bind_host is not None:
-                raise
-            log.warning("%s trains without a server, so the ps tasks' heartbeats will miss it: "
-                        "%s", self.task.device_name, exc)
-            return
-        self._owns_server = True
+        if self._serve and self._server is None:
+            self._server = task_server(self.cluster, self.task, self._credentials,
+                                       self._bind_host)
+            self._owns_server = self._server is not None
 
     def _ensure_initialized(self) -> None:
         if not self._needs_init:
@@ -473,9 +461,8 @@ class ParameterServer(Strategy):
         return self._step
 
     def settle(self) -> None:
-        """Finish the pushes in flight (``prefetch``) and the dense push carried for the next
-        table pull (``dense_with_rows``): the model then holds every update this worker sent
-        (:meth:`Strategy.settle`; ``model.state_dict()`` calls it)."""
+        """Finish the pushes in flight and the dense push carried for the next table pull:
+        the model holds every update this worker sent (``model.state_dict()`` calls it)."""
         if self._client is not None:
             self._drain()
 
@@ -502,14 +489,10 @@ class ParameterServer(Strategy):
         return groups
 
     def missing_peers(self, timeout: float = 2.0) -> list[str]:
-        """The other training tasks that do not answer a ping now, each named with why.
-
-        Asks through this task's server (none: nothing is known, ``[]``).
-        """
-        if self._server is None:
-            return []
+        """The other training tasks that do not answer a ping now, each named with why
+        (asked through this task's server; none: nothing is known, ``[]``)."""
         others = [t for t in self.cluster.replicas if t != self.task]
-        return self._server.unanswering(others, timeout)
+        return [] if self._server is None else self._server.unanswering(others, timeout)
 
     def state_metadata(self) -> dict[str, Any]:
         return dict(self._meta)
@@ -605,6 +588,9 @@ class ParameterServer(Strategy):
                 self._sigterm = None
             if self._tables:
                 self._tables.close()
+            hooks, self._hooks = self._hooks, []
+            for hook in hooks:
+                hook.remove()
             server, owned, self._owns_server = self._server, self._owns_server, False
             if owned:
                 self._server = None

@@ -1,4 +1,5 @@
-"""The chief of an async ``ParameterServer`` job waiting for its workers to finish."""
+"""A ``ParameterServer`` worker among its peers: its own task's server, and the chief of an
+async job waiting for its workers to finish."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["wait_for_workers"]
+__all__ = ["wait_for_workers", "task_server"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -32,3 +33,21 @@ def wait_for_workers(status: Callable[[], Any], rank: int, world: int, timeout: 
                      "final checkpoint", timeout, left)
             said = True
         threading.Event().wait(0.1)
+
+
+def task_server(cluster: Any, task: Any, credentials: Any, bind_host: str | None) -> Any:
+    """This worker's ``Server`` (so the ps tasks' heartbeats reach it), or None with a
+    warning when it cannot listen (the port taken, a non-loopback address without the
+    cluster secret) and no ``bind_host`` was asked for (then it raises)."""
+    from towerflow.cluster import Server, ServerOptions
+    from towerflow.errors import InvalidArgumentError, UnavailableError
+
+    try:
+        return Server(cluster, task.job_name, task.task_index, credentials=credentials,
+                      options=ServerOptions(bind_host=bind_host))
+    except (InvalidArgumentError, UnavailableError) as exc:
+        if bind_host is not None:
+            raise
+        log.warning("%s trains without a server, so the ps tasks' heartbeats will miss it: "
+                    "%s", task.device_name, exc)
+        return None

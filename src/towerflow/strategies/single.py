@@ -46,6 +46,7 @@ class LocalOptimizerStrategy(Strategy):
         self._optimizer: torch.optim.Optimizer | None = None
         self._lr_factors: list[float] = []
         self._step = 0
+        self._follow: Any = None  # the model's hook moving its inputs to the device
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         """The module the loss function calls (the model itself by default)."""
@@ -63,7 +64,9 @@ class LocalOptimizerStrategy(Strategy):
             )
         config = as_optimizer_config(optimizer, model)
         model.to(self.device)
-        inputs_follow(model, self.device)  # a program's own model(x) too
+        if self._follow is not None:
+            self._follow.remove()
+        self._follow = inputs_follow(model, self.device)  # a program's own model(x) too
         self._model = model
         self._train_model = self._wrap(model)
         self._optimizer = config.build_named(model.named_parameters())
@@ -107,6 +110,12 @@ class LocalOptimizerStrategy(Strategy):
     @property
     def global_step(self) -> int:
         return self._step
+
+    def shutdown(self) -> None:
+        """Take this strategy's hook off the model."""
+        follow, self._follow = self._follow, None
+        if follow is not None:
+            follow.remove()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         model, optimizer = self._prepared()
