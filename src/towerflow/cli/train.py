@@ -160,11 +160,10 @@ def replica_argv(args: argparse.Namespace) -> list[str]:
 
 def require_gpus(count: int, role: str = "replicas") -> None:
     """Raise when fewer than ``count`` GPUs are visible (``--num-gpus count``)."""
-    import torch
-
+    from towerflow.devices.local import gpu_count
     from towerflow.errors import InvalidArgumentError
 
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = gpu_count()
     if visible < count:
         raise InvalidArgumentError(
             f"--num-gpus {count} asks for {count} GPU(s) but {visible} are visible; "
@@ -186,18 +185,19 @@ def _local_count(args: argparse.Namespace) -> int:
 
 def _device(args: argparse.Namespace, cluster: Any, task: Any) -> str | None:
     """``--replicas``: the CPU; ``--num-gpus``: GPU 0 alone, a ps worker's GPU (index mod the
-    GPUs seen), an all-reduce replica's ``cuda:LOCAL_RANK`` (None); else ``--device``."""
+    GPUs seen), an all-reduce replica's ``cuda:LOCAL_RANK`` (``cuda``: its local rank's GPU,
+    or an error, never the CPU); else ``--device``."""
     if args.replicas:
         return "cpu"
     if args.num_gpus:
         if cluster is None:
             return "/gpu:0"
         if "ps" in cluster:
-            import torch
+            from towerflow.devices.local import gpu_count
 
-            count = torch.cuda.device_count()
+            count = gpu_count()
             return f"cuda:{task.task_index % count}" if count else "cpu"
-        return None
+        return "cuda"
     return args.device
 
 

@@ -127,7 +127,10 @@ def _move(value: Any, device: torch.device, twins: dict[int, torch.Tensor] | Non
         return clone
     to = getattr(value, "to", None)
     if callable(to) and not isinstance(value, (torch.nn.Module, type)):
-        return to(device)  # a type that knows how to move itself (PackedSequence...)
+        try:  # a type that knows how to move itself (PackedSequence...)
+            return to(device)
+        except (TypeError, ValueError):  # a ``to`` of another meaning (units...): not a device's
+            return value
     return value
 
 
