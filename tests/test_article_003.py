@@ -69,6 +69,17 @@ class _Task:
         self.reader.join(10)
 
 
+def run_to_the_end(tasks: list[_Task], seconds: float) -> None:
+    """Wait for the workers (``tasks[1:]``) to exit 0, then stop every task."""
+    try:
+        for worker in tasks[1:]:
+            assert worker.proc.wait(seconds) == 0, "".join(worker.lines)
+            worker.reader.join(10)
+    finally:
+        for task in tasks:
+            task.kill()
+
+
 def _start(python, env, ports, logdir, manual, steps, how) -> list[_Task]:
     common = (logdir, manual, str(steps), how)
     port_list = ",".join(map(str, ports))
@@ -82,13 +93,7 @@ def test_article_003_with_server_target_saves_resumes_and_interleaves(
     how = _setter_form()
     logdir, manual = str(tmp_path / "super"), str(tmp_path / "linear")
     tasks = _start(python, subprocess_env, free_ports(3), logdir, manual, 3000, how)
-    try:
-        for worker in tasks[1:]:
-            assert worker.proc.wait(180) == 0, "".join(worker.lines)
-            worker.reader.join(10)
-    finally:
-        for task in tasks:
-            task.kill()
+    run_to_the_end(tasks, 180)
     for worker in tasks[1:]:
         assert worker.wait_for("sess ok", 1).split()[3] == "ParameterServer"
     seen = [[int(s) for s in w.wait_for("seen ", 1).split()[1].split(",")] for w in tasks[1:]]

@@ -17,19 +17,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 from test_placement import collect_placement_log
+from test_ps_worker_model import SECRET, _Click, _loss
 from torch import nn
 
 import towerflow
 from towerflow import PlacementError, configure, device
 from towerflow.cluster import TaskInfo
-from towerflow.cluster.transport import Credentials
 from towerflow.ps import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 
 pytestmark = pytest.mark.gpu
 
-SECRET = Credentials(secret=b"gpu-paths-secret")
 
 CUDA0 = torch.device("cuda", 0)
 #: an operation PyTorch implements on the CPU only (torch.histogram; CUDA has torch.histc)
@@ -87,22 +86,6 @@ def test_cuda_visible_devices_decides_what_a_process_lists(python, subprocess_en
 def ps_servers(start_ps_tasks):
     """Two ps tasks (dense and table services) in this process, serving after Done."""
     return start_ps_tasks(SECRET)
-
-
-class _Click(nn.Module):
-    def __init__(self, embedding: nn.Module) -> None:
-        super().__init__()
-        self.emb = embedding
-        self.hidden = nn.Linear(4, 8)
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.hidden(self.emb(ids)))).squeeze(1)
-
-
-def _loss(model: nn.Module, batch) -> torch.Tensor:
-    ids, labels = batch
-    return nn.functional.binary_cross_entropy_with_logits(model(ids), labels)
 
 
 def test_a_gpu_worker_trains_dense_variables_and_table_rows_held_on_cpu_ps_tasks(

@@ -16,7 +16,7 @@ import re
 import subprocess
 
 import pytest
-from test_article_003 import _start
+from test_article_003 import _start, run_to_the_end
 from test_example_click_model import EXAMPLE as CLICK_EXAMPLE
 from test_example_click_model import FINISHED as CLICK_FINISHED
 from test_example_linear_regression import EXAMPLE as LINEAR_EXAMPLE
@@ -47,34 +47,31 @@ def test_article_003_tasks_started_by_hand_feed_cpu_batches_to_a_model_elsewhere
         tmp_path, python, second_device_env, free_ports) -> None:
     tasks = _start(python, second_device_env, free_ports(3), str(tmp_path / "super"),
                    str(tmp_path / "linear"), 150, "argument")
-    try:
-        for worker in tasks[1:]:
-            assert worker.proc.wait(120) == 0, "".join(worker.lines)
-            worker.reader.join(10)
-    finally:
-        for task in tasks:
-            task.kill()
+    run_to_the_end(tasks, 120)
     for worker in tasks[1:]:
         assert worker.wait_for("sess ok", 1).split()[3] == "ParameterServer"
         assert worker.wait_for("finished", 1)
         assert int(worker.wait_for("second device:", 1).split()[2]) > 0, "".join(worker.lines)
 
 
-def test_article_003_under_launch_feeds_cpu_batches_to_a_model_elsewhere(
-        tmp_path, python, second_device_env) -> None:
-    out = _run([python, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2", "--grace",
-                "10", "--", python, str(LINEAR_EXAMPLE), "--steps", "150", "--noise", "0"],
-               second_device_env, tmp_path, 180)
-    assert {int(m[0]) for m in LINEAR_FINISHED.findall(out)} == {0, 1}, out[-3000:]
+def _launched(python: str, env: dict[str, str], cwd, ps: int, program: list[str],
+              finished) -> None:
+    """``program`` on ``ps`` ps tasks and 2 workers under ``towerflow launch``: both workers
+    finished (``finished``: their final line) and computed on the second device."""
+    out = _run([python, "-m", "towerflow", "launch", "--ps", str(ps), "--workers", "2",
+                "--grace", "10", "--", python, *program], env, cwd, 240)
+    assert {int(m[0]) for m in finished.findall(out)} == {0, 1}, out[-3000:]
     ops = computed_there(out)
     assert set(ops) == {"[worker:0]", "[worker:1]"} and min(ops.values()) > 0, out[-3000:]
+
+
+def test_article_003_under_launch_feeds_cpu_batches_to_a_model_elsewhere(
+        tmp_path, python, second_device_env) -> None:
+    _launched(python, second_device_env, tmp_path, 1,
+              [str(LINEAR_EXAMPLE), "--steps", "150", "--noise", "0"], LINEAR_FINISHED)
 
 
 def test_the_click_example_on_two_ps_and_two_workers_feeds_its_model_elsewhere(
         tmp_path, python, second_device_env) -> None:
-    out = _run([python, "-m", "towerflow", "launch", "--ps", "2", "--workers", "2", "--grace",
-                "5", "--", python, str(CLICK_EXAMPLE), "--logdir", "run", "--steps", "60"],
-               second_device_env, tmp_path, 240)
-    assert {int(m[0]) for m in CLICK_FINISHED.findall(out)} == {0, 1}, out[-3000:]
-    ops = computed_there(out)
-    assert set(ops) == {"[worker:0]", "[worker:1]"} and min(ops.values()) > 0, out[-3000:]
+    _launched(python, second_device_env, tmp_path, 2,
+              [str(CLICK_EXAMPLE), "--logdir", "run", "--steps", "60"], CLICK_FINISHED)
