@@ -92,6 +92,14 @@ def test_device_cpu_puts_every_replica_on_the_cpu_without_a_line(gpus, caplog) -
     assert caplog.records == []
 
 
+def test_towerflow_device_cpu_chooses_the_cpu_for_every_replica(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("TOWERFLOW_DEVICE", "cpu")
+    with caplog.at_level(logging.WARNING, logger="towerflow.training"):
+        assert _devices(2, 4) == [torch.device("cpu")] * 2
+        assert _devices(4, 1) == [torch.device("cpu")] * 4
+    assert caplog.records == []
+
+
 def test_the_replicas_of_a_machine_are_counted_from_every_way_replicas_start() -> None:
     from towerflow.cluster import ClusterSpec, TaskInfo
     from towerflow.cluster.launcher import replica_env

@@ -57,7 +57,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from towerflow import _identity
-from towerflow.devices import DeviceSpec, resolve_device
+from towerflow.devices import DEVICE_ENV, DeviceSpec, resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.strategies.single import LocalOptimizerStrategy
 
@@ -217,7 +217,8 @@ def replica_device(local_rank: int, device: str | torch.device | None = None, *,
     - ``device`` naming a GPU without its index (``"cuda"``, ``"/gpu"``): GPU
       ``<local_rank>``, refused when the machine has no such GPU;
     - any other ``device``: that device;
-    - no ``device``: GPU ``<local_rank>``; the CPU on a machine without GPUs;
+    - no ``device``: the one ``TOWERFLOW_DEVICE`` names when it is set, else GPU
+      ``<local_rank>``; the CPU on a machine without GPUs;
       the CPU as well, said in one line (by local replica 0), when every
       replica of the world runs on this machine (``local_replicas``) and it
       has fewer GPUs than replicas (NCCL runs one rank per GPU, and the
@@ -243,6 +244,8 @@ def replica_device(local_rank: int, device: str | torch.device | None = None, *,
         >>> replica_device(0, "cpu", gpus=4)
         device(type='cpu')
     """
+    if device is None:  # the device a program's environment names (TOWERFLOW_DEVICE=cpu)
+        device = os.environ.get(DEVICE_ENV, "").strip() or None
     chosen = _replica_choice(local_rank, device, local_replicas, gpus)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
