@@ -71,9 +71,9 @@ class Cluster:
     """``num_ps`` ps tasks and a chief training ``Click`` on them."""
 
     def __init__(self, free_ports, num_ps: int, model: nn.Module | None = None) -> None:
-        ports = free_ports(num_ps + 1)
-        self.spec = ClusterSpec({"ps": [f"127.0.0.1:{p}" for p in ports[:-1]],
-                                 "worker": [f"127.0.0.1:{ports[-1]}"]})
+        ports = free_ports(num_ps + 2)  # two replicas: worker 1 pushes below
+        self.spec = ClusterSpec({"ps": [f"127.0.0.1:{p}" for p in ports[:-2]],
+                                 "worker": [f"127.0.0.1:{p}" for p in ports[-2:]]})
         self.servers = [Server(self.spec, "ps", i, credentials=SECRET) for i in range(num_ps)]
         self.strategy = ParameterServer(self.spec, TaskInfo("worker", 0), credentials=SECRET,
                                         device="cpu", server=False, table_part_bytes=200)
@@ -112,11 +112,11 @@ class Cluster:
         return out
 
     def raw_push(self, table: str, row: int, seq: int) -> tpb.PushRowsReply:
-        """A push of worker 9 (incarnation 1) to the owner of ``row``, as a retry sends it."""
+        """A push of worker 1 (incarnation 1) to the owner of ``row``, as a retry sends it."""
         module = self.model.emb if table == "emb" else self.model.ctx
         shard = int(module.config.partitioner.shard_of(torch.tensor([row]))[0])
         request = tpb.PushRowsRequest(
-            table=table, shard=shard, worker_id=9, incarnation=1, seq=seq, lr=0.5, step=1,
+            table=table, shard=shard, worker_id=1, incarnation=1, seq=seq, lr=0.5, step=1,
             num_ids=1, dtype="float32", ids=torch.tensor([row]).numpy().tobytes(),
             grads=torch.ones(1, module.config.dim).numpy().tobytes())
         channel = make_channel(self.spec.task_address("ps", shard), SECRET)
@@ -170,7 +170,7 @@ def test_tables_restore_to_another_number_of_ps_tasks_and_training_continues(
     assert max(p["part"] for p in parts) >= 1  # several files per shard (part_bytes=200)
     # push tables on disk: JSON rows [worker, incarnation, seq, status] in a shard's first part
     records = [r for p in parts if p["table"] == "emb" and p["part"] == 0 for r in p["pushes"]]
-    assert [9, 1, 1, "applied"] in records
+    assert [1, 1, 1, "applied"] in records
     assert all(type(r[0]) is int and type(r[3]) is str for r in records)
     cluster = Cluster(free_ports, new)
     try:

@@ -38,12 +38,12 @@ waiting push holds no lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
 
-from towerflow.errors import DeadlineExceededError, InvalidArgumentError
+from towerflow.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.partition import coalesce
 from towerflow.ps.server.pushes import (
     APPLIED,
@@ -54,6 +54,7 @@ from towerflow.ps.server.pushes import (
     PushHeader,
     PushOutcome,
 )
+from towerflow.ps.server.tables.records import MAX_PUSHES_IN_FLIGHT, JobWorkers
 
 __all__ = ["RowAggregator", "make_row_aggregator", "wait_for"]
 
@@ -80,21 +81,45 @@ class RowAggregator:
     Args:
         shard: the table shard (its ``cond``, ``name``, ``apply_rows`` and
             ``settle`` are used, with ``cond`` held).
-        config: the job's ``AggregationConfig``; None: async with any worker id.
+        config: the job's ``AggregationConfig``; None: async, from the job's
+            current workers (``workers``).
+        workers: the job's current workers
+            (:class:`~towerflow.ps.server.tables.records.JobWorkers`; None: any id).
     """
 
     mode = "async"
 
-    def __init__(self, shard: Any, config: Any = None) -> None:
+    def __init__(self, shard: Any, config: Any = None, workers: JobWorkers | None = None
+                 ) -> None:
         self.shard = shard
         self.config = config
+        self.workers = JobWorkers() if workers is None else workers
         self.done: set[int] = set()
         self.max_lead = 0
 
+    def _elastic(self) -> Container[int]:
+        """The elastic workers whose pushes count (async only)."""
+        return self.workers.view()[1] if self.config.mode == "async" else ()
+
     def check(self, worker_id: int) -> None:
-        """Refuse a push from a worker that is not one of the job's replicas."""
-        if self.config is not None:
-            self.config.check_replica(worker_id, f"A push to table {self.shard.name!r}")
+        """Refuse a push from a worker that is not one of the job's current workers
+        (:class:`~towerflow.ps.server.tables.records.JobWorkers`; the table's own
+        ``AggregationConfig`` when it has one)."""
+        what = f"A push to table {self.shard.name!r}"
+        if self.config is None:
+            self.workers.check(worker_id, what)
+        else:
+            self.config.check_replica(worker_id, what, self._elastic())
+
+    def knows_job(self) -> bool:
+        """Whether the job's workers are known (else any id is current: nothing to drop)."""
+        return self.config is not None or self.workers.view()[0] is not None
+
+    def current(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` is one of the job's current workers (its records are kept)."""
+        if self.config is None:
+            return worker_id in self.workers
+        return 0 <= worker_id < self.config.total_num_replicas or worker_id in self._elastic()
 
     def accept(self, header: PushHeader, pending: Pending, ids: torch.Tensor,
                grads: torch.Tensor, lr: float, step: int,
@@ -145,8 +170,8 @@ class _SSPRows(RowAggregator):
 
     mode = "ssp"
 
-    def __init__(self, shard: Any, config: Any) -> None:
-        super().__init__(shard, config)
+    def __init__(self, shard: Any, config: Any, workers: JobWorkers | None = None) -> None:
+        super().__init__(shard, config, workers)
         self.clocks = dict.fromkeys(range(config.total_num_replicas), 0)
 
     def _slowest(self) -> int:
@@ -180,8 +205,8 @@ class _SyncRows(RowAggregator):
 
     mode = "sync"
 
-    def __init__(self, shard: Any, config: Any) -> None:
-        super().__init__(shard, config)
+    def __init__(self, shard: Any, config: Any, workers: JobWorkers | None = None) -> None:
+        super().__init__(shard, config, workers)
         self._step = 0
         self._newest = 0  # the newest step counted (a push may be ahead of self._step)
         #: per replica counted in the step: (ids, row gradients), coalesced
@@ -192,6 +217,18 @@ class _SyncRows(RowAggregator):
     @property
     def sync_step(self) -> int:
         return self._step
+
+    def check(self, worker_id: int) -> None:
+        """Also refuse a push while the step holds :data:`MAX_PUSHES_IN_FLIGHT` per replica."""
+        super().check(worker_id)
+        limit = MAX_PUSHES_IN_FLIGHT * self.config.total_num_replicas
+        if len(self._waiting) >= limit:
+            raise ResourceExhaustedError(
+                f"A push to table {self.shard.name!r} from worker {worker_id} was refused: step "
+                f"{self._step} holds {len(self._waiting)} pushes waiting, the most for "
+                f"{self.config.total_num_replicas} replicas ({MAX_PUSHES_IN_FLIGHT} each); "
+                "answer the waiting ones first (start the missing replicas)."
+            )
 
     def accept(self, header: PushHeader, pending: Pending, ids: torch.Tensor,
                grads: torch.Tensor, lr: float, step: int,
@@ -268,7 +305,9 @@ _KINDS: dict[str, type[RowAggregator]] = {"async": RowAggregator, "sync": _SyncR
                                           "ssp": _SSPRows}
 
 
-def make_row_aggregator(shard: Any, config: Any = None) -> RowAggregator:
-    """The aggregator of ``config.mode`` (async when ``config`` is None) for ``shard``."""
+def make_row_aggregator(shard: Any, config: Any = None, workers: JobWorkers | None = None
+                        ) -> RowAggregator:
+    """The aggregator of ``config.mode`` (async when ``config`` is None) for ``shard``;
+    ``workers``: the job's current workers (None: any id)."""
     kind = RowAggregator if config is None else _KINDS[config.mode]
-    return kind(shard, config)
+    return kind(shard, config, workers)

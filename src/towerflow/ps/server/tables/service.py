@@ -81,6 +81,8 @@ from towerflow.ps.protocol import (
     split_parts,
     unpack,
 )
+from towerflow.ps.server.elastic import ElasticMembers
+from towerflow.ps.server.tables.records import JobWorkers
 
 __all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS", "MAX_BATCH_ITEMS"]
 
@@ -119,10 +121,15 @@ class TableService:
     Args:
         task_index: the ps task's index; an ``InitTable`` for another shard
             is refused. None: any shard (tests serving several in one process).
+        workers: the job's current workers, whose pushes the tables take and
+            keep records of (:class:`~towerflow.ps.server.tables.records.JobWorkers`;
+            :class:`TableHost` points it at the task's dense shard). None: any id.
     """
 
-    def __init__(self, task_index: int | None = None) -> None:
+    def __init__(self, task_index: int | None = None, workers: JobWorkers | None = None
+                 ) -> None:
         self.task_index = task_index
+        self.workers = JobWorkers() if workers is None else workers
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
         #: the dense shard's ``push_pull_small(request, context)`` of this ps task (a RowBatch's
@@ -186,7 +193,7 @@ class TableService:
                     )
                 created = False
             else:
-                held = TableShard(spec, aggregation)
+                held = TableShard(spec, aggregation, self.workers)
                 self._tables[(spec.name, spec.shard)] = held
                 created = True
                 logger.info("table %r shard %d: %d rows x %d (%d bytes with slots)", spec.name,
@@ -425,8 +432,14 @@ class TableHost:
         return self.service.handlers()
 
     def start(self) -> None:
-        """Nothing to start: tables are created by ``InitTable`` (the task's ``ShardHost``
-        hands the service its dense shard: ``TableService.dense``)."""
+        """Count the job's workers as the task's dense shard does (its ``Init`` and elastic
+        membership: :class:`~towerflow.ps.server.tables.records.JobWorkers`); tables are
+        created by ``InitTable`` (the task's ``ShardHost`` hands the service its dense
+        shard's push: ``TableService.dense``)."""
+        for hosted in self.server.services:  # the dense shard's service (a DenseMembership)
+            dense = getattr(hosted, "service", None)
+            if isinstance(getattr(dense, "elastic", None), ElasticMembers):
+                self.service.workers.ps = dense
 
     def stop(self) -> None:
         """Nothing to stop."""

@@ -10,8 +10,9 @@ its lock and its counters; nothing else reaches into them:
   shard, in the table, values finite, of the table's dtype, ``lr`` and
   ``step`` valid), then, under the lock, classifies it in the shard's own
   :class:`~towerflow.ps.server.pushes.PushTable` (a retry of an applied push is
-  answered, not applied again; a superseded incarnation is refused) and hands
-  a new one to the job's aggregation mode
+  answered, not applied again; a superseded incarnation is refused), refuses
+  a new one from an id that is not one of the job's current workers, and
+  hands it to the job's aggregation mode
   (:mod:`towerflow.ps.server.tables.aggregation`: async applies it at once, sync
   counts it in its step, ssp applies it and waits for the slowest worker),
   which records its answer;
@@ -20,7 +21,10 @@ its lock and its counters; nothing else reaches into them:
   with their slots: 16 bytes a row) under the lock and reads each chunk's
   rows, slots and versions under it in turn, so no copy of the whole shard
   is made (each chunk is of one moment, its rows with their slots);
-- an import checks every chunk before it sets any row.
+- an import checks every chunk before it sets any row;
+- the push records are the job's current workers' only
+  (:mod:`towerflow.ps.server.tables.records`): those of a former worker are
+  dropped, so a status, an export and an import carry the live ones.
 
 Buffers arrive as raw little-endian bytes (int64 ids, rows in the table's
 dtype) and are read in place (``torch.frombuffer`` over the received
@@ -49,8 +53,9 @@ from towerflow.errors import (
 )
 from towerflow.ps.buffers import tensor_bytes as encode
 from towerflow.ps.protocol import push_rows
-from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome, PushTable
+from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome
 from towerflow.ps.server.tables.aggregation import make_row_aggregator
+from towerflow.ps.server.tables.records import MAX_PUSHES_IN_FLIGHT, JobWorkers, TablePushes
 from towerflow.ps.server.tables.rows import RowExport, RowStore
 from towerflow.ps.server.tables.stores import row_store_from_dict
 
@@ -146,12 +151,16 @@ class TableShard:
 
     Args:
         spec: the ``TableSpec`` message it was created from.
+        aggregation: the table's ``AggregationConfig`` (None: async).
+        workers: the job's current workers, whose pushes it takes and keeps
+            records of (:mod:`~towerflow.ps.server.tables.records`; None: any id).
 
     Raises:
         InvalidArgumentError: what :func:`describe_spec` or the row store refuses.
     """
 
-    def __init__(self, spec: Any, aggregation: Any = None) -> None:
+    def __init__(self, spec: Any, aggregation: Any = None,
+                 workers: JobWorkers | None = None) -> None:
         self.description = describe_spec(spec)
         self.name = spec.name
         self.spec_bytes = spec.SerializeToString(deterministic=True)
@@ -160,10 +169,10 @@ class TableShard:
         self.aggregation = aggregation
         self._lock = threading.Lock()
         self.cond = threading.Condition(self._lock)
-        self._pushes = PushTable()
+        self._pushes = TablePushes()
         self._applied = 0
         self._pulled_rows = 0
-        self._mode = make_row_aggregator(self, aggregation)
+        self._mode = make_row_aggregator(self, aggregation, workers)
 
     @property
     def shard(self) -> int:
@@ -307,6 +316,7 @@ class TableShard:
             return PushOutcome(outcome.status, outcome.step, outcome.message, True), \
                 self._applied
         self._mode.check(header.worker_id)
+        self._make_room(header)
         self.store.observe(ids)  # a dynamic table's admission counts each push once
         pending, _ = self._pushes.register(header)  # row pushes are never suspended
         try:
@@ -317,6 +327,35 @@ class TableShard:
             self._pushes.drop(header)
             raise
         return outcome, self._applied
+
+    def _make_room(self, header: PushHeader) -> None:
+        """Before a new push is recorded (``cond`` held): a new worker id's first push drops
+        the records of former workers; a worker's pushes in progress are bounded.
+
+        Raises:
+            ResourceExhaustedError: the worker has :data:`MAX_PUSHES_IN_FLIGHT` in progress.
+        """
+        worker = header.worker_id
+        if worker not in self._pushes:
+            self._prune()
+            return
+        held = self._pushes.in_flight(worker, header.incarnation)
+        if held >= MAX_PUSHES_IN_FLIGHT:
+            raise ResourceExhaustedError(
+                f"Table {self.name!r}: push {header.seq} of worker {worker} was refused: it has "
+                f"{held} pushes in progress on shard {self.shard}, the most one worker may "
+                "have; send the next once one of them is answered."
+            )
+
+    def _prune(self) -> None:
+        """Drop the push records of former workers (``cond`` held)."""
+        if self._mode.knows_job():
+            self._pushes.prune(self._mode.current)
+
+    def _live_records(self) -> list[tuple[int, int, int, str]]:
+        """The push records of the job's current workers (``cond`` held): the others dropped."""
+        self._prune()
+        return self._pushes.rows()
 
     def apply_rows(self, ids: torch.Tensor, grads: torch.Tensor, lr: float, step: int, *,
                    checked: bool = False) -> int:
@@ -337,12 +376,13 @@ class TableShard:
         """Worker ``worker_id`` has finished: sync steps and the ssp bound stop waiting for it."""
         with self.cond:
             self._mode.worker_done(worker_id)
+            self._prune()  # an elastic worker's record, once its Done retired it
 
     def snapshot(self, start: int = 0, stop: int | None = None
                  ) -> tuple[RowExport, list[tuple[int, int, int, str]]]:
         """Rows, slots and push table of one moment (copies; the ids in ``[start, stop)``)."""
         with self._lock:
-            return self.store.export(start, stop), self._pushes.rows()
+            return self.store.export(start, stop), self._live_records()
 
     def chunks(self, chunk_rows: int, start: int = 0, stop: int | None = None
                ) -> Iterator[tuple[RowExport, int, list]]:
@@ -366,7 +406,7 @@ class TableShard:
         store: Any = self.store
         with self._lock:
             plan = store.begin_export()
-            pushes = self._pushes.rows()
+            pushes = self._live_records()
             counters = store.export_counters()
         try:
             total = plan[0].numel()
@@ -428,7 +468,8 @@ class TableShard:
                 f"the {MAX_REPLICAS_TRACKED} worker ids a shard keeps; nothing was imported. "
                 "Import a checkpoint written by towerflow."
             )
-        pushes = list(push_rows(records))
+        current = self._mode.current  # a record of a former worker is not taken in
+        pushes = [row for row in push_rows(records) if current(row[0])]
         with self._lock:
             if versions is None:  # checks every value before any change
                 self.store.import_(ids, rows, slots)
@@ -437,6 +478,7 @@ class TableShard:
             for counter_ids, counts in counters:  # checked above
                 self.store.import_counters(counter_ids, counts)  # type: ignore[attr-defined]
             self._pushes.merge(pushes, self._applied)
+            self._prune()
         return ids.numel()
 
     def _counters(self, chunk: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,11 +499,11 @@ class TableShard:
         return ids, counts
 
     def status(self) -> dict[str, Any]:
-        """Counters and the push table."""
+        """Counters and the push table (its live records)."""
         with self._lock:
             return {"rows": self.store.num_rows, "nbytes": self.store.nbytes,
                     "applied": self._applied, "pulled_rows": self._pulled_rows,
-                    "pushes": self._pushes.rows(), "sync_step": self._mode.sync_step,
+                    "pushes": self._live_records(), "sync_step": self._mode.sync_step,
                     "max_lead": self._mode.max_lead,
                     **getattr(self.store, "counters", {})}
 
