@@ -182,3 +182,18 @@ def second_device_env(subprocess_env: dict[str, str]) -> dict[str, str]:
     path = subprocess_env.get("PYTHONPATH")
     return dict(subprocess_env, TOWERFLOW_DEVICE="lazy",
                 PYTHONPATH=SECOND_DEVICE_SITE + (os.pathsep + path if path else ""))
+
+
+@pytest.fixture
+def ps_process(subprocess_env: dict[str, str]) -> Iterator[tuple[Any, Any, Any]]:
+    """One real ps task (``towerflow server``) with a cluster secret, in its own process;
+    yields (cluster, the ``LocalCluster``, the ps task)."""
+    from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster
+
+    spec = loopback_cluster(num_ps=1, num_workers=1)
+    with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"],
+                      env=subprocess_env) as lc:
+        ps = lc.start("ps", 0)
+        ps.wait_for_line(r"ps task 0 serving at", timeout=60)
+        yield spec, lc, ps
+    assert leftover_processes() == []

@@ -113,7 +113,7 @@ def test_a_peer_stalled_half_way_through_its_push_does_not_slow_honest_workers(
 
 def test_refused_pushes_with_huge_segment_lists_leave_status_small(free_ports) -> None:
     from towerflow.cluster import ClusterSpec, Server
-    from towerflow.cluster.transport import Credentials
+    from towerflow.cluster.transport import Credentials, stream_unary
     from towerflow.ps import PSService
 
     secret = Credentials(secret=b"hostile-test")
@@ -134,8 +134,9 @@ def test_refused_pushes_with_huge_segment_lists_leave_status_small(free_ports) -
         assert big.ByteSize() > 30 << 20
         for seq in (1, 2, 3):
             big.seq = seq
-            reply = pb.PushReply.FromString(shard.channel.stream_unary(
-                "/towerflow.ps.PS/Push")(iter([big.SerializeToString()]), timeout=60))
+            # in frames, as the transport sends it: one 30 MiB message is refused unread
+            reply = pb.PushReply.FromString(stream_unary(
+                shard.channel, "/towerflow.ps.PS/Push", [big.SerializeToString()], timeout=60))
             assert reply.status == "refused" and len(reply.message) < 2048
         status = shard.status()
         assert status.ByteSize() < 64 << 10 and status.stats["refused"] == 3

@@ -16,23 +16,13 @@ import pytest
 from towerflow.cluster.auth import AUTH_METADATA_KEY, ClientAuth, make_token
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
 from towerflow.ps import ps_pb2 as pb
-from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster
+from towerflow.testing import LocalCluster, leftover_processes
 from towerflow.testing.probes import PROBE_SHAPES, probe_bad_inputs
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "towerflow"
 PS_METHODS = ("Init", "Status", "Push", "PushPull", "PushPullSmall", "Pull", "Done", "Ledger")
 
 
-@pytest.fixture
-def ps_process(subprocess_env):
-    """One real ps task (``towerflow server``) with a cluster secret; yields (cluster, lc, ps)."""
-    spec = loopback_cluster(num_ps=1, num_workers=1)
-    with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"],
-                      env=subprocess_env) as lc:
-        ps = lc.start("ps", 0)
-        ps.wait_for_line(r"ps task 0 serving at", timeout=60)
-        yield spec, lc, ps
-    assert leftover_processes() == []
 
 
 def _raw_call(address: str, method: str, payload: bytes, metadata=()) -> grpc.StatusCode:

@@ -19,8 +19,10 @@ With a per-cluster secret every call carries the metadata
   task, and against the same task after a restart (a new incarnation), although
   a restarted server remembers no nonces.
 - ``digest`` is the SHA-256 of the call's first request message: the whole
-  body of a unary call, the first message (the header) of a streamed one. The
-  server checks it against the bytes it receives before the handler sees them.
+  body of a unary call, the first message (the header) of a streamed one; of
+  a framed call (:mod:`~towerflow.cluster.frames`), the first message's
+  pieces together. The server checks it against the bytes it receives before
+  the handler sees them.
 - ``time`` must be within ``freshness`` seconds of the server's clock and
   ``nonce`` must be new within this incarnation: a token works once.
 
@@ -57,6 +59,7 @@ from typing import Any
 
 import grpc
 
+from towerflow.cluster.frames import frame_of
 from towerflow.cluster.health import UNAUTHENTICATED_METHODS
 from towerflow.cluster.limits import RateLimitedLog, handler_kind, make_handler
 from towerflow.errors import InvalidArgumentError, UnauthenticatedError
@@ -107,8 +110,20 @@ def _message_bytes(message: Any) -> bytes | memoryview:
 
 
 def body_digest(message: Any) -> str:
-    """SHA-256 (hex) of a request message as it goes on the wire."""
+    """SHA-256 (hex) of a request message as it goes on the wire (a list: the pieces of one
+    framed message, in order)."""
+    if isinstance(message, list):
+        digest = hashlib.sha256()
+        for piece in message:
+            digest.update(_message_bytes(piece))
+        return digest.hexdigest()
     return hashlib.sha256(_message_bytes(message)).hexdigest()
+
+
+def _frame(metadata: Any) -> int | None:
+    """The frame size of a framed call (None: not framed, or not a valid frame)."""
+    framing = frame_of(metadata)
+    return framing[0] if framing is not None and framing[0] > 0 else None
 
 
 def make_token(
@@ -217,7 +232,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         verdict = self.verify(method, token)
         handler = continuation(handler_call_details)
         if verdict.reason is None:
-            return None if handler is None else _bound_to(handler, verdict.digest, method)
+            frame = _frame(handler_call_details.invocation_metadata)
+            return None if handler is None else _bound_to(handler, verdict.digest, method, frame)
         self._log.warning(verdict.reason.split(" (")[0], "refused call to %s: %s", method,
                           verdict.reason)
         return _refusal(handler, verdict.code, f"call refused: {method}: {verdict.reason}")
@@ -266,8 +282,10 @@ def _refusal(real: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
     return make_handler(True, streaming_reply, abort)
 
 
-def _bound_to(handler: grpc.RpcMethodHandler, digest: str, method: str) -> grpc.RpcMethodHandler:
-    """``handler``, run only once its first request message matches the token's digest."""
+def _bound_to(handler: grpc.RpcMethodHandler, digest: str, method: str,
+              frame: int | None = None) -> grpc.RpcMethodHandler:
+    """``handler``, run only once its first request message matches the token's digest
+    (``frame``: of a framed call, whose first message is its first pieces up to a short one)."""
     kind = handler_kind(handler)
     real = getattr(handler, kind)
     parse = handler.request_deserializer or (lambda message: message)
@@ -277,6 +295,14 @@ def _bound_to(handler: grpc.RpcMethodHandler, digest: str, method: str) -> grpc.
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           f"call refused: {method}: the request is not the one its credentials "
                           "were issued for")  # fmt: skip
+
+    def first_pieces(requests: Iterator[bytes]) -> list[bytes]:
+        head: list[bytes] = []
+        for piece in requests:
+            head.append(piece)
+            if len(piece) != frame:
+                break
+        return head
 
     if not handler.request_streaming:
 
@@ -288,10 +314,16 @@ def _bound_to(handler: grpc.RpcMethodHandler, digest: str, method: str) -> grpc.
     else:
 
         def checked(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
-            first = next(requests, None)
-            check(b"" if first is None else first, context)
-            if first is not None:
-                yield parse(first)
+            if frame is not None:  # the first message's pieces, checked before any is passed on
+                head = first_pieces(requests)
+                check(head, context)
+            else:
+                first = next(requests, None)
+                check(b"" if first is None else first, context)
+                head = [] if first is None else [first]
+            if head:
+                for message in head:
+                    yield parse(message)
                 for message in requests:
                     yield parse(message)
 
@@ -406,20 +438,30 @@ class ClientAuth(
         return self._watch(continuation(self._details(details, request), request))
 
     def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[override]
-        first, requests = _peek(request_iterator)
+        first, requests = _peek(request_iterator, _frame(details.metadata))
         return self._watch(continuation(self._details(details, first), requests))
 
     def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[override]
-        first, requests = _peek(request_iterator)
+        first, requests = _peek(request_iterator, _frame(details.metadata))
         return self._watch(continuation(self._details(details, first), requests))
 
 
-def _peek(requests: Any) -> tuple[Any, Iterator[Any]]:
-    """The first message of a request stream (``b""`` when empty) and the whole stream."""
+def _peek(requests: Any, frame: int | None = None) -> tuple[Any, Iterator[Any]]:
+    """The first message of a request stream (``b""`` when empty; of a framed call, the list
+    of its pieces) and the whole stream."""
     iterator = iter(requests)
-    for first in iterator:
-        return first, itertools.chain((first,), iterator)
-    return b"", iter(())
+    if frame is None:
+        for first in iterator:
+            return first, itertools.chain((first,), iterator)
+        return b"", iter(())
+    head: list[Any] = []
+    for piece in iterator:
+        head.append(piece)
+        if len(piece) != frame:
+            break
+    if not head:
+        return b"", iter(())
+    return head, itertools.chain(head, iterator)
 
 
 class _CallDetails(grpc.ClientCallDetails):

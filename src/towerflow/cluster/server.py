@@ -32,6 +32,7 @@ import grpc
 
 from towerflow import _identity
 from towerflow.cluster.auth import RESTARTED
+from towerflow.cluster.frames import FrameInterceptor
 from towerflow.cluster.health import TaskHealth
 from towerflow.cluster.limits import RateLimitedLog, StreamLimiter, log_by_default
 from towerflow.cluster.options import ServerOptions
@@ -198,6 +199,9 @@ class Server:
             self.streams = StreamLimiter(self.options.stream_cap(),
                                          self.options.max_streams_per_peer, self.task.device_name)
             interceptors.append(self.streams)
+            # inside the auth check: a framed request is joined only once its call is let in
+            interceptors.append(FrameInterceptor(self.options.channel.max_message_bytes,
+                                                 self.task.device_name))
             self._executor = futures.ThreadPoolExecutor(
                 self.options.max_workers, thread_name_prefix=f"towerflow-{self.task}")
             server = grpc.server(

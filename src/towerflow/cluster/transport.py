@@ -11,6 +11,12 @@ incarnation, the method and the call's first request message, usable once;
 the server refuses a call without a valid one before reading its body. TLS
 (optionally mutual) encrypts and authenticates the connection itself.
 
+Sizes (:mod:`towerflow.cluster.frames`): a server reads no gRPC message longer than a frame
+(4 MiB) and a little, whoever sends it and whatever the method (the unauthenticated health
+check included): gRPC refuses a longer one from its length prefix, before reading it. A
+request message of up to ``max_message_bytes`` (64 MiB) travels in frames, joined by the
+server before its handler sees it; replies are sent whole, up to ``max_message_bytes``.
+
 Example:
     >>> creds = Credentials(secret=b"s3cret")
     >>> channel = make_channel("localhost:2222", creds)        # doctest: +SKIP
@@ -36,6 +42,8 @@ from typing import Any
 import grpc
 
 from towerflow.cluster.auth import AUTH_METADATA_KEY, RESTARTED, AuthInterceptor, ClientAuth
+from towerflow.cluster.frames import DEFAULT_FRAME_BYTES, frame_metadata, framed, pieces
+from towerflow.cluster.options import DEFAULT_MAX_MESSAGE_BYTES, ChannelOptions
 from towerflow.cluster.spec import parse_address, strip_scheme
 from towerflow.errors import (
     DataLossError,
@@ -48,6 +56,7 @@ from towerflow.errors import (
 __all__ = [
     "AUTH_METADATA_KEY",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_FRAME_BYTES",
     "Credentials",
     "TLSConfig",
     "AuthInterceptor",
@@ -69,8 +78,6 @@ __all__ = [
 
 logger = logging.getLogger("towerflow.cluster")
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
-DEFAULT_STREAM_WINDOW_BYTES = 2 << 20
 _RPC_KINDS = ("unary_unary", "stream_unary", "unary_stream", "stream_stream")
 
 
@@ -200,67 +207,8 @@ def read_secret_file(path: str | Path) -> bytes:
 
 
 # --------------------------------------------------------------------------- channels
-@dataclass(frozen=True, slots=True)
-class ChannelOptions:
-    """gRPC options shared by channels and servers.
-
-    Attributes:
-        max_message_bytes: largest message sent or received; larger tensor
-            payloads are streamed in chunks.
-        keepalive_ms: interval of HTTP/2 keepalive pings, so a dead peer is noticed.
-        keepalive_timeout_ms: how long a keepalive ping may go unanswered.
-        max_reconnect_backoff_ms: longest pause between reconnection attempts to
-            a peer that is down, so a restarted task is reached again quickly.
-        stream_window_bytes: the HTTP/2 flow-control window of each call: how
-            much a peer may send ahead of what this side has read. A fixed
-            window bounds the memory a ps task spends on data in flight by the
-            number of calls, not by what gRPC's bandwidth-delay probing grows
-            it to (on loopback, 2 workers: ps peak memory 2.73-2.77x of the
-            parameter bytes fixed vs 2.83-3.01x probing, for 5-10% less
-            traffic). 2 MiB carries 10 GB/s at 0.2 ms round trip; ``None``
-            lets gRPC size the window itself (long, fast links).
-    """
-
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    keepalive_ms: int = 10_000
-    keepalive_timeout_ms: int = 5_000
-    max_reconnect_backoff_ms: int = 2_000
-    stream_window_bytes: int | None = DEFAULT_STREAM_WINDOW_BYTES
-
-    def _common(self) -> list[tuple[str, Any]]:
-        window = [] if self.stream_window_bytes is None else [
-            ("grpc.http2.bdp_probe", 0),
-            ("grpc.http2.lookahead_bytes", self.stream_window_bytes),
-        ]
-        return [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.keepalive_time_ms", self.keepalive_ms),
-            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", 1),
-            *window,
-        ]
-
-    def grpc_options(self) -> list[tuple[str, Any]]:
-        """The options as gRPC channel arguments."""
-        return self._common() + [
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_ms),
-            ("grpc.initial_reconnect_backoff_ms", min(100, self.max_reconnect_backoff_ms)),
-            ("grpc.min_reconnect_backoff_ms", min(100, self.max_reconnect_backoff_ms)),
-            ("grpc.max_reconnect_backoff_ms", self.max_reconnect_backoff_ms),
-        ]
-
-    def server_options(self) -> list[tuple[str, Any]]:
-        """The options as gRPC server arguments (a taken port is an error, not shared)."""
-        return self._common() + [
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", self.keepalive_ms // 2),
-            ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.so_reuseport", 0),
-        ]
-
-
 _ADDRESSES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_FRAMES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def make_channel(
@@ -296,12 +244,18 @@ def make_channel(
     if credentials.secret:
         channel = grpc.intercept_channel(channel, ClientAuth(credentials.secret, channel, target))
     _ADDRESSES[channel] = target
+    _FRAMES[channel] = options.frame_bytes
     return channel
 
 
 def channel_address(channel: grpc.Channel) -> str:
     """The address a channel from :func:`make_channel` talks to (``"?"`` if unknown)."""
     return _ADDRESSES.get(channel, "?")
+
+
+def channel_frame_bytes(channel: grpc.Channel) -> int:
+    """The frame size of a channel from :func:`make_channel` (the default for another)."""
+    return _FRAMES.get(channel, DEFAULT_FRAME_BYTES)
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
@@ -354,23 +308,50 @@ def _check_timeout(timeout: float | None, method: str) -> float:
     return float(timeout)
 
 
+def _restarted(exc: grpc.RpcError) -> bool:
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and RESTARTED in (exc.details() or "")
+
+
 def unary(channel: grpc.Channel, method: str, payload: bytes, *, timeout: float) -> bytes:
-    """One request, one reply; grpc failures raise the matching towerflow error."""
+    """One request, one reply; grpc failures raise the matching towerflow error.
+
+    A ``payload`` longer than the channel's frame travels in frames (one call).
+    """
     timeout = _check_timeout(timeout, method)
+    frame = channel_frame_bytes(channel)
     try:
-        return channel.unary_unary(method)(payload, timeout=timeout)
+        if len(payload) <= frame:
+            return channel.unary_unary(method)(payload, timeout=timeout)
+        return _framed_unary(channel, method, payload, frame, timeout)
     except grpc.RpcError as exc:
         raise map_rpc_error(exc, method, channel_address(channel)) from None
+
+
+def _framed_unary(channel: grpc.Channel, method: str, payload: bytes, frame: int,
+                  timeout: float) -> bytes:
+    call = channel.stream_unary(method)
+    metadata = frame_metadata(frame, len(payload))
+    try:
+        return call(pieces(payload, frame), timeout=timeout, metadata=metadata)
+    except grpc.RpcError as exc:
+        if not _restarted(exc):
+            raise
+    # the task restarted since the handshake and did not run it: once more, as a unary call is
+    return call(pieces(payload, frame), timeout=timeout, metadata=metadata)
 
 
 def stream_unary(
     channel: grpc.Channel, method: str, chunks: Iterable[bytes | memoryview], *, timeout: float
 ) -> bytes:
-    """Stream ``chunks`` (the pieces of a large payload), get one reply."""
+    """Stream ``chunks`` (the pieces of a large payload), get one reply.
+
+    A chunk longer than the channel's frame travels in frames.
+    """
     timeout = _check_timeout(timeout, method)
-    requests = (c if isinstance(c, bytes) else bytes(c) for c in chunks)
+    frame = channel_frame_bytes(channel)
     try:
-        return channel.stream_unary(method)(requests, timeout=timeout)
+        return channel.stream_unary(method)(framed(chunks, frame), timeout=timeout,
+                                            metadata=frame_metadata(frame))
     except grpc.RpcError as exc:
         raise map_rpc_error(exc, method, channel_address(channel)) from None
 
@@ -378,10 +359,18 @@ def stream_unary(
 def unary_stream(
     channel: grpc.Channel, method: str, payload: bytes, *, timeout: float
 ) -> Iterator[bytes]:
-    """One request, a stream of replies; iterate it to receive them."""
+    """One request, a stream of replies; iterate it to receive them.
+
+    A ``payload`` longer than the channel's frame travels in frames.
+    """
     timeout = _check_timeout(timeout, method)
     address = channel_address(channel)
-    call = channel.unary_stream(method)(payload, timeout=timeout)
+    frame = channel_frame_bytes(channel)
+    if len(payload) <= frame:
+        call = channel.unary_stream(method)(payload, timeout=timeout)
+    else:
+        call = channel.stream_stream(method)(pieces(payload, frame), timeout=timeout,
+                                             metadata=frame_metadata(frame, len(payload)))
 
     def replies() -> Iterator[bytes]:
         try:
@@ -412,7 +401,8 @@ class RequestStream:
     plus a reuse window; a stream takes new requests only while a whole
     ``timeout`` of it is left (:attr:`fresh`), then is replaced, so no request
     is cut short by the stream's age. A failed request ends the call with its
-    status, as it ends a unary call; the caller opens another stream.
+    status, as it ends a unary call; the caller opens another stream. A
+    request longer than the channel's frame travels in frames.
 
     Args:
         channel: an authenticated channel to the peer.
@@ -422,15 +412,17 @@ class RequestStream:
     """
 
     __slots__ = ("_call", "_requests", "_replies", "_usable_until", "_address", "_method",
-                 "outstanding")
+                 "_frame", "outstanding")
 
     def __init__(self, channel: grpc.Channel, method: str, timeout: float, first: bytes) -> None:
         window = timeout / 4
         self._requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._requests.put(first)
+        self._frame = channel_frame_bytes(channel)
+        self._put(first)
         self._address, self._method = channel_address(channel), method
         self._call = channel.stream_stream(method)(iter(self._requests.get, None),
-                                                   timeout=timeout + window)
+                                                   timeout=timeout + window,
+                                                   metadata=frame_metadata(self._frame))
         self._replies = iter(self._call)
         self._usable_until = time.monotonic() + window
         #: requests sent whose reply has not been read
@@ -449,7 +441,14 @@ class RequestStream:
     def send(self, request: bytes) -> None:
         """Queue ``request``; its reply comes after those of the requests sent before it."""
         self.outstanding += 1
-        self._requests.put(request)
+        self._put(request)
+
+    def _put(self, request: bytes) -> None:
+        if len(request) < self._frame:
+            self._requests.put(request)
+        else:
+            for piece in pieces(request, self._frame):
+                self._requests.put(piece)
 
     def receive(self) -> bytes:
         """The next reply's bytes.
@@ -529,6 +528,10 @@ def _takes_context(fn: Handler) -> bool:
 
 def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
     if context.code() is not None:  # the handler aborted the call itself
+        raise exc
+    if isinstance(exc, grpc.RpcError):  # from its requests: the call ended under the handler
+        # (cancelled, or gRPC refused a message longer than the server reads); gRPC knows
+        logger.debug("%s ended while its handler read its requests: %s", method, exc)
         raise exc
     if isinstance(exc, TowerflowError):
         code = getattr(grpc.StatusCode, exc.grpc_code, grpc.StatusCode.UNKNOWN)
