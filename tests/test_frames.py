@@ -195,9 +195,10 @@ def test_a_framed_control_call_is_refused_unread_even_with_the_secret(free_ports
                            options=ChannelOptions(max_message_bytes=64 << 20))
     try:
         assert unary(channel, "/test.Control/Status", b"small", timeout=30) == b"ok"
-        with pytest.raises(InvalidArgumentError, match=r"refuses the framed call to "
-                                                       r"/test.Control/Status: a control call "
-                                                       r"is one message of at most a frame"):
+        with pytest.raises(ResourceExhaustedError, match=r"refuses the framed call to "
+                                                         r"/test.Control/Status: a control "
+                                                         r"call is one message of at most a "
+                                                         r"frame"):
             unary(channel, "/test.Control/Status", bytes(3 * FRAME), timeout=30)
     finally:
         channel.close()

@@ -176,9 +176,10 @@ class FrameInterceptor(grpc.ServerInterceptor):
         frame, total = framing
         method = handler_call_details.method
         if method.rpartition("/")[2] in CONTROL_CALLS:
-            return self._refusal(handler, grpc.StatusCode.INVALID_ARGUMENT, (
+            return self._refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, (
                 f"{self._owner} refuses the framed call to {method}: a control call is one "
-                f"message of at most a frame ({frame_limit_text()}); send it unframed."))
+                f"message of at most a frame ({frame_limit_text()}); send fewer bytes, "
+                "unframed."))
         if frame < MIN_FRAME_BYTES:
             return self._refusal(handler, grpc.StatusCode.INVALID_ARGUMENT, (
                 f"{self._owner} refuses the framed call to {method}: {FRAMES_METADATA_KEY} "
