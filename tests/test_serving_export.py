@@ -166,6 +166,8 @@ def test_a_full_export_and_three_deltas_load_bit_exact_to_a_full_export_at_the_l
 def test_the_loaded_module_passes_torch_export_with_a_dynamic_batch(trained, tmp_path) -> None:
     ckpt, want = trained[1][-1]
     model = serving.load(serving.export(ckpt, tmp_path / "e"), Click())
+    served = model(*inputs(99))  # outside no_grad, as a server calls it: no autograd graph
+    assert served.grad_fn is None and not served.requires_grad
     batch = torch.export.Dim("batch", min=2, max=4096)
     program = torch.export.export(model, inputs(99), dynamic_shapes=(
         {0: batch}, {0: batch}, {0: batch}, {0: batch}))

@@ -30,10 +30,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from towerflow.errors import CheckpointError, NotFoundError
+from towerflow.errors import CheckpointError, InvalidArgumentError, NotFoundError
 
 __all__ = ["MAX_JSON_DEPTH", "json_depth_exceeds", "loads_bounded", "open_dir", "open_regular",
-           "read_regular"]
+           "read_regular", "check_directory"]
 
 #: The deepest nesting of arrays and objects a checkpoint's JSON may have.
 MAX_JSON_DEPTH = 64
@@ -53,6 +53,32 @@ _KINDS = (
 
 def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def check_directory(path: str | Path, what: str) -> None:
+    """Raise when ``path`` (or the first of its parents that exists) is not a directory, so
+    that making it fails with one sentence instead of ``FileExistsError``.
+
+    Raises:
+        InvalidArgumentError: naming ``what`` (e.g. ``"the train directory"``) and the path.
+    """
+    probe = Path(path)
+    while True:
+        try:
+            mode = os.stat(probe).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # under a file: its parent says
+            if probe.parent == probe:
+                return
+            probe = probe.parent
+            continue
+        if stat.S_ISDIR(mode):
+            return
+        where = "" if probe == Path(path) else f" ({str(probe)!r})"
+        raise InvalidArgumentError(
+            f"{what.capitalize()} {str(path)!r} cannot be made: "
+            f"{'it' if not where else 'a parent'} is "
+            f"{'a file' if stat.S_ISREG(mode) else _kind(mode)}{where}. Name a directory (it is "
+            "created when missing), or move that file away.")
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 
 from towerflow.checkpoint.atomic import remove_stale_temps, remove_tree, write_file_atomic
-from towerflow.checkpoint.files import open_dir, read_regular
+from towerflow.checkpoint.files import check_directory, open_dir, read_regular
 from towerflow.checkpoint.format import (
     MANIFEST_NAME,
     Checkpoint,
@@ -265,6 +265,7 @@ class CheckpointManager:
             )
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
+        check_directory(self.directory, "the checkpoint directory")
         self.directory.mkdir(parents=True, exist_ok=True)
         self._cleanup()
 

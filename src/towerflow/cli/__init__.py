@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from towerflow.cli._help import HelpFormatter, polish
+from towerflow.cli._help import HelpFormatter, Parser, polish
 
 # command -> module (in towerflow.cli) implementing it
 _COMMANDS: dict[str, str] = {
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     from towerflow import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="towerflow",
         description="Device placement, multi-GPU training and parameter-server clusters "
         "for PyTorch.",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 
-__all__ = ["HelpFormatter", "plain_text", "polish"]
+__all__ = ["HelpFormatter", "Parser", "plain_text", "polish"]
 
 _ROLE = re.compile(r":[a-z]+:`~?(?:[\w.]+\.)?([^`<>]+?)`")  # :class:`~a.b.C` -> C
 _LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
@@ -58,3 +58,21 @@ def polish(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if action.help and action.help is not argparse.SUPPRESS:
             action.help = plain_text(action.help)
     return parser
+
+
+class Parser(argparse.ArgumentParser):
+    """The command line's parser: no abbreviated options (``--max-step`` is not taken for
+    ``--max-steps``), and an error says its sentence first, the usage after it.
+
+    Example:
+        >>> p = Parser(prog="towerflow x"); _ = p.add_argument("--max-steps", type=int)
+        >>> p.parse_known_args(["--max-step", "5"])[1]
+        ['--max-step', '5']
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n\n{self.format_usage()}")

@@ -1,4 +1,4 @@
-"""Models: the article's CIFAR-10 network, a small net for 8x8 digits, DeepFM.
+"""Models: the article's CIFAR-10 network, a small net for 8x8 digits, a click net, DeepFM.
 
 Example:
     >>> from towerflow.models import Cifar10Net, weight_decay_loss
@@ -14,11 +14,13 @@ from towerflow.models.cifar10 import (
     cross_entropy_loss,
     weight_decay_loss,
 )
+from towerflow.models.click import ClickNet
 from towerflow.models.deepfm import DeepFM, deepfm_loss
 from towerflow.models.digits import DigitsNet
 
 __all__ = [
     "Cifar10Net",
+    "ClickNet",
     "DeepFM",
     "DigitsNet",
     "LocalResponseNorm",

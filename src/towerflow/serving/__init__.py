@@ -13,7 +13,7 @@ It reads the checkpoint format only; it imports no server or cluster code.
 Example::
 
     towerflow.export("runs/click", "exports/full-00001000")
-    model = towerflow.serving.load("exports/full-00001000", ClickModel())
+    model = towerflow.serving.load("exports/full-00001000", ClickNet(1_000_000, 32))
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def load(path_or_chain: str | Path | Sequence[str | Path], model: nn.Module) -> 
         model: the trained model's class, built anew.
 
     Returns:
-        ``model``, in eval mode, each table a :class:`~towerflow.serving.lookup.FixedLookup`
+        ``model``, in eval mode with no parameter requiring a gradient, each table a :class:`~towerflow.serving.lookup.FixedLookup`
         or :class:`~towerflow.serving.lookup.DynamicLookup`: an ordinary ``nn.Module``
         that ``torch.export.export`` accepts.
 
@@ -115,7 +115,7 @@ def load(path_or_chain: str | Path | Sequence[str | Path], model: nn.Module) -> 
 
     Example::
 
-        model = towerflow.serving.load("exports/", ClickModel())
+        model = towerflow.serving.load("exports/", ClickNet(1_000_000, 32))
         scores = model(ids)
     """
     chain = resolve_chain(path_or_chain)
@@ -144,4 +144,4 @@ def load(path_or_chain: str | Path | Sequence[str | Path], model: nn.Module) -> 
     model.load_state_dict(last.dense, strict=False, assign=meta)
     log.info("loaded serving export %s (step %d, %d table(s)) into %s", last.path, last.step,
              len(lookups), type(model).__name__)
-    return model.eval()
+    return model.eval().requires_grad_(False)  # inference: outputs carry no autograd graph

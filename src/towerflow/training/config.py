@@ -84,6 +84,10 @@ class TrainConfig:
             raise InvalidArgumentError(
                 f"TrainConfig.stop_deadline must be a number of seconds >= 0 (0: no deadline), "
                 f"got {self.stop_deadline!r}.")
+        if self.train_dir is not None:
+            from towerflow.checkpoint.files import check_directory
+
+            check_directory(self.train_dir, "the train directory")
         if self.max_to_keep is not None and self.max_to_keep < 1:
             raise InvalidArgumentError(
                 f"TrainConfig.max_to_keep must be at least 1 or None, got {self.max_to_keep!r}."

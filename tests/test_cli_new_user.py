@@ -1,0 +1,70 @@
+"""The path a new user walks on the command line and in the docs: names that exist, one
+sentence for a wrong flag, model or directory, the sentence before the usage."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import towerflow.models
+from towerflow.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_an_abbreviated_option_is_refused_not_taken_for_the_long_one(capsys) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "digits", "--max-step", "5"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "towerflow: error: unrecognized arguments: --max-step 5"
+    assert "usage: " in err
+
+
+def test_a_wrong_model_name_is_the_first_line_and_the_usage_comes_after(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "nosuchmodel"])
+    lines = capsys.readouterr().err.splitlines()
+    assert re.match(r"towerflow train: error: argument model: 'nosuchmodel' is neither a "
+                    r"built-in model \(.*digits.*\) nor MODULE:FACTORY", lines[0]), lines[:3]
+    assert lines[2].startswith("usage: towerflow train")
+
+
+@pytest.mark.parametrize("kind", ["file", "under a file", "fifo"])
+def test_a_train_dir_that_cannot_be_a_directory_is_one_sentence_and_changes_nothing(
+        tmp_path, capsys, kind) -> None:
+    blocker = tmp_path / "runs"
+    if kind == "fifo":
+        os.mkfifo(blocker)
+    else:
+        blocker.write_text("my notes\n")
+    train_dir = blocker / "digits" if kind == "under a file" else blocker
+    code = main(["train", "digits", "--train-dir", str(train_dir), "--max-steps", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    what = {"file": "it is a file", "under a file": f"a parent is a file ('{blocker}')",
+            "fifo": "it is a FIFO"}[kind]
+    assert err.strip() == (f"towerflow train: error: The train directory '{train_dir}' cannot "
+                           f"be made: {what}. Name a directory (it is created when missing), "
+                           "or move that file away.")
+    assert kind == "fifo" or blocker.read_text() == "my notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_the_model_the_serving_docs_build_exists_and_is_exported() -> None:
+    assert towerflow.models.ClickNet.__name__ == "ClickNet"
+    for doc in (ROOT / "README.md", ROOT / "docs" / "serving.md"):
+        text = doc.read_text()
+        built = set(re.findall(r"serving\.load\((?:\[[^\]]*\]|\"[^\"]*\"), (\w+)\(", text))
+        assert built and built <= set(towerflow.models.__all__), (doc.name, built)
+
+
+def test_version_answers_without_a_traceback() -> None:
+    proc = subprocess.run([sys.executable, "-m", "towerflow", "--version"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"towerflow {towerflow.__version__}"
