@@ -64,7 +64,24 @@ def test_the_model_the_serving_docs_build_exists_and_is_exported() -> None:
         assert built and built <= set(towerflow.models.__all__), (doc.name, built)
 
 
-def test_version_answers_without_a_traceback() -> None:
-    proc = subprocess.run([sys.executable, "-m", "towerflow", "--version"], capture_output=True,
+#: runs the command line with argv[1:] in a fresh interpreter; prints whether torch was imported
+_NO_TORCH = """
+import runpy, sys
+sys.argv = ["towerflow", *sys.argv[1:]]
+try:
+    runpy.run_module("towerflow", run_name="__main__")
+except SystemExit:
+    pass
+print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["train", "--help"],
+                                  ["train", "digits", "--max-step", "3"], ["train", "nosuch"],
+                                  ["launch", "--help"], ["server", "--help"]])
+def test_version_help_and_argument_errors_answer_without_importing_torch(argv) -> None:
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"towerflow {towerflow.__version__}"
+    assert proc.stderr.splitlines()[-1] == "torch imported: False", proc.stderr[-2000:]
+    if argv == ["--version"]:
+        assert proc.stdout.strip() == f"towerflow {towerflow.__version__}"

@@ -13,23 +13,29 @@ checkpoint's directory. The package imports no other towerflow package but
 
 from __future__ import annotations
 
-from towerflow.checkpoint.api import load, save
-from towerflow.checkpoint.chunked import ChunkedGroup, ChunkedReader
-from towerflow.checkpoint.format import Checkpoint, verify_checkpoint
-from towerflow.checkpoint.manager import CheckpointManager, latest_checkpoint, read_checkpoint
-from towerflow.checkpoint.state import flatten_state, load_into_module, unflatten_state
+from towerflow._lazy import lazy_getattr
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointManager",
-    "ChunkedGroup",
-    "ChunkedReader",
-    "flatten_state",
-    "latest_checkpoint",
-    "load",
-    "load_into_module",
-    "read_checkpoint",
-    "save",
-    "unflatten_state",
-    "verify_checkpoint",
-]
+# public name -> module that defines it, imported on first use (PEP 562): a module of the
+# package that needs no torch (files, atomic) is imported without torch
+_LAZY: dict[str, str] = {
+    "Checkpoint": "towerflow.checkpoint.format",
+    "CheckpointManager": "towerflow.checkpoint.manager",
+    "ChunkedGroup": "towerflow.checkpoint.chunked",
+    "ChunkedReader": "towerflow.checkpoint.chunked",
+    "flatten_state": "towerflow.checkpoint.state",
+    "latest_checkpoint": "towerflow.checkpoint.manager",
+    "load": "towerflow.checkpoint.api",
+    "load_into_module": "towerflow.checkpoint.state",
+    "read_checkpoint": "towerflow.checkpoint.manager",
+    "save": "towerflow.checkpoint.api",
+    "unflatten_state": "towerflow.checkpoint.state",
+    "verify_checkpoint": "towerflow.checkpoint.format",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
