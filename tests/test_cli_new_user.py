@@ -85,3 +85,26 @@ def test_version_help_and_argument_errors_answer_without_importing_torch(argv) -
     assert proc.stderr.splitlines()[-1] == "torch imported: False", proc.stderr[-2000:]
     if argv == ["--version"]:
         assert proc.stdout.strip() == f"towerflow {towerflow.__version__}"
+
+
+#: a one-process step of a model with a sparse gradient, in a fresh interpreter (torch warns
+#: once per process); prints the warnings it raised
+_SPARSE_STEP = """
+import warnings
+import torch
+from torch import nn
+from towerflow.strategies import OptimizerConfig, SingleDevice
+strategy = SingleDevice("cpu")
+model = strategy.prepare(nn.Embedding(10, 4, sparse=True), OptimizerConfig("adagrad", lr=0.1))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    strategy.run_step(lambda m, ids: m(ids).sum(), torch.tensor([1, 2, 2]))
+print([str(w.message)[:60] for w in caught])
+"""
+
+
+def test_a_sparse_gradient_step_in_one_process_raises_no_torch_invariant_warning() -> None:
+    proc = subprocess.run([sys.executable, "-c", _SPARSE_STEP], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
