@@ -109,19 +109,20 @@ def test_an_async_worker_holds_its_own_dense_updates_and_rows_match_local_steps(
         strategy.shutdown()
 
 
-def test_settle_makes_the_next_read_hold_the_last_step(ps_servers) -> None:
+def test_after_settle_the_workers_parameters_are_the_ps_tasks_own(ps_servers) -> None:
     torch.manual_seed(1)
     model = _Click(nn.EmbeddingBag(50, 4, mode="sum", sparse=True))
     strategy = ParameterServer(ps_servers, TaskInfo("worker", 0), credentials=SECRET,
                                device="cpu", server=False, sparse_threshold_bytes=100)
     try:
         strategy.prepare(model, OptimizerConfig("sgd", lr=0.5))
-        strategy.run_step(_loss, (torch.randint(0, 50, (16, 5)), torch.ones(16)))
+        for _ in range(2):
+            strategy.run_step(_loss, (torch.randint(0, 50, (16, 5)), torch.ones(16)))
         strategy.settle()
-        settled = model.out.weight.detach().clone()
-        strategy.settle()  # nothing left in flight: nothing changes
-        torch.testing.assert_close(model.out.weight.detach(), settled)
-        pulled = strategy.client.pull([a.copy() for a in strategy._buffers.host_param_arrays])
-        assert pulled == strategy.global_step == 1
+        mine = [a.copy() for a in strategy._buffers.host_param_arrays]  # the model's, flat
+        held = [a.copy() for a in mine]
+        assert strategy.client.pull(held) == 2  # the ps tasks' values and step
+        for own, ps in zip(mine, held, strict=True):
+            torch.testing.assert_close(torch.from_numpy(own), torch.from_numpy(ps))
     finally:
         strategy.shutdown()

@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from towerflow import _grpc_log, errors  # noqa: F401 - _grpc_log: before gRPC loads
-from towerflow._lazy import lazy_getattr
+from towerflow._lazy import lazy_dir, lazy_getattr
 from towerflow.errors import (
     AbortedError,
     DataLossError,
@@ -98,6 +98,4 @@ __all__ = [
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__dir__ = lazy_dir(globals(), __all__)

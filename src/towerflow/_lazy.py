@@ -10,10 +10,10 @@ Example:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["lazy_getattr"]
+__all__ = ["lazy_getattr", "lazy_dir"]
 
 
 def lazy_getattr(package: str, table: Mapping[str, str],
@@ -39,3 +39,13 @@ def lazy_getattr(package: str, table: Mapping[str, str],
         return value
 
     return __getattr__
+
+
+def lazy_dir(namespace: Mapping[str, Any], public: Iterable[str]) -> Callable[[], list[str]]:
+    """Return a module ``__dir__`` listing what is imported and the lazy ``public`` names."""
+    names = frozenset(public)
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | names)
+
+    return __dir__

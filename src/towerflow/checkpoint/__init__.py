@@ -13,7 +13,7 @@ checkpoint's directory. The package imports no other towerflow package but
 
 from __future__ import annotations
 
-from towerflow._lazy import lazy_getattr
+from towerflow._lazy import lazy_dir, lazy_getattr
 
 # public name -> module that defines it, imported on first use (PEP 562): a module of the
 # package that needs no torch (files, atomic) is imported without torch
@@ -36,6 +36,4 @@ __all__ = sorted(_LAZY)
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__dir__ = lazy_dir(globals(), __all__)

@@ -235,13 +235,8 @@ def _no_device_type(name: str) -> bool:
 def _other_type(device: str | torch.device) -> torch.device | None:
     """``device`` as a ``torch.device`` when PyTorch knows its type and towerflow's placement
     does not (``mps``, ``xpu``, ``lazy``...), else None."""
-    if isinstance(device, torch.device):
-        return None if device.type in _PLACED else device
-    if not isinstance(device, str) or device.startswith("/") or ":" in device.rstrip(
-            "0123456789").rstrip(":"):
-        return None
-    try:
+    try:  # TensorFlow's forms ('/gpu:0', 'GPU:1', 'device:CPU:0') are no torch.device
         parsed = torch.device(device)
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError, TypeError):
         return None
     return None if parsed.type in _PLACED else parsed

@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from towerflow._lazy import lazy_getattr
+from towerflow._lazy import lazy_dir, lazy_getattr
 
 # public name -> module defining it
 _LAZY: dict[str, str] = {
@@ -42,6 +42,4 @@ __all__ = sorted(_LAZY)
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__dir__ = lazy_dir(globals(), __all__)
