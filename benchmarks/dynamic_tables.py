@@ -22,8 +22,8 @@ import torch
 
 from towerflow.ps.partition import HashPartitioner, splitmix64
 from towerflow.ps.server.tables.dynamic import DynamicRowStore
-from towerflow.ps.server.tables.optimizers import SparseAdagrad
-from towerflow.ps.server.tables.rows import UniformRows
+from towerflow.ps.spec.initializers import UniformRows
+from towerflow.ps.spec.row_optimizers import SparseAdagrad
 
 #: the permutation's key (any fixed value)
 KEY = 0x2545F4914F6CDD1D

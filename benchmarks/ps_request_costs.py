@@ -42,9 +42,9 @@ from towerflow.ps.protocol import (
 )
 from towerflow.ps.server.dense.service import PSService
 from towerflow.ps.server.tables.service import TableService
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.dense.shard_client import ShardClient
-from towerflow.ps.worker.tables.batch import Item, Push, batch_call
-from towerflow.ps.worker.tables.config import TableConfig
+from towerflow.ps.worker.tables.batch import Item, Push, batch_call, table_spec
 from towerflow.strategies import OptimizerConfig
 
 ROWS, DIM, BATCH, IDS = 1_000_000, 32, 512, 16
@@ -56,7 +56,7 @@ def row_requests(count: int) -> tuple[TableService, list[bytes]]:
                          {"name": "adagrad", "hyper": {"initial_accumulator_value": 0.1}},
                          {"kind": "uniform", "minval": -0.05, "maxval": 0.05, "seed": 1})
     service = TableService(0)
-    service.init_table(tpb.InitTableRequest(spec=config.spec(0)).SerializeToString())
+    service.init_table(tpb.InitTableRequest(spec=table_spec(config, 0)).SerializeToString())
     rng = np.random.default_rng(0)
     out = []
     for seq in range(1, count + 1):

@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from towerflow.ps.partition import ModPartitioner
-from towerflow.ps.server.tables.optimizers import SparseAdagrad
-from towerflow.ps.server.tables.rows import DenseRowStore, UniformRows
+from towerflow.ps.server.tables.rows import DenseRowStore
+from towerflow.ps.spec.initializers import UniformRows
+from towerflow.ps.spec.row_optimizers import SparseAdagrad
 
 LR = 0.05
 

@@ -110,7 +110,7 @@ def sharded_tables(initial_accumulator: float) -> TableFactory:
     A table with no optimizer of its own (the deep ones) takes the row-wise
     counterpart of the dense optimizer, with its accumulator start.
     """
-    from towerflow.ps.server.tables.optimizers import SparseFtrl
+    from towerflow.ps.spec import SparseFtrl
     from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 
     def table(num_rows: int, dim: int, role: str) -> nn.Module:

@@ -118,8 +118,8 @@ def _table_checkpoint(tmp_path, parts) -> object:
     """A checkpoint of sparse table parts ``(table, shard, ids, rows)``, one part per shard,
     described as tables of 6 x 2 over as many ps tasks as the parts name."""
     from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.spec.tables import TableConfig
     from towerflow.ps.worker.tables.checkpoint import describe_tables
-    from towerflow.ps.worker.tables.config import TableConfig
 
     group = ChunkedGroup(({"table": name, "shard": s, "part": 0, "rows": len(ids),
                            "shard_rows": len(ids), "pushes": []}, {"ids": ids, "rows": rows})

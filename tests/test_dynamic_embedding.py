@@ -16,10 +16,10 @@ from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import HashPartitioner
-from towerflow.ps.server.tables.rows import UniformRows
+from towerflow.ps.spec.initializers import UniformRows
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import TableConfig
 from towerflow.ps.worker.tables.dynamic import DynamicEmbedding as ClusterDynamicEmbedding
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer

@@ -8,18 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.dynamic import check_options
 from towerflow.ps.partition import HashPartitioner, ModPartitioner, partitioner_from_dict
 from towerflow.ps.server.tables.dynamic import DynamicRowStore
 from towerflow.ps.server.tables.keyindex import KeyIndex
-from towerflow.ps.server.tables.optimizers import (
+from towerflow.ps.server.tables.rows import DenseRowStore
+from towerflow.ps.server.tables.stores import row_store_from_dict
+from towerflow.ps.spec.initializers import UniformRows
+from towerflow.ps.spec.row_optimizers import (
     SparseAdagrad,
     SparseFtrl,
     SparseLazyAdam,
     SparseSGD,
 )
-from towerflow.ps.server.tables.rows import DenseRowStore, UniformRows
-from towerflow.ps.server.tables.stores import row_store_from_dict
+from towerflow.ps.spec.tables import check_options
 
 EXTREMES = torch.tensor([-2**63, -1, 0, 2**63 - 1])
 INIT = UniformRows(seed=3)

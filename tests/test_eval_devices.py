@@ -28,8 +28,8 @@ def _ps_run(train_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     of rows (with Adagrad's accumulator), the rest of the model as weights. Returns the
     table's rows and accumulator."""
     from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.spec.tables import TableConfig
     from towerflow.ps.worker.tables.checkpoint import describe_tables
-    from towerflow.ps.worker.tables.config import TableConfig
 
     rows = torch.arange(ROWS * DIM, dtype=torch.float32).view(ROWS, DIM) / 10
     accumulator = rows + 1

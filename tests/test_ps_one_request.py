@@ -25,6 +25,7 @@ from towerflow.models.deepfm import DeepFM, deepfm_loss
 from towerflow.ps import ps_pb2 as pb
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.protocol import unpack
+from towerflow.ps.worker.tables.batch import table_spec
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 
@@ -245,12 +246,12 @@ def test_received_buffers_are_read_in_place_and_never_written_through() -> None:
     it answered are those after the push."""
     from towerflow.ps.partition import ModPartitioner
     from towerflow.ps.server.tables.service import TableService
-    from towerflow.ps.worker.tables.config import TableConfig
+    from towerflow.ps.spec.tables import TableConfig
 
     config = TableConfig("t", ModPartitioner(1, num_rows=10), 4, {"name": "sgd", "hyper": {}},
                          {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3})
     service = TableService(0)
-    service.init_table(tpb.InitTableRequest(spec=config.spec(0)).SerializeToString())
+    service.init_table(tpb.InitTableRequest(spec=table_spec(config, 0)).SerializeToString())
 
     def rows() -> torch.Tensor:
         item = tpb.PushPullRowsRequest(pull=tpb.PullRowsRequest(
@@ -286,12 +287,12 @@ def test_a_framed_batch_that_lies_about_its_buffers_is_refused_and_applies_nothi
     from towerflow.ps.partition import ModPartitioner
     from towerflow.ps.protocol import pack_parts
     from towerflow.ps.server.tables.service import TableService
-    from towerflow.ps.worker.tables.config import TableConfig
+    from towerflow.ps.spec.tables import TableConfig
 
     config = TableConfig("t", ModPartitioner(1, num_rows=10), 4, {"name": "sgd", "hyper": {}},
                          {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3})
     service = TableService(0)
-    service.init_table(tpb.InitTableRequest(spec=config.spec(0)).SerializeToString())
+    service.init_table(tpb.InitTableRequest(spec=table_spec(config, 0)).SerializeToString())
     ids = torch.tensor([1, 3], dtype=torch.int64).numpy().tobytes()
     grads = torch.ones(2, 4).numpy().tobytes()
     header = tpb.RowBatchRequest(items=[tpb.PushPullRowsRequest(

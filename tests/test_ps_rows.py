@@ -9,23 +9,16 @@ import torch
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
-from towerflow.ps.server.tables.optimizers import (
+from towerflow.ps.server.tables.rows import DenseRowStore, RowExport, RowStore, split_export
+from towerflow.ps.server.tables.stores import row_store_from_dict
+from towerflow.ps.spec.initializers import ConstantRows, UniformRows, initializer_from_dict
+from towerflow.ps.spec.row_optimizers import (
     SparseAdagrad,
     SparseFtrl,
     SparseLazyAdam,
     SparseOptimizer,
     SparseSGD,
 )
-from towerflow.ps.server.tables.rows import (
-    ConstantRows,
-    DenseRowStore,
-    RowExport,
-    RowStore,
-    UniformRows,
-    initializer_from_dict,
-    split_export,
-)
-from towerflow.ps.server.tables.stores import row_store_from_dict
 
 NUM_ROWS, DIM = 40, 3
 OPTIMIZERS = [SparseSGD(), SparseAdagrad(), SparseLazyAdam(),
@@ -341,7 +334,7 @@ def test_bad_store_arguments_are_refused(make, pattern):
 
 
 def test_checked_lookups_and_updates_match_the_checking_ones():
-    from towerflow.ps.server.tables.optimizers import SparseAdagrad
+    from towerflow.ps.spec.row_optimizers import SparseAdagrad
 
     part = ModPartitioner(2, num_rows=40)
     stores = [DenseRowStore(part, 1, 3, SparseAdagrad(), initializer=UniformRows(seed=5))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.server.tables.optimizers import (
+from towerflow.ps.spec.row_optimizers import (
     SPARSE_OPTIMIZERS,
     SparseAdagrad,
     SparseFtrl,

@@ -22,7 +22,7 @@ from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import CheckpointError, InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.server.tables.optimizers import SparseLazyAdam
+from towerflow.ps.spec.row_optimizers import SparseLazyAdam
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig
@@ -245,7 +245,7 @@ def test_a_checkpoint_written_without_tables_starts_them_afresh_with_a_warning(
             assert cluster.strategy.global_step == 1
         assert "holds no sparse tables" in caplog.text
         rows = cluster.tables()["emb"]["rows"]
-        from towerflow.ps.server.tables.rows import UniformRows
+        from towerflow.ps.spec.initializers import UniformRows
 
         expected = UniformRows(-0.5, 0.5, 5)(torch.arange(ROWS), 3, torch.float32)
         assert torch.equal(rows, expected)
@@ -297,8 +297,8 @@ class _Reader:
 
 def _saved_table():  # type: ignore[no-untyped-def]
     from towerflow.ps.partition import ModPartitioner
+    from towerflow.ps.spec.tables import TableConfig
     from towerflow.ps.worker.tables.checkpoint import describe_tables
-    from towerflow.ps.worker.tables.config import TableConfig
 
     config = TableConfig("emb", ModPartitioner(2, num_rows=10), 3,
                          {"name": "adagrad", "hyper": {}}, INIT)
@@ -388,7 +388,7 @@ def test_each_damaged_table_part_is_one_checkpoint_error_at_restore_and_eval(dam
             list(pieces)
 
     from towerflow.ps.partition import ModPartitioner
-    from towerflow.ps.worker.tables.config import TableConfig
+    from towerflow.ps.spec.tables import TableConfig
 
     config = TableConfig("emb", ModPartitioner(2, num_rows=10), 3,
                          {"name": "adagrad", "hyper": {}}, INIT)

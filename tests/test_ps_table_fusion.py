@@ -18,9 +18,9 @@ from towerflow.cluster.transport import Credentials, make_channel, unary_stream
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.tables import embedding
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
-from towerflow.ps.worker.tables.config import TableConfig
 from towerflow.ps.worker.tables.fusion import fuse_tables
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer

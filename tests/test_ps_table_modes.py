@@ -18,8 +18,8 @@ from towerflow.errors import DeadlineExceededError, InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner
 from towerflow.ps.server.dense.aggregation import AggregationConfig
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import TableConfig
 
 SECRET = Credentials(secret=b"modes-secret")
 CONSTANT = {"kind": "constant", "value": 1.0}

@@ -30,10 +30,11 @@ from towerflow.ps.partition import ModPartitioner
 from towerflow.ps.protocol import ELASTIC_BASE
 from towerflow.ps.server.tables.records import MAX_PUSHES_IN_FLIGHT, JobWorkers
 from towerflow.ps.server.tables.shard import TableShard
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.dense.variables import join_job
+from towerflow.ps.worker.tables.batch import table_spec
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, export_tables
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import TableConfig
 from towerflow.testing.ledger import audit_ledger
 
 SECRET = Credentials(secret=b"table-records-secret")
@@ -236,7 +237,7 @@ def test_a_checkpoint_taken_after_churn_holds_only_live_records(job, tmp_path):
 
 
 def test_an_import_takes_in_the_records_of_the_jobs_workers_only():
-    shard = TableShard(table().spec(0), workers=JobWorkers(replicas=REPLICAS))
+    shard = TableShard(table_spec(table(), 0), workers=JobWorkers(replicas=REPLICAS))
     records = [pb.PushRecord(worker_id=w, incarnation=1, seq=3, status="applied")
                for w in (0, 1, 2, 5000, ELASTIC_BASE)]
     chunk = tpb.RowChunk(pushes=records, num_ids=1, ids=np.array([3], np.int64).tobytes(),
@@ -255,7 +256,7 @@ def test_pushes_in_progress_are_bounded_per_worker_and_per_step():
     """A replica that sends sync pushes and drops their calls leaves them counted in the
     step (their retries wait for it): at most MAX_PUSHES_IN_FLIGHT each, and per step."""
     config = AggregationConfig(mode="sync", total_num_replicas=REPLICAS, timeout=5.0)
-    shard = TableShard(table().spec(0), config)
+    shard = TableShard(table_spec(table(), 0), config)
     for seq in range(1, MAX_PUSHES_IN_FLIGHT + 1):
         with pytest.raises(DeadlineExceededError):
             sync_push(shard, 0, seq)

@@ -237,7 +237,7 @@ def test_only_the_chief_ships_a_modules_weight(ps_servers) -> None:
 
 
 def test_the_row_wise_optimizer_takes_the_models_hyperparameters() -> None:
-    from towerflow.ps.worker.tables.embedding import sparse_optimizer_for
+    from towerflow.ps.spec.row_optimizers import sparse_optimizer_for
 
     adagrad = sparse_optimizer_for(OptimizerConfig("adagrad", initial_accumulator_value=0.5,
                                                    eps=1e-6))

@@ -26,9 +26,10 @@ from towerflow.errors import (
 )
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
-from towerflow.ps.server.tables.rows import UniformRows
+from towerflow.ps.spec.initializers import UniformRows
+from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.worker.tables.batch import table_spec
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import TableConfig
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.ps.worker.tables.swap import swap_embeddings
 from towerflow.strategies import OptimizerConfig
@@ -449,7 +450,7 @@ def test_a_pull_whose_reply_would_be_too_large_is_refused_before_any_row_is_read
 
     from towerflow.ps.server.tables.shard import ROWS_REPLY_LIMIT, TableShard
 
-    shard = TableShard(config(num_rows=1 << 21, dim=32, num_shards=1).spec(0))
+    shard = TableShard(table_spec(config(num_rows=1 << 21, dim=32, num_shards=1), 0))
     count = 1 << 20
     ids = torch.arange(count, dtype=torch.int64).numpy().tobytes()
     rss = psutil.Process().memory_info().rss
@@ -469,7 +470,7 @@ def test_an_import_carrying_too_many_push_records_imports_nothing() -> None:
     from towerflow.ps.server.tables.shard import TableShard
 
     cfg = config(num_shards=1)
-    shard = TableShard(cfg.spec(0))
+    shard = TableShard(table_spec(cfg, 0))
     before = shard.store.export().rows.clone()
     records = [pb.PushRecord(worker_id=w, incarnation=1, seq=1, status="applied")
                for w in range(MAX_REPLICAS_TRACKED + 1)]

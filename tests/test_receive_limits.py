@@ -21,8 +21,8 @@ from towerflow.cluster.frames import DEFAULT_FRAME_BYTES
 from towerflow.cluster.health import CHECK_METHOD
 from towerflow.cluster.transport import Credentials
 from towerflow.ps.partition import ModPartitioner
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.tables.checkpoint import ship_rows
-from towerflow.ps.worker.tables.config import TableConfig
 
 #: the calls of the issue's measurement (issue 35): four at once, 60 MiB each, no credentials
 CALLS, BODY_BYTES = 4, 60 << 20

@@ -1,5 +1,4 @@
-"""The ``towerflow`` command line: ``devices | train | eval | server | launch | status | bench |
-export``.
+"""The ``towerflow`` command line: ``devices | train | eval | server | launch | status | export``.
 
 Each sub-command lives in its own module of this package and exposes
 ``add_parser(subparsers)`` (cheap: no torch import) and ``run(args) -> int``.
@@ -23,7 +22,6 @@ _COMMANDS: dict[str, str] = {
     "server": "server",
     "launch": "launch",
     "status": "status",
-    "bench": "bench",
     "export": "export",
 }
 
@@ -49,12 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(metavar="COMMAND")
     sub.required = True
     for module_name in _COMMANDS.values():
-        try:
-            module = importlib.import_module(f"towerflow.cli.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"towerflow.cli.{module_name}":
-                raise
-            continue
+        module = importlib.import_module(f"towerflow.cli.{module_name}")
         command_parser = polish(module.add_parser(sub))
         command_parser.set_defaults(_run=module.run, _prog=command_parser.prog)
     return parser

@@ -18,17 +18,16 @@ from functools import cache
 from typing import Any
 
 from towerflow.cli._serving import BIND_ENV, add_lifecycle_arguments
+from towerflow.ps.placement import DEFAULT_PS_STRATEGY, STRATEGY_NAMES
+from towerflow.ps.spec.dense import OPTIMIZER_NAMES
+from towerflow.training.names import TASK_NAMES
 
 __all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "byte_count_or_off",
            "data_source", "flag_of_dest", "model_name",
            "option_defaults", "strategy_options"]
 
-_MODELS = ("cifar10", "digits", "click", "movielens", "criteo")  # towerflow.training.tasks.TASKS
 _LOSSES = ("mse", "cross_entropy", "bce_with_logits")  # towerflow.training.user_task.LOSSES
 _MODES = ("async", "sync", "ssp")  # towerflow.ps.server.dense.aggregation.MODES
-_PS_STRATEGIES = ("round_robin", "greedy")  # towerflow.ps.placement.STRATEGY_NAMES
-_PS_STRATEGY = "greedy"  # towerflow.ps.placement.DEFAULT_PS_STRATEGY
-_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")  # towerflow.strategies.base
 
 #: option dest -> (the strategy that takes it, its keyword there)
 _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
@@ -67,7 +66,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     ``--batch_size``, ``--data_dir``).
     """
     parser.add_argument("model", nargs="?", type=model_name, default=None,
-                        help=f"which model to train: a built-in one ({', '.join(_MODELS)}) or "
+                        help=f"which model to train: a built-in one ({', '.join(TASK_NAMES)}) or "
                         "your own as MODULE:FACTORY (as --model); default: the one --config or "
                         "the resumed run's run.yaml names")
     parser.add_argument("--model", dest="model_spec", type=model_name, default=None,
@@ -172,7 +171,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def _add_optimizer_arguments(group: Any) -> None:
-    group.add_argument("--optimizer", choices=_OPTIMIZERS, default="sgd",
+    group.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="sgd",
                        help="'momentum' is SGD with --momentum")
     group.add_argument("--lr", type=float, default=None,
                        help="initial learning rate; default: 0.1")
@@ -204,7 +203,7 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--replicas-to-aggregate", type=int, default=None, metavar="N",
                        help="--mode sync: gradients averaged per step; the workers beyond N "
                        "are backups; default: every worker")
-    group.add_argument("--ps-strategy", choices=_PS_STRATEGIES, default=_PS_STRATEGY,
+    group.add_argument("--ps-strategy", choices=STRATEGY_NAMES, default=DEFAULT_PS_STRATEGY,
                        help="how variables are spread over the ps tasks: 'greedy' (default) "
                        "puts each on the task holding the fewest bytes so far; 'round_robin' "
                        "puts them on the tasks in turn")
@@ -255,9 +254,9 @@ def model_name(text: str) -> str:
         >>> model_name("digits"), model_name("mymodels:build")
         ('digits', 'mymodels:build')
     """
-    if text in _MODELS or (":" in text and text.partition(":")[0] and text.partition(":")[2]):
+    if text in TASK_NAMES or (":" in text and text.partition(":")[0] and text.partition(":")[2]):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in model ({', '.join(_MODELS)}) nor "
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in model ({', '.join(TASK_NAMES)}) nor "
                      "MODULE:FACTORY such as mymodels:build")
 
 

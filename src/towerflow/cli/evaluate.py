@@ -28,11 +28,12 @@ import argparse
 import logging
 from typing import Any
 
+from towerflow.training.names import TASK_NAMES
+
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("towerflow.training")
 
-_MODELS = ("cifar10", "digits", "click", "movielens", "criteo")  # towerflow.training.tasks.TASKS
 _AS_TRAINED = "default: as the run was trained (run.yaml in --train-dir), else "
 
 
@@ -100,7 +101,7 @@ def _model(args: argparse.Namespace, train_dir: str | None,
     if args.model is None and recorded is None:
         where = f" ({train_dir!r} has none)" if train_dir else ""
         raise InvalidArgumentError(
-            f"towerflow eval needs a model: name it ({', '.join(_MODELS[:-1])} or {_MODELS[-1]}), "
+            f"towerflow eval needs a model: name it ({', '.join(TASK_NAMES[:-1])} or {TASK_NAMES[-1]}), "
             "or pass the "
             f"--train-dir of a run whose run.yaml names it{where}.")
     return args.model or recorded

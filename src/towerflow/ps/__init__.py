@@ -76,7 +76,7 @@ _LAZY = {
     "ShardedEmbedding": "towerflow.ps.worker.tables.embedding",
     "keep_dense": "towerflow.ps.worker.tables.swap",
     "TableClient": "towerflow.ps.worker.tables.client",
-    "TableConfig": "towerflow.ps.worker.tables.config",
+    "TableConfig": "towerflow.ps.spec.tables",
     "TableService": "towerflow.ps.server.tables.service",
     "TableHost": "towerflow.ps.server.tables.service",
 }

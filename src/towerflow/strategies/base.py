@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.ps.spec.dense import check_optimizer_name
 
 __all__ = [
     "GROUP_SETTINGS",
@@ -50,9 +51,6 @@ __all__ = [
 
 #: ``loss_fn(model, batch) -> scalar loss tensor`` (on the strategy's device).
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
-
 
 #: the hyper-parameters a parameter group may set (``OptimizerConfig.param_settings``)
 GROUP_SETTINGS = ("lr", "momentum", "weight_decay", "betas", "eps", "initial_accumulator_value")
@@ -96,10 +94,7 @@ class OptimizerConfig:
     param_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in _OPTIMIZERS:
-            raise InvalidArgumentError(
-                f"Unknown optimizer {self.name!r}; use one of {', '.join(_OPTIMIZERS)}."
-            )
+        check_optimizer_name(self.name)
         if not self.lr > 0:
             raise InvalidArgumentError(
                 f"Learning rate must be positive, got {self.lr!r}; pass lr > 0."

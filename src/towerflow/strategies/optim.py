@@ -30,16 +30,18 @@ import torch
 from torch import nn
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.ps.spec.dense import torch_optimizer_class
 from towerflow.strategies.base import OptimizerConfig
 
 __all__ = ["as_optimizer_config", "from_torch", "check_dense_groups"]
 
+#: the group settings each ``torch.optim`` counterpart has
+_SETTINGS = {"sgd": ("lr", "momentum", "weight_decay"),
+             "adagrad": ("lr", "eps", "weight_decay", "initial_accumulator_value"),
+             "adam": ("lr", "betas", "eps", "weight_decay")}
 #: the ``torch.optim`` classes with a counterpart, and the group settings each has
 _KINDS: dict[type, tuple[str, tuple[str, ...]]] = {
-    torch.optim.SGD: ("sgd", ("lr", "momentum", "weight_decay")),
-    torch.optim.Adagrad: ("adagrad", ("lr", "eps", "weight_decay", "initial_accumulator_value")),
-    torch.optim.Adam: ("adam", ("lr", "betas", "eps", "weight_decay")),
-}
+    torch_optimizer_class(name): (name, settings) for name, settings in _SETTINGS.items()}
 #: group options that must keep these values (the ps tasks' update has no other form)
 _FIXED = {"sgd": {"dampening": 0, "nesterov": False, "maximize": False},
           "adagrad": {"lr_decay": 0, "maximize": False},

@@ -26,6 +26,7 @@ from torch import nn
 from towerflow.devices import compute_device, move_to_device
 from towerflow.devices.transfer import inputs_follow
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.ps.spec.dense import OPTIMIZER_NAMES, torch_optimizer_class
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 
 log = logging.getLogger("towerflow.training")
@@ -198,11 +199,6 @@ class SingleDevice(LocalOptimizerStrategy):
         return f"SingleDevice(device={str(self._device)!r})"
 
 
-#: the ps's optimizer names and the torch.optim class each runs as here
-_PS_OPTIMIZERS = {"sgd": torch.optim.SGD, "momentum": torch.optim.SGD, "adam": torch.optim.Adam,
-                  "adagrad": torch.optim.Adagrad}
-
-
 def _load_ps_slots(model: nn.Module, optimizer: torch.optim.Optimizer, name: str,
                    slots: Mapping[str, torch.Tensor], step: int) -> None:
     """A ps checkpoint's optimizer state (``<variable>/<slot>``, one tensor each, the
@@ -213,7 +209,7 @@ def _load_ps_slots(model: nn.Module, optimizer: torch.optim.Optimizer, name: str
     Raises:
         InvalidArgumentError: a slot of a trained parameter is missing or of another shape.
     """
-    if not isinstance(optimizer, _PS_OPTIMIZERS.get(name, ())):
+    if name not in OPTIMIZER_NAMES or not isinstance(optimizer, torch_optimizer_class(name)):
         log.warning("the checkpoint's optimizer state is %s's (trained on a parameter server) and "
                     "this run's optimizer is %s: it starts afresh", name,
                     type(optimizer).__name__)

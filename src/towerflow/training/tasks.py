@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.training.names import TASK_NAMES
 from towerflow.training.pipeline import Transform
 from towerflow.training.taskbase import DataOptions, Task
 
@@ -383,9 +384,8 @@ class CriteoTask(_FieldTask):
                            test_fraction=self.test_fraction)
 
 
-TASKS: dict[str, type[Task]] = {"cifar10": Cifar10Task, "digits": DigitsTask,
-                                "click": ClickTask, "movielens": MovieLensTask,
-                                "criteo": CriteoTask}
+TASKS: dict[str, type[Task]] = dict(zip(
+    TASK_NAMES, (Cifar10Task, DigitsTask, ClickTask, MovieLensTask, CriteoTask), strict=True))
 
 
 def task_class(name: str) -> type[Task]:

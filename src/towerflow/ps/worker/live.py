@@ -27,6 +27,7 @@ from towerflow.errors import FailedPreconditionError, InvalidArgumentError, Towe
 from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.placement import Placement
 from towerflow.ps.protocol import layout_from_proto, method_path, parse_message
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.dense.client import PSClient
 from towerflow.ps.worker.dense.variables import consistent_snapshot, dense_groups
 from towerflow.ps.worker.tables.checkpoint import (
@@ -39,7 +40,6 @@ from towerflow.ps.worker.tables.checkpoint import (
     export_tables,
 )
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import TableConfig
 from towerflow.ps.worker.tables.fusion import TableView
 
 __all__ = ["live_placement", "live_state"]

@@ -48,7 +48,7 @@ from towerflow.ps.protocol import (
     AggregationConfig,
     bounded,
 )
-from towerflow.ps.server.dense.optimizers import OPTIMIZER_NAMES, SLOT_NAMES, canonical_name
+from towerflow.ps.spec.dense import OPTIMIZER_NAMES, SLOT_NAMES, canonical_name
 
 __all__ = ["InitPlan", "check_init", "MAX_ELEMENTS", "MAX_SEGMENTS", "MAX_DIMS", "MAX_NAME"]
 

@@ -30,19 +30,9 @@ from typing import Any
 import numpy as np
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.ps.spec.dense import SLOT_NAMES, canonical_name, check_optimizer_name
 
-__all__ = ["ServerOptimizer", "make_optimizer", "canonical_name", "OPTIMIZER_NAMES",
-           "SLOT_NAMES"]
-
-OPTIMIZER_NAMES = ("sgd", "momentum", "adam", "adagrad")
-#: the state buffers each optimizer keeps
-SLOT_NAMES = {"sgd": (), "momentum": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"),
-              "adagrad": ("sum",)}
-
-
-def canonical_name(name: str, momentum: float = 0.0) -> str:
-    """The optimizer ``name`` runs as (``sgd`` with momentum is ``momentum``)."""
-    return "momentum" if name == "sgd" and momentum else name
+__all__ = ["ServerOptimizer", "make_optimizer"]
 _BLOCK = 1 << 16  # elements per block: 256 KiB of float32, cache friendly
 #: the largest magnitude an update may bring a parameter or slot to: a quarter of float32's
 #: range, so that updates applied side by side (streamed pushes) cannot overflow either
@@ -80,11 +70,7 @@ class ServerOptimizer:
                  eps: float = 1e-8, initial_accumulator_value: float = 0.0,
                  slots: Mapping[str, np.ndarray] | None = None,
                  lr_ranges: Sequence[tuple[int, int, float]] = ()) -> None:
-        if name not in OPTIMIZER_NAMES:
-            raise InvalidArgumentError(
-                f"Unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}."
-            )
-        name = canonical_name(name, momentum)
+        name = canonical_name(check_optimizer_name(name), momentum)
         self.name = name
         self.numel = numel
         self.momentum = float(momentum)

@@ -50,10 +50,11 @@ from towerflow.ps.protocol import (
 )
 from towerflow.ps.server.dense.aggregation import Aggregator, make_aggregator
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
-from towerflow.ps.server.dense.optimizers import SLOT_NAMES, canonical_name, make_optimizer
+from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState, default_staging_limit
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.workerstats import WorkerTable
+from towerflow.ps.spec.dense import SLOT_NAMES, canonical_name
 
 __all__ = ["PSService", "replica_task"]
 

@@ -2,7 +2,7 @@
 
 - :mod:`~towerflow.ps.server.tables.rows` — the row stores (fixed and dynamic
   tables) and row initializers;
-- :mod:`~towerflow.ps.server.tables.optimizers` — the row-wise optimizers;
+- :mod:`~towerflow.ps.spec.row_optimizers` — the row-wise optimizers;
 - :mod:`~towerflow.ps.server.tables.aggregation` — async / sync / ssp per row;
 - :mod:`~towerflow.ps.server.tables.shard` — :class:`TableShard`: one table's
   shard with its push table;

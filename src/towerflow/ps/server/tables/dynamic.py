@@ -40,7 +40,7 @@ made), ``evicted``, ``filtered`` (gradients dropped before admission),
 Example:
     >>> import torch
     >>> from towerflow.ps.partition import HashPartitioner
-    >>> from towerflow.ps.server.tables.optimizers import SparseSGD
+    >>> from towerflow.ps.spec.row_optimizers import SparseSGD
     >>> store = DynamicRowStore(HashPartitioner(1), 0, 2, SparseSGD())
     >>> store.lookup(torch.tensor([-5])).tolist(), store.num_rows
     ([[0.0, 0.0]], 0)
@@ -57,11 +57,12 @@ from typing import Any, ClassVar
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.dynamic import check_options
 from towerflow.ps.partition import Partitioner, coalesce
 from towerflow.ps.server.tables.keyindex import KeyIndex
-from towerflow.ps.server.tables.optimizers import SparseOptimizer
-from towerflow.ps.server.tables.rows import RowExport, RowInitializer, RowStore
+from towerflow.ps.server.tables.rows import RowExport, RowStore
+from towerflow.ps.spec.initializers import RowInitializer
+from towerflow.ps.spec.row_optimizers import SparseOptimizer
+from towerflow.ps.spec.tables import check_options
 
 __all__ = ["DynamicRowStore"]
 

@@ -10,18 +10,14 @@ from typing import Any
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.partition import partitioner_from_dict
 from towerflow.ps.server.tables.dynamic import DynamicRowStore
-from towerflow.ps.server.tables.optimizers import sparse_optimizer_from_dict
-from towerflow.ps.server.tables.rows import (
-    _FLOAT_DTYPES,
-    DenseRowStore,
-    RowStore,
-    initializer_from_dict,
-)
+from towerflow.ps.server.tables.rows import DenseRowStore, RowStore
+from towerflow.ps.spec.initializers import initializer_from_dict
+from towerflow.ps.spec.row_optimizers import sparse_optimizer_from_dict
+from towerflow.ps.spec.tables import DTYPES_BY_NAME
 
 __all__ = ["row_store_from_dict"]
 
 _STORES: dict[str, type[RowStore]] = {"dense": DenseRowStore, "dynamic": DynamicRowStore}
-_DTYPES = {str(d).removeprefix("torch."): d for d in _FLOAT_DTYPES}
 
 
 def row_store_from_dict(data: Mapping[str, Any]) -> RowStore:
@@ -39,13 +35,13 @@ def row_store_from_dict(data: Mapping[str, Any]) -> RowStore:
             f"A row store is described by a dict with exactly the keys {sorted(keys)}, got "
             f"{data!r:.200}."
         )
-    if data["kind"] not in _STORES or data["dtype"] not in _DTYPES:
+    if data["kind"] not in _STORES or data["dtype"] not in DTYPES_BY_NAME:
         raise InvalidArgumentError(
             f"Unknown row store kind {data['kind']!r} or dtype {data['dtype']!r}; kinds are "
-            f"{sorted(_STORES)}, dtypes {sorted(_DTYPES)}."
+            f"{sorted(_STORES)}, dtypes {sorted(DTYPES_BY_NAME)}."
         )
     extra = {"options": data["options"]} if "options" in data else {}
     return _STORES[data["kind"]](
         partitioner_from_dict(data["partitioner"]), data["shard"], data["dim"],
-        sparse_optimizer_from_dict(data["optimizer"]), dtype=_DTYPES[data["dtype"]],
+        sparse_optimizer_from_dict(data["optimizer"]), dtype=DTYPES_BY_NAME[data["dtype"]],
         initializer=initializer_from_dict(data["initializer"]), **extra)

@@ -1,6 +1,6 @@
 """A worker's side of the sparse embedding tables.
 
-- :mod:`~towerflow.ps.worker.tables.config` — :class:`TableConfig`: what a table is;
+- :mod:`~towerflow.ps.spec.tables` — :class:`TableConfig`: what a table is;
 - :mod:`~towerflow.ps.worker.tables.client` — :class:`TableClient`: the calls
   of the ``Tables`` service to every ps task;
 - :mod:`~towerflow.ps.worker.tables.stream` — the long-lived row stream to one ps task;

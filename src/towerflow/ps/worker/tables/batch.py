@@ -10,6 +10,7 @@ of the received bytes).
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from typing import Any
@@ -20,8 +21,20 @@ from towerflow.errors import InvalidArgumentError
 from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.buffers import raw_bytes
 from towerflow.ps.protocol import pack_parts
+from towerflow.ps.spec.tables import DTYPE_NAMES, TableConfig
 
-__all__ = ["Call", "Item", "Push", "batch_call", "decode", "group_calls"]
+__all__ = ["Call", "Item", "Push", "batch_call", "decode", "group_calls", "table_spec"]
+
+
+def table_spec(config: TableConfig, shard: int) -> tpb.TableSpec:
+    """The ``TableSpec`` message of shard ``shard`` of the table ``config`` describes."""
+    return tpb.TableSpec(
+        name=config.name, num_rows=config.num_rows, dim=config.dim,
+        dtype=DTYPE_NAMES[config.dtype],
+        partitioner=json.dumps(config.partitioner.to_dict(), sort_keys=True),
+        optimizer=json.dumps(dict(config.optimizer), sort_keys=True),
+        initializer=json.dumps(dict(config.initializer), sort_keys=True), shard=shard,
+        store="" if config.store is None else json.dumps(dict(config.store), sort_keys=True))
 
 
 def decode(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]

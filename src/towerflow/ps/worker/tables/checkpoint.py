@@ -57,9 +57,9 @@ from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentErro
 from towerflow.ps.buffers import release_free_memory
 from towerflow.ps.partition import Partitioner, partitioner_from_dict
 from towerflow.ps.protocol import FINAL, REFUSED, push_rows
+from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.worker.tables.batch import decode as _decode
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import TableConfig
 
 __all__ = ["TABLES_GROUP", "TABLES_KEY", "FUSED_KEY", "PART_BYTES", "MAX_SHARDS",
            "describe_tables", "describe_fused",

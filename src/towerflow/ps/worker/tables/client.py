@@ -1,6 +1,6 @@
 """A worker's client of the sparse table service ``towerflow.ps.Tables``.
 
-:class:`~towerflow.ps.worker.tables.config.TableConfig` says what a table is
+:class:`~towerflow.ps.spec.tables.TableConfig` says what a table is
 (name, partitioner, dim, dtype, row-wise optimizer, initializer);
 :class:`TableClient` makes the calls of
 ``tables.proto`` to every ps task: ``InitTable`` (chief); pulls, pushes and
@@ -45,8 +45,8 @@ from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.buffers import tensor_bytes as encode
 from towerflow.ps.partition import check_ids
 from towerflow.ps.protocol import parse_message, push_records, split_parts, unpack
-from towerflow.ps.worker.tables.batch import Call, Item, Push, decode, group_calls
-from towerflow.ps.worker.tables.config import _DTYPE_NAMES, TableConfig
+from towerflow.ps.spec.tables import DTYPE_NAMES, TableConfig
+from towerflow.ps.worker.tables.batch import Call, Item, Push, decode, group_calls, table_spec
 from towerflow.ps.worker.tables.fusion import TableView
 from towerflow.ps.worker.tables.stream import RowStream
 
@@ -291,7 +291,7 @@ class TableClient:
         """
         self._check_shards(config)
         config = self._on_ps(config)[0]  # a fused table: created once, by its first member
-        jobs = [(s, config.spec(s)) for s in range(self.num_shards)]
+        jobs = [(s, table_spec(config, s)) for s in range(self.num_shards)]
         deadline = time.monotonic() + wait
         aggregation = _aggregation_json(self.aggregation)
 
@@ -455,7 +455,7 @@ class TableClient:
         for table, defer, id_parts, grad_parts in on_ps.values():
             ids = id_parts[0] if len(id_parts) == 1 else torch.cat(id_parts)
             grads = grad_parts[0] if len(grad_parts) == 1 else torch.cat(grad_parts)
-            dtype = _DTYPE_NAMES[table.dtype]
+            dtype = DTYPE_NAMES[table.dtype]
             step_rows = max(1, self.max_call_bytes // (table.row_bytes + 8))
             for shard, (positions, shard_ids) in enumerate(
                     table.partitioner.split(ids, checked=True)):  # each part checked above
@@ -528,7 +528,7 @@ class TableClient:
             if table is not config:
                 chunk.ids = encode(decode(chunk.ids, torch.int64, (chunk.num_ids,)) - offset)
                 if chunk.HasField("spec"):
-                    chunk.spec.CopyFrom(config.spec(shard))
+                    chunk.spec.CopyFrom(table_spec(config, shard))
             yield chunk
 
     def import_rows(self, config: TableConfig, shard: int,
@@ -543,7 +543,7 @@ class TableClient:
         """
         self.flush(config)
         table, offset = self._on_ps(config)
-        spec = table.spec(shard)
+        spec = table_spec(table, shard)
 
         def chunks() -> Iterator[bytes]:
             first = True

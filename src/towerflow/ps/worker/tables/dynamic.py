@@ -26,9 +26,8 @@ from typing import Any
 import torch
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
-from towerflow.ps.dynamic import STAT_NAMES, check_options
 from towerflow.ps.partition import HashPartitioner, ModPartitioner, Partitioner
-from towerflow.ps.worker.tables.config import TableConfig
+from towerflow.ps.spec.tables import STAT_NAMES, TableConfig, check_options
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding, seeded_initializer
 
 __all__ = ["DynamicEmbedding"]

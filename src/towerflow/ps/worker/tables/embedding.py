@@ -13,7 +13,7 @@ never materialised on a worker. For a batch, :class:`ShardedEmbedding`:
 4. after backward, the leaf's gradient *is* the summed gradient of each
    unique row: (unique ids, row gradients) go to the owning shards with one
    ``PushRows`` call per shard, in parallel, applied there once by the
-   table's row-wise optimizer (:mod:`towerflow.ps.server.tables.optimizers`). With
+   table's row-wise optimizer (:mod:`towerflow.ps.spec.row_optimizers`). With
    ``defer_push=True`` they travel instead with the next step's pull of the
    same shard (one ``PushPullRows`` round trip per shard and step).
 
@@ -66,13 +66,14 @@ from torch import nn
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
+from towerflow.ps.spec.row_optimizers import sparse_optimizer_for
+from towerflow.ps.spec.tables import DEFAULT_INITIALIZER, TableConfig, describe
 from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.config import DEFAULT_INITIALIZER, TableConfig, _describe
 from towerflow.ps.worker.tables.fusion import fuse_tables
 from towerflow.ps.worker.tables.prefetch import Prefetcher, host_copy, pull_ahead, recording
 
-__all__ = ["ShardedEmbedding", "SparseTables", "sparse_optimizer_for", "unique_ids",
+__all__ = ["ShardedEmbedding", "SparseTables", "unique_ids",
            "seeded_initializer"]
 
 log = logging.getLogger("towerflow.ps")
@@ -114,10 +115,10 @@ class ShardedEmbedding(nn.Module):
         num_rows: rows of the table (ids are in ``[0, num_rows)``).
         dim: values per row.
         mode: None (one row per id), or ``sum`` / ``mean`` / ``max`` (bags).
-        optimizer: the row-wise optimizer (a ``towerflow.ps.server.tables.optimizers``
-            optimizer or its ``to_dict()``); None: the counterpart of the
+        optimizer: the row-wise optimizer (one of ``towerflow.ps.spec``, e.g. ``SparseAdagrad()``,
+            or its ``to_dict()``); None: the counterpart of the
             strategy's optimizer.
-        initializer: the rows' start (``towerflow.ps.server.tables.rows.UniformRows`` /
+        initializer: the rows' start (``towerflow.ps.spec.UniformRows`` /
             ``NormalRows`` / ``ConstantRows`` or their dicts); default uniform in
             [-0.05, 0.05), its seed drawn from the table's name (two tables
             start apart).
@@ -180,9 +181,9 @@ class ShardedEmbedding(nn.Module):
                                             and 0 <= padding_idx < num_rows):
             raise InvalidArgumentError(f"ShardedEmbedding: padding_idx={padding_idx!r} is not an "
                                        f"id of the table; use an id in [0, {num_rows}) or None.")
-        self.optimizer = None if optimizer is None else _describe(optimizer, "optimizer")
+        self.optimizer = None if optimizer is None else describe(optimizer, "optimizer")
         #: None: towerflow's initializer, seeded by the table's name (make_config)
-        self.initializer = None if initializer is None else _describe(initializer, "initializer")
+        self.initializer = None if initializer is None else describe(initializer, "initializer")
         self.partitioner_kind, self.table_name = partitioner, name
         #: None until the strategy binds the table (its mode decides, see ``defer_push``)
         self.defer_push = None if defer_push is None else bool(defer_push)
@@ -359,45 +360,6 @@ def seeded_initializer(name: str) -> dict[str, Any]:
     return {**DEFAULT_INITIALIZER, "seed": int.from_bytes(digest, "little") >> 1}
 
 
-def sparse_optimizer_for(config: Any, param: str | None = None) -> dict[str, Any]:
-    """The row-wise optimizer's description for a dense ``OptimizerConfig``.
-
-    ``sgd`` -> ``sgd``, ``adagrad`` -> ``adagrad`` (same initial accumulator),
-    (and eps), ``adam`` -> ``lazy_adam`` (same betas and eps); with ``param`` (the
-    table's weight's name), the settings of its parameter group
-    (``config.settings_of(param)``).
-
-    Raises:
-        InvalidArgumentError: momentum or weight decay, which TensorFlow's sparse
-            updates do not have; give the table an optimizer of its own.
-    """
-    name = getattr(config, "name", None)
-    settings_of = getattr(config, "settings_of", None)
-    own = settings_of(param) if param is not None and settings_of is not None else {}
-    momentum = own.get("momentum", getattr(config, "momentum", 0.0))
-    weight_decay = own.get("weight_decay", getattr(config, "weight_decay", 0.0))
-    if weight_decay or momentum or name not in ("sgd", "adagrad", "adam", "momentum"):
-        groups = getattr(config, "param_settings", {})
-        which = f" (the parameter group of {param!r})" if param in groups else ""
-        raise InvalidArgumentError(
-            f"A sparse table has no row-wise counterpart of optimizer {name!r} with momentum="
-            f"{momentum} weight_decay={weight_decay}{which}; give the table its own, e.g. "
-            "ShardedEmbedding(..., optimizer=SparseAdagrad()), or put its weight in a "
-            "parameter group without them."
-        )
-    eps = float(own.get("eps", config.eps))
-    if name in ("sgd", "momentum"):
-        return {"name": "sgd", "hyper": {}}
-    if name == "adagrad":
-        return {"name": "adagrad",
-                "hyper": {"initial_accumulator_value": float(own.get(
-                    "initial_accumulator_value", config.initial_accumulator_value)),
-                    "epsilon": eps}}
-    beta1, beta2 = own.get("betas", config.betas)
-    return {"name": "lazy_adam", "hyper": {"beta1": float(beta1), "beta2": float(beta2),
-                                           "epsilon": eps}}
-
-
 class SparseTables:
     """The strategy's side of a model's sparse tables: bind, initialise, push.
 
@@ -405,7 +367,7 @@ class SparseTables:
         model: the model; its :class:`ShardedEmbedding` modules are bound.
         addresses: the ps tasks' addresses.
         optimizer: the dense ``OptimizerConfig`` (tables without an optimizer
-            of their own take its counterpart, :func:`sparse_optimizer_for`).
+            of their own take its counterpart, :func:`~towerflow.ps.spec.row_optimizers.sparse_optimizer_for`).
         client_options: :class:`TableClient` keyword arguments (``aggregation``:
             the job's mode; in sync and ssp every table pushes every step, an
             empty push when a step looked nothing up in it).

@@ -15,7 +15,7 @@ step costs one item per fused table and ps task whatever the number of
 tables.
 
 Nothing above the table client sees it: each module keeps its own
-:class:`~towerflow.ps.worker.tables.config.TableConfig` (its name, its rows
+:class:`~towerflow.ps.spec.tables.TableConfig` (its name, its rows
 ``0 .. num_rows - 1``), and :class:`~towerflow.ps.worker.tables.client.TableClient`
 translates. Checkpoints hold each table under its own name (a table's rows
 are exported by their id range), so a checkpoint does not depend on how the
@@ -30,7 +30,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 from towerflow.ps.partition import ModPartitioner
-from towerflow.ps.worker.tables.config import TableConfig
+from towerflow.ps.spec.tables import TableConfig
 
 __all__ = ["TableView", "fuse_tables"]
 

@@ -68,6 +68,8 @@ __all__ = [
     "SPARSE_OPTIMIZERS",
     "make_sparse_optimizer",
     "sparse_optimizer_from_dict",
+    "sparse_optimizer_for",
+    "ROW_COUNTERPARTS",
 ]
 
 
@@ -370,3 +372,47 @@ def sparse_optimizer_from_dict(data: Mapping[str, Any]) -> SparseOptimizer:
             f"{data!r:.200}."
         )
     return make_sparse_optimizer(data["name"], **dict(data["hyper"]))
+
+
+#: each dense optimizer's row-wise counterpart (a table that names no optimizer of its own)
+ROW_COUNTERPARTS = {"sgd": "sgd", "momentum": "sgd", "adagrad": "adagrad", "adam": "lazy_adam"}
+
+
+def sparse_optimizer_for(config: Any, param: str | None = None) -> dict[str, Any]:
+    """The row-wise optimizer's description for a dense ``OptimizerConfig``.
+
+    ``sgd`` -> ``sgd``, ``adagrad`` -> ``adagrad`` (same initial accumulator),
+    (and eps), ``adam`` -> ``lazy_adam`` (same betas and eps); with ``param`` (the
+    table's weight's name), the settings of its parameter group
+    (``config.settings_of(param)``).
+
+    Raises:
+        InvalidArgumentError: momentum or weight decay, which TensorFlow's sparse
+            updates do not have; give the table an optimizer of its own.
+    """
+    name = getattr(config, "name", None)
+    settings_of = getattr(config, "settings_of", None)
+    own = settings_of(param) if param is not None and settings_of is not None else {}
+    momentum = own.get("momentum", getattr(config, "momentum", 0.0))
+    weight_decay = own.get("weight_decay", getattr(config, "weight_decay", 0.0))
+    if weight_decay or momentum or name not in ROW_COUNTERPARTS:
+        groups = getattr(config, "param_settings", {})
+        which = f" (the parameter group of {param!r})" if param in groups else ""
+        raise InvalidArgumentError(
+            f"A sparse table has no row-wise counterpart of optimizer {name!r} with momentum="
+            f"{momentum} weight_decay={weight_decay}{which}; give the table its own, e.g. "
+            "ShardedEmbedding(..., optimizer=SparseAdagrad()), or put its weight in a "
+            "parameter group without them."
+        )
+    eps = float(own.get("eps", config.eps))
+    counterpart = ROW_COUNTERPARTS[name]
+    if counterpart == "sgd":
+        return {"name": "sgd", "hyper": {}}
+    if counterpart == "adagrad":
+        return {"name": "adagrad",
+                "hyper": {"initial_accumulator_value": float(own.get(
+                    "initial_accumulator_value", config.initial_accumulator_value)),
+                    "epsilon": eps}}
+    beta1, beta2 = own.get("betas", config.betas)
+    return {"name": "lazy_adam", "hyper": {"beta1": float(beta1), "beta2": float(beta2),
+                                           "epsilon": eps}}
