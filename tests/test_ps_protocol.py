@@ -13,26 +13,20 @@ from hypothesis import strategies as st
 
 from towerflow.errors import DataLossError, InvalidArgumentError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import (
-    CHUNK_BYTES,
-    METHODS,
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.wire.calls import METHODS, method_path
+from towerflow.ps.wire.framing import CHUNK_BYTES, chunks, pack, pack_parts, split_parts, unpack
+from towerflow.ps.wire.messages import (
     AggregationConfig,
     PushHeader,
     aggregation_to_proto,
-    chunks,
     decode_push_header,
     encode_push_header,
-    method_path,
-    pack,
-    pack_parts,
     push_records,
     push_rows,
     signature_bytes,
-    split_parts,
-    unpack,
 )
-from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState
 
 names = st.text(min_size=1, max_size=8)
 shapes = st.lists(st.integers(0, 1 << 40), max_size=4).map(tuple)

@@ -15,9 +15,9 @@ import torch
 
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner
 from towerflow.ps.server.dense.aggregation import AggregationConfig
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.config import TableConfig
 

@@ -47,22 +47,15 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, scan_gradient
 from towerflow.ps.placement import ShardLayout
-from towerflow.ps.protocol import (
-    APPLIED,
-    CHUNK_BYTES,
-    REFUSED,
-    STALE,
-    VOIDED,
-    PushHeader,
-    PushOutcome,
-    bounded,
-)
 from towerflow.ps.server.dense import checks
 from towerflow.ps.server.dense.optimizers import RESULT_LIMIT, ServerOptimizer, absmax
 from towerflow.ps.server.dense.records import LedgerRecord, ShardFigures, ShardStats
 from towerflow.ps.server.pushes import LIVENESS_SECONDS, Pending, PushTable
+from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED, bounded
+from towerflow.ps.wire.finite import CHECK_BLOCK, first_nonfinite, scan_gradient
+from towerflow.ps.wire.framing import CHUNK_BYTES, ITEM
+from towerflow.ps.wire.messages import PushHeader, PushOutcome
 
 __all__ = [
     "ShardState",

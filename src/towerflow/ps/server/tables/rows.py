@@ -59,7 +59,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.buffers import check_free_memory
+from towerflow.ps.memory import check_free_memory
 from towerflow.ps.partition import _GOLDEN, Partitioner, coalesce
 from towerflow.ps.partition import shift_right as _shift
 from towerflow.ps.partition import splitmix64 as _splitmix64

@@ -70,19 +70,12 @@ from towerflow.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.buffers import raw_bytes
-from towerflow.ps.buffers import tensor_bytes as encode
-from towerflow.ps.protocol import (
-    AggregationConfig,
-    pack_parts,
-    parse_message,
-    push_records,
-    split_parts,
-    unpack,
-)
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.tables.records import JobWorkers
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.framing import pack_parts, split_parts, unpack
+from towerflow.ps.wire.messages import AggregationConfig, parse_message, push_records
+from towerflow.ps.wire.tensors import encode, raw_bytes
 
 __all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS", "MAX_BATCH_ITEMS"]
 

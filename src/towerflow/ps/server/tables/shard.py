@@ -27,8 +27,8 @@ its lock and its counters; nothing else reaches into them:
   dropped, so a status, an export and an import carry the live ones.
 
 Buffers arrive as raw little-endian bytes (int64 ids, rows in the table's
-dtype) and are read in place (``torch.frombuffer`` over the received
-message's bytes, no copy); a refusal names the value and leaves the shard as
+dtype) and are read in place (:func:`~towerflow.ps.wire.tensors.decode`: a
+view of the received message's bytes, no copy); a refusal names the value and leaves the shard as
 it was. A push-and-pull (``PushPullRows``) is a push and a pull under one
 hold of the lock.
 """
@@ -36,9 +36,7 @@ hold of the lock.
 from __future__ import annotations
 
 import json
-import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -51,15 +49,15 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.buffers import tensor_bytes as encode
-from towerflow.ps.protocol import push_rows
 from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome
 from towerflow.ps.server.tables.aggregation import make_row_aggregator
 from towerflow.ps.server.tables.records import MAX_PUSHES_IN_FLIGHT, JobWorkers, TablePushes
 from towerflow.ps.server.tables.rows import RowExport, RowStore
 from towerflow.ps.server.tables.stores import row_store_from_dict
+from towerflow.ps.wire.messages import push_rows
+from towerflow.ps.wire.tensors import decode, encode
 
-__all__ = ["TableShard", "describe_spec", "decode", "encode"]
+__all__ = ["TableShard", "describe_spec"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: largest rows reply a shard builds: a gRPC message, less room for its header
@@ -107,43 +105,6 @@ def describe_spec(spec: Any) -> dict[str, Any]:
             "(a fixed table) or describe a dynamic one."
         )
     return out
-
-
-def decode(data: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    """``count`` values of ``dtype`` from raw little-endian ``data``, without a copy.
-
-    The tensor is a read-only view of ``data`` (it keeps ``data`` alive):
-    nothing on the ps writes into a received buffer; the row store copies what
-    it keeps (``index_copy_``) and reads the rest.
-
-    Raises:
-        InvalidArgumentError: ``data`` holds another number of bytes.
-    """
-    size = torch.empty((), dtype=dtype).element_size()
-    if count < 0 or len(data) != count * size:
-        raise InvalidArgumentError(
-            f"{what} holds {len(data)} bytes but {count} values of {dtype} need "
-            f"{max(count, 0) * size}; client and ps must run the same towerflow version."
-        )
-    if not data:
-        return torch.empty(0, dtype=dtype)
-    out = torch.frombuffer(data, dtype=dtype)
-    return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
-
-
-def _quiet_readonly_warning() -> None:
-    """Spend torch's one-time warning about tensors over read-only buffers.
-
-    ``torch.frombuffer`` of ``bytes`` warns once per process that the tensor
-    could write into an immutable buffer; :func:`decode`'s tensors are only
-    read, so the warning is raised here, once, and dropped.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.frombuffer(bytes(8), dtype=torch.int64)
-
-
-_quiet_readonly_warning()
 
 
 class TableShard:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import Partitioner
+from towerflow.ps.wire import tables_pb2 as tpb
 
 __all__ = ["TableConfig", "DEFAULT_INITIALIZER"]
 
