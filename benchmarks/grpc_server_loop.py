@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from towerflow.ps.protocol import CHUNK_BYTES, pack, unpack
+from towerflow.ps.wire.framing import CHUNK_BYTES, pack, unpack
 
 HERE = Path(__file__).resolve()
 SERVICE = "bench.ServerLoop"
@@ -197,7 +197,7 @@ def serve(kind: str, traffic: list[str], args: argparse.Namespace) -> None:
     import grpc
 
     from towerflow.cluster.options import ServerOptions
-    from towerflow.ps.buffers import tune_malloc
+    from towerflow.ps.memory import tune_malloc
 
     tune_malloc(one_arena=True)  # as a ps task does
     table = RowTable(args.table_rows, args.dim) if "rows" in traffic else None
@@ -310,7 +310,7 @@ def client(traffic: str, port: int, seed: int, args: argparse.Namespace) -> None
     """Warm up, say ``ready``, read the window's start from stdin, load until its end."""
     import grpc
 
-    from towerflow.ps.buffers import tune_malloc
+    from towerflow.ps.memory import tune_malloc
 
     tune_malloc()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_channel_options())

@@ -30,21 +30,22 @@ import time
 import numpy as np
 import torch
 
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import (
+from towerflow.ps.server.dense.service import PSService
+from towerflow.ps.server.tables.service import TableService
+from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.messages import (
     AggregationConfig,
     aggregation_to_proto,
     layout_to_proto,
     optimizer_to_proto,
 )
-from towerflow.ps.server.dense.service import PSService
-from towerflow.ps.server.tables.service import TableService
-from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire.tables import table_spec
 from towerflow.ps.worker.dense.shard_client import ShardClient
-from towerflow.ps.worker.tables.batch import Item, Push, batch_call, table_spec
+from towerflow.ps.worker.tables.batch import Item, Push, batch_call
 from towerflow.strategies import OptimizerConfig
 
 ROWS, DIM, BATCH, IDS = 1_000_000, 32, 512, 16

@@ -101,7 +101,7 @@ def grpc_echo_server(port: int, clients: int) -> None:
 
     import grpc
 
-    from towerflow.ps.buffers import tune_malloc
+    from towerflow.ps.memory import tune_malloc
 
     tune_malloc(one_arena=True)
 
@@ -119,8 +119,8 @@ def grpc_echo_server(port: int, clients: int) -> None:
 def grpc_echo_client(port: int, nbytes: int, iters: int, start_at: float) -> dict:
     import grpc
 
-    from towerflow.ps.buffers import tune_malloc
-    from towerflow.ps.protocol import CHUNK_BYTES
+    from towerflow.ps.memory import tune_malloc
+    from towerflow.ps.wire.framing import CHUNK_BYTES
 
     tune_malloc()
     data = np.random.default_rng(0).bytes(nbytes)
@@ -291,7 +291,7 @@ def credentials(secret: str | None):  # noqa: ANN201 - towerflow Credentials
 def init_ps(cluster: dict, secret: str | None, numel: int, mode: str, workers: int) -> None:
     from towerflow.cluster import ClusterSpec
     from towerflow.ps import AggregationConfig, PSClient
-    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.wire import ps_pb2 as pb
 
     plan = placement_100mb(numel)
     with PSClient(ClusterSpec(cluster), plan, worker_id=0, credentials=credentials(secret),

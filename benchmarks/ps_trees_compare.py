@@ -31,7 +31,7 @@ def measure(tree: Path, numel: int, workers: int, mode: str, iters: int, optimiz
         "def init_ps(cluster, secret, numel, mode, workers):\n"
         "    from towerflow.cluster import ClusterSpec\n"
         "    from towerflow.ps import AggregationConfig, PSClient\n"
-        "    from towerflow.ps import ps_pb2 as pb\n"
+        "    from towerflow.ps.wire import ps_pb2 as pb\n"
         "    plan = bench.placement_100mb(numel)\n"
         "    with PSClient(ClusterSpec(cluster), plan, worker_id=0,\n"
         "                  credentials=bench.credentials(secret), timeout=120.0) as c:\n"

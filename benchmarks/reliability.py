@@ -60,7 +60,7 @@ def bad_inputs(workdir: Path) -> tuple[int, int, list[str]]:
 
 def _ps_client(spec, lc: LocalCluster, numel: int):
     from towerflow.ps import AggregationConfig, PSClient, plan_placement
-    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.wire import ps_pb2 as pb
 
     client = PSClient(spec, plan_placement({"w": (numel,)}, 1), worker_id=0,
                       credentials=lc.credentials, timeout=120.0)

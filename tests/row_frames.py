@@ -9,8 +9,8 @@ items, and returns the dense reply, if any.
 
 from __future__ import annotations
 
-from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.protocol import pack_parts, split_parts, unpack
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.framing import pack_parts, split_parts, unpack
 
 
 def frame(items, dense: bytes = b"") -> bytes:

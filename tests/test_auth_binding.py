@@ -22,7 +22,7 @@ from towerflow.cluster.auth import AUTH_METADATA_KEY, ClientAuth
 from towerflow.cluster.transport import Credentials
 from towerflow.errors import UnavailableError
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster
 
 PUSH = "/towerflow.ps.PS/Push"

@@ -18,7 +18,7 @@ from towerflow.cluster import ClusterSpec
 from towerflow.cluster.transport import Credentials
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing.faults import wait_until
 
 

@@ -14,10 +14,10 @@ from towerflow.checkpoint import CheckpointManager
 from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import HashPartitioner
 from towerflow.ps.spec.initializers import UniformRows
 from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.dynamic import DynamicEmbedding as ClusterDynamicEmbedding

@@ -28,15 +28,10 @@ from towerflow.errors import (
 )
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
 from towerflow.ps import PSClient, PSService
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.protocol import (
-    ELASTIC_BASE,
-    ELASTIC_LIMIT,
-    REFUSED,
-    AggregationConfig,
-    method_path,
-)
 from towerflow.ps.server.elastic import ElasticMembers, confirm_with_task0
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import ELASTIC_BASE, ELASTIC_LIMIT, REFUSED, method_path
+from towerflow.ps.wire.messages import AggregationConfig
 from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer

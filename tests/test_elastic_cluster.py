@@ -18,7 +18,7 @@ import pytest
 
 from towerflow.cluster import TaskInfo
 from towerflow.ps import PSClient, plan_placement
-from towerflow.ps.protocol import ELASTIC_BASE, REFUSED
+from towerflow.ps.wire.calls import ELASTIC_BASE, REFUSED
 from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.testing.faults import (
     LocalCluster,

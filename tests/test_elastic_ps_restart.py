@@ -14,7 +14,7 @@ from towerflow.cluster.transport import Credentials
 from towerflow.errors import InvalidArgumentError
 from towerflow.models.linear import LinearRegression, mse_loss, regression_data
 from towerflow.ps import PSService
-from towerflow.ps.protocol import ELASTIC_BASE
+from towerflow.ps.wire.calls import ELASTIC_BASE
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 

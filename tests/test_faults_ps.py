@@ -10,7 +10,7 @@ import pytest
 
 from towerflow.checkpoint import CheckpointManager, read_checkpoint
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster, wait_until
 from towerflow.testing.scenarios import STEP_LINE as STEP
 from towerflow.testing.scenarios import TASK_COMMAND as TASK

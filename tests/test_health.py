@@ -17,7 +17,7 @@ from towerflow.cluster.health import CHECK_METHOD
 from towerflow.cluster.server import PING_METHOD
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing.faults import wait_until
 
 SECRET = Credentials(secret=b"health-secret")

@@ -177,7 +177,7 @@ def test_after_shutdown_no_thread_of_servers_monitor_or_ps_client_is_left():
     import numpy as np
 
     from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
-    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.wire import ps_pb2 as pb
     from towerflow.testing import wait_until
 
     before = set(threading.enumerate())

@@ -17,7 +17,7 @@ from towerflow.cluster.heartbeat import HeartbeatOptions
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import InvalidArgumentError, UnavailableError
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing.faults import LocalCluster, leftover_processes, loopback_cluster, wait_until
 
 SECRET = Credentials(secret=b"lifecycle-secret")

@@ -13,10 +13,11 @@ import pytest
 
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import APPLIED, REFUSED, STALE, VOIDED, PushHeader
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED
+from towerflow.ps.wire.messages import PushHeader
 
 NUMEL = 6
 

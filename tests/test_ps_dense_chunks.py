@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import APPLIED, REFUSED, STALE, VOIDED, PushHeader
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED
+from towerflow.ps.wire.messages import PushHeader
 
 NUMEL = 50
 CHUNK = 10  # five chunks of ten elements
@@ -238,7 +239,7 @@ def test_ps_memory_under_four_pushing_workers_holds_no_copy_per_worker(free_port
     """
     from towerflow.cluster import ClusterSpec
     from towerflow.ps import PSClient
-    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.wire import ps_pb2 as pb
 
     ports = free_ports(1 + WORKERS)
     spec = {"ps": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{p}" for p in ports[1:]]}

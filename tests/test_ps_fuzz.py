@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from towerflow.errors import TowerflowError
 from towerflow.ps import PSService
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.protocol import pack
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.framing import pack
 
 NUMEL = 8
 SIGNATURE = [pb.SegmentSignature(name="w", shape=[NUMEL])]

@@ -13,7 +13,7 @@ import pytest
 
 from towerflow.cluster.transport import make_channel
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing import LocalCluster, leftover_processes, loopback_cluster
 
 NUMEL = 1 << 20  # 4 MiB: a push streams in four 1 MiB chunks

@@ -10,8 +10,8 @@ import pytest
 
 from towerflow.errors import DataLossError, InvalidArgumentError
 from towerflow.ps import PSService
-from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.server.dense.initspec import MAX_ELEMENTS
+from towerflow.ps.wire import ps_pb2 as pb
 
 NUMEL = 6
 

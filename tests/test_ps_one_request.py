@@ -22,10 +22,10 @@ from torch import nn
 from towerflow.cluster import TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.models.deepfm import DeepFM, deepfm_loss
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.protocol import unpack
-from towerflow.ps.worker.tables.batch import table_spec
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.framing import unpack
+from towerflow.ps.wire.tables import table_spec
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 
@@ -285,9 +285,9 @@ def test_a_framed_batch_that_lies_about_its_buffers_is_refused_and_applies_nothi
     error naming the batch; no push of it is applied."""
     from towerflow.errors import DataLossError, InvalidArgumentError
     from towerflow.ps.partition import ModPartitioner
-    from towerflow.ps.protocol import pack_parts
     from towerflow.ps.server.tables.service import TableService
     from towerflow.ps.spec.tables import TableConfig
+    from towerflow.ps.wire.framing import pack_parts
 
     config = TableConfig("t", ModPartitioner(1, num_rows=10), 4, {"name": "sgd", "hyper": {}},
                          {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3})

@@ -1,5 +1,5 @@
-"""The ps wire contract: headers round-trip, the worker loads no server module, the shard owns
-its counters."""
+"""The ps wire contract: headers round-trip, tensors travel as raw buffers, the worker loads no
+server module, the shard owns its counters."""
 
 from __future__ import annotations
 
@@ -8,31 +8,27 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from towerflow.errors import DataLossError, InvalidArgumentError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import (
-    CHUNK_BYTES,
-    METHODS,
+from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.wire.calls import METHODS, method_path
+from towerflow.ps.wire.framing import CHUNK_BYTES, chunks, pack, pack_parts, split_parts, unpack
+from towerflow.ps.wire.messages import (
     AggregationConfig,
     PushHeader,
     aggregation_to_proto,
-    chunks,
     decode_push_header,
     encode_push_header,
-    method_path,
-    pack,
-    pack_parts,
     push_records,
     push_rows,
     signature_bytes,
-    split_parts,
-    unpack,
 )
-from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.wire.tensors import decode, encode, raw_bytes
 
 names = st.text(min_size=1, max_size=8)
 shapes = st.lists(st.integers(0, 1 << 40), max_size=4).map(tuple)
@@ -117,6 +113,28 @@ def test_push_table_rows_and_aggregation_become_messages_and_back() -> None:
     assert (spec.mode, spec.total_num_replicas, spec.wait_forever, spec.timeout) == \
         ("sync", 3, True, 0.0)
     assert method_path(METHODS[0]) == "/towerflow.ps.PS/Init"
+
+
+def test_tensors_travel_as_raw_buffers_and_come_back_as_read_only_views() -> None:
+    rows = torch.arange(6, dtype=torch.float64).view(2, 3)
+    data = encode(rows)
+    assert bytes(raw_bytes(rows.t().contiguous().t())) == data  # row-major, whatever the strides
+    got = decode(data, torch.float64, (2, 3))
+    assert torch.equal(got, rows)
+    assert decode(data, torch.float64, 6, "rows").shape == (6,)
+    assert decode(b"", torch.int64, (0, 4)).shape == (0, 4)
+
+
+def test_a_raw_buffer_of_the_wrong_size_is_refused_in_its_readers_words() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^A ps answered 8 bytes where \(2, 1\) "
+                       r"torch.int64 values need 16; client and ps must run the same"):
+        decode(bytes(8), torch.int64, (2, 1))
+    with pytest.raises(InvalidArgumentError, match=r"^Table 't' ids holds 8 bytes but 3 values "
+                       r"of torch.int64 need 24; client and ps"):
+        decode(bytes(8), torch.int64, 3, "Table 't' ids")
+    with pytest.raises(InvalidArgumentError, match=r"holds 0 bytes but -1 values of torch.int64 "
+                       r"need 0;"):
+        decode(b"", torch.int64, -1, "Table 't' ids")
 
 
 def test_the_worker_side_loads_no_server_module() -> None:

@@ -15,11 +15,11 @@ import pytest
 from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials
 from towerflow.ps import PSClient, PSService, plan_placement
-from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
 from towerflow.ps.server.pushes import APPLIED, REFUSED, PushHeader
+from towerflow.ps.wire import ps_pb2 as pb
 
 NUMEL = 1000
 CHUNK = 64 * 4  # reply ranges of 64 elements

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import APPLIED, MESSAGE_LIMIT, REFUSED, PushHeader, PushOutcome
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
 from towerflow.ps.server.pushes import INCARNATION_AHEAD_NS, PushTable
+from towerflow.ps.wire.calls import APPLIED, MESSAGE_LIMIT, REFUSED
+from towerflow.ps.wire.messages import PushHeader, PushOutcome
 
 NUMEL = 4
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import APPLIED, PushHeader
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.wire.calls import APPLIED
+from towerflow.ps.wire.messages import PushHeader
 from towerflow.testing import wait_until
 
 NUMEL = 4

@@ -21,9 +21,9 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.protocol import CHUNK_BYTES
 from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.framing import CHUNK_BYTES
 
 SECRET = Credentials(secret=b"test-secret")
 SHAPES = {"emb": (40, 5), "w": (5, 3), "b": (3,)}

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.buffers import all_finite, tune_malloc
+from towerflow.ps.memory import tune_malloc
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.protocol import APPLIED, REFUSED, STALE, PushHeader
 from towerflow.ps.server.dense import shard as shard_module
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.records import LedgerRecord
 from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE
+from towerflow.ps.wire.finite import all_finite
+from towerflow.ps.wire.messages import PushHeader
 
 SHAPES = {"weight": (2, 3), "bias": (3,)}
 

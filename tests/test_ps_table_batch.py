@@ -21,9 +21,9 @@ from towerflow.cluster import TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import InvalidArgumentError, NotFoundError
 from towerflow.models.deepfm import DeepFM, deepfm_loss
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner
 from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.ps.worker.tables.prefetch import MAX_RECORDINGS

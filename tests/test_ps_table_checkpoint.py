@@ -21,8 +21,8 @@ from towerflow.checkpoint import CheckpointManager, read_checkpoint
 from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import CheckpointError, InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.spec.row_optimizers import SparseLazyAdam
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig

@@ -16,9 +16,9 @@ from towerflow.checkpoint import CheckpointManager, read_checkpoint
 from towerflow.cluster import TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary_stream
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables import embedding
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 from towerflow.ps.worker.tables.fusion import fuse_tables

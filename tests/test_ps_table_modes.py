@@ -15,10 +15,10 @@ import torch
 
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner
 from towerflow.ps.server.dense.aggregation import AggregationConfig
 from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables.client import TableClient
 
 SECRET = Credentials(secret=b"modes-secret")

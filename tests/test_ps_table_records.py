@@ -24,15 +24,15 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner
-from towerflow.ps.protocol import ELASTIC_BASE
 from towerflow.ps.server.tables.records import MAX_PUSHES_IN_FLIGHT, JobWorkers
 from towerflow.ps.server.tables.shard import TableShard
 from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.calls import ELASTIC_BASE
+from towerflow.ps.wire.tables import table_spec
 from towerflow.ps.worker.dense.variables import join_job
-from towerflow.ps.worker.tables.batch import table_spec
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP, export_tables
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.testing.ledger import audit_ledger

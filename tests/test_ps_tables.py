@@ -24,11 +24,11 @@ from towerflow.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.spec.initializers import UniformRows
 from towerflow.ps.spec.tables import TableConfig
-from towerflow.ps.worker.tables.batch import table_spec
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.tables import table_spec
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.ps.worker.tables.swap import swap_embeddings
@@ -465,9 +465,9 @@ def test_a_pull_whose_reply_would_be_too_large_is_refused_before_any_row_is_read
 
 
 def test_an_import_carrying_too_many_push_records_imports_nothing() -> None:
-    from towerflow.ps import ps_pb2 as pb
     from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED
     from towerflow.ps.server.tables.shard import TableShard
+    from towerflow.ps.wire import ps_pb2 as pb
 
     cfg = config(num_shards=1)
     shard = TableShard(table_spec(cfg, 0))

@@ -24,8 +24,8 @@ from test_ps_tables import (
 
 from towerflow.cluster import ClusterSpec, Server, TaskInfo
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.server.tables.service import TableHost
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 from towerflow.strategies import OptimizerConfig

@@ -11,7 +11,7 @@ import pytest
 from towerflow.cluster import ClusterSpec, Server, ServerOptions
 from towerflow.cluster.transport import Credentials
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing.faults import wait_until
 
 SECRET = Credentials(secret=b"waiters-secret")

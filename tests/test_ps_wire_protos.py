@@ -10,9 +10,10 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 import towerflow
-from towerflow.ps import protocol
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps import tables_pb2 as tpb
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.calls import APPLIED, method_path
+from towerflow.ps.wire.messages import push_records, push_rows
 from towerflow.ps.worker import observe
 
 SRC = Path(towerflow.__file__).resolve().parent.parent
@@ -50,13 +51,13 @@ def test_tables_use_the_ps_push_record():
         assert message.DESCRIPTOR.fields_by_name["pushes"].message_type is pb.PushRecord.DESCRIPTOR
 
 
-def test_table_push_records_round_trip_through_the_protocol_helpers():
-    rows = [(3, 7, 11, protocol.APPLIED), ((1 << 20) + 2, (1 << 63) + 5, (1 << 64) - 1, "stale")]
-    chunk = tpb.RowChunk(pushes=protocol.push_records(rows))
+def test_table_push_records_round_trip_through_the_message_helpers():
+    rows = [(3, 7, 11, APPLIED), ((1 << 20) + 2, (1 << 63) + 5, (1 << 64) - 1, "stale")]
+    chunk = tpb.RowChunk(pushes=push_records(rows))
     again = tpb.RowChunk.FromString(chunk.SerializeToString())
-    assert list(protocol.push_rows(again.pushes)) == rows
-    status = tpb.TableStatusReply(pushes=protocol.push_records(rows))
-    assert list(protocol.push_rows(tpb.TableStatusReply.FromString(
+    assert list(push_rows(again.pushes)) == rows
+    status = tpb.TableStatusReply(pushes=push_records(rows))
+    assert list(push_rows(tpb.TableStatusReply.FromString(
         status.SerializeToString()).pushes)) == rows
 
 
@@ -65,9 +66,9 @@ def test_push_record_bytes_are_those_of_the_former_table_record():
     # a table client built on the former per-table record message.
     record = b"\x08\x05\x10\x02\x18\x09\x22\x07applied"
     chunk = tpb.RowChunk.FromString(b"\x1a" + bytes([len(record)]) + record)
-    assert protocol.push_rows(chunk.pushes) == ((5, 2, 9, "applied"),)
+    assert push_rows(chunk.pushes) == ((5, 2, 9, "applied"),)
     assert chunk.SerializeToString() == b"\x1a" + bytes([len(record)]) + record
 
 
-def test_observe_status_path_is_the_protocol_method_path():
-    assert observe.STATUS_METHOD == protocol.method_path("Status") == "/towerflow.ps.PS/Status"
+def test_observe_status_path_is_the_wire_method_path():
+    assert observe.STATUS_METHOD == method_path("Status") == "/towerflow.ps.PS/Status"

@@ -15,7 +15,7 @@ import pytest
 
 from towerflow.cluster.auth import AUTH_METADATA_KEY, ClientAuth, make_token
 from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.testing import LocalCluster, leftover_processes
 from towerflow.testing.probes import PROBE_SHAPES, probe_bad_inputs
 

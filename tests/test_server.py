@@ -238,7 +238,7 @@ def test_towerflow_server_command_hosts_the_ps_service_on_a_ps_task(python, free
     import signal
     import subprocess
 
-    from towerflow.ps.protocol import SERVICE_NAME
+    from towerflow.ps.wire.calls import SERVICE_NAME
 
     port = free_ports(1)[0]
     cluster = tmp_path / "cluster.json"

@@ -15,8 +15,8 @@ from towerflow.cluster.services import JOB_SERVICES, factories_for, load_factory
 from towerflow.cluster.transport import Credentials, make_channel, raw_handlers, unary
 from towerflow.errors import InvalidArgumentError, NotFoundError, TowerflowError
 from towerflow.ps import AggregationConfig, PSClient, PSService, ShardHost, plan_placement
-from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.server.tables.service import TableHost
+from towerflow.ps.wire import ps_pb2 as pb
 
 SECRET = Credentials(secret=b"services-secret")
 

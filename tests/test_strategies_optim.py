@@ -231,7 +231,7 @@ def test_group_settings_are_checked_when_the_config_is_built() -> None:
 
 # ------------------------------------------------------------------- the ps task's side
 def _init(factors: dict[str, float]):
-    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.wire import ps_pb2 as pb
 
     return pb.InitRequest(
         shard=0, optimizer=pb.OptimizerSpec(name="sgd", lr_factors=factors),

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
 from towerflow.ps.partition import check_ids
 from towerflow.ps.server.tables.stores import row_store_from_dict
 from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables.dynamic import DynamicEmbedding as _ClusterDynamicEmbedding
 
 __all__ = ["DynamicEmbedding", "LocalTableClient"]

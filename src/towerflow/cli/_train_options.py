@@ -243,7 +243,7 @@ def _add_ps_arguments(group: Any) -> None:
                        "no task) as an elastic worker; it leaves when it ends")
     group.add_argument("--max-elastic-workers", type=int, default=16, metavar="N",
                        help="(the chief, async) elastic workers (--join) each ps task admits "
-                       "at once; 0: none (default 16, towerflow.ps.protocol's)")
+                       "at once; 0: none (default 16, towerflow.ps.wire.calls')")
     add_lifecycle_arguments(group)
 
 

@@ -2,11 +2,15 @@
 
 A file's path says which process it runs in:
 
-- at this package's root, what both sides speak: the wire contract
-  (:mod:`~towerflow.ps.protocol`, ``ps.proto`` / ``tables.proto`` and their
-  generated modules), partitioning (:mod:`~towerflow.ps.partition`), variable
-  placement (:mod:`~towerflow.ps.placement`: :func:`replica_device_setter`) and
-  the flat-buffer helpers (:mod:`~towerflow.ps.buffers`);
+- :mod:`towerflow.ps.wire` — the wire contract both sides speak: the
+  ``.proto`` files and their generated modules, the service's names, call
+  sequence and status codes, framing, the messages' Python values
+  (:class:`PushHeader`, :class:`PushOutcome`, :class:`AggregationConfig`) and
+  tensors as raw buffers;
+- at this package's root, what else both sides use: partitioning
+  (:mod:`~towerflow.ps.partition`), variable placement
+  (:mod:`~towerflow.ps.placement`: :func:`replica_device_setter`) and malloc
+  tuning / free-memory checks (:mod:`~towerflow.ps.memory`);
 - :mod:`towerflow.ps.server` — what runs inside a ps task: :class:`ShardHost`
   and :func:`run_ps_task` (:mod:`~towerflow.ps.server.host`), the dense shard
   (:class:`ShardState`, :class:`PSService`) and the sparse tables'
@@ -15,9 +19,9 @@ A file's path says which process it runs in:
   :class:`TableClient` / :class:`TableConfig`, :class:`ShardedEmbedding`,
   :func:`keep_dense` (a model's embedding that stays a dense parameter).
 
-The halves never import each other. This module only hands names on:
-importing it loads neither torch nor grpc, nor either half; each name is
-imported on first use.
+The halves never import each other, and the wire imports neither. This
+module only hands names on: importing it loads neither torch nor grpc, nor
+either half; each name is imported on first use.
 
 Example (a ps task, as the article's ``server.join()``)::
 
@@ -62,9 +66,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "AggregationConfig": "towerflow.ps.protocol",
-    "PushHeader": "towerflow.ps.protocol",
-    "PushOutcome": "towerflow.ps.protocol",
+    "AggregationConfig": "towerflow.ps.wire.messages",
+    "PushHeader": "towerflow.ps.wire.messages",
+    "PushOutcome": "towerflow.ps.wire.messages",
     "PushTable": "towerflow.ps.server.pushes",
     "ShardState": "towerflow.ps.server.dense.shard",
     "PSService": "towerflow.ps.server.dense.service",

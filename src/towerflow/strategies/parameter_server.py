@@ -54,7 +54,7 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps.placement import DEFAULT_PS_STRATEGY
-from towerflow.ps.protocol import DEFAULT_MAX_ELASTIC
+from towerflow.ps.wire.calls import DEFAULT_MAX_ELASTIC
 from towerflow.ps.worker.dense.variables import (
     DenseRestore,
     FlatBuffers,
@@ -159,7 +159,7 @@ class ParameterServer(Strategy):
                  max_elastic_workers: int = DEFAULT_MAX_ELASTIC,
                  dense_with_rows: bool = True) -> None:
         from towerflow.cluster import resolve_cluster
-        from towerflow.ps.protocol import AggregationConfig
+        from towerflow.ps.wire.messages import AggregationConfig
 
         if join:
             cluster = joining_cluster(cluster, task, mode, is_chief)
@@ -244,7 +244,7 @@ class ParameterServer(Strategy):
     @property
     def worker_id(self) -> int:
         """The id this worker's pushes carry: its replica index, or the id an elastic
-        worker was given when it joined (from ``towerflow.ps.protocol.ELASTIC_BASE`` up)."""
+        worker was given when it joined (from ``towerflow.ps.wire.calls.ELASTIC_BASE`` up)."""
         client = self._client
         return client.worker_id if client is not None else self._rank
 

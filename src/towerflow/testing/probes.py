@@ -133,7 +133,7 @@ def _probes(cluster: Any, credentials: Credentials, honest: Any,
             channel.close()
 
     def payload_disagrees_with_header() -> str:
-        from towerflow.ps import ps_pb2 as pb
+        from towerflow.ps.wire import ps_pb2 as pb
 
         layout = honest.shards[0].layout
         head = pb.PushRequest(worker_id=0, incarnation=honest.incarnation, seq=(1 << 40) + 1,
@@ -148,7 +148,7 @@ def _probes(cluster: Any, credentials: Credentials, honest: Any,
 
     def lying_init(shape: list[int], numel: int) -> Callable[[], str]:
         """A well-formed ``Init`` whose one tensor header lies (16 payload elements follow)."""
-        from towerflow.ps import ps_pb2 as pb
+        from towerflow.ps.wire import ps_pb2 as pb
 
         head = pb.InitRequest(
             shard=0, optimizer=pb.OptimizerSpec(name="sgd"),
@@ -207,7 +207,7 @@ def probe_bad_inputs(cluster: Any, credentials: Credentials, *,
         workdir: an empty directory for the checkpoint probe.
     """
     from towerflow.ps import AggregationConfig, PSClient, plan_placement
-    from towerflow.ps import ps_pb2 as pb
+    from towerflow.ps.wire import ps_pb2 as pb
 
     workdir = Path(workdir)
     placement = plan_placement(PROBE_SHAPES, 1)

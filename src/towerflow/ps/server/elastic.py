@@ -3,10 +3,10 @@
 An elastic worker is a process that holds the cluster and its credentials
 but has no task of its own in the ``ClusterSpec``. It joins a running
 ``async`` job with the ps service's ``Join`` call (the call sequence is in
-:mod:`towerflow.ps.protocol`):
+:mod:`towerflow.ps.wire.calls`):
 
 - **ids**: ps task 0 gives each joining worker the next id counted up from
-  :data:`~towerflow.ps.protocol.ELASTIC_BASE` (ids below it are the
+  :data:`~towerflow.ps.wire.calls.ELASTIC_BASE` (ids below it are the
   cluster's replicas, so the two never clash, and one ps task never gives
   an id twice), with a random 128-bit ticket; the worker then names that id
   and ticket in its ``Join`` to every other ps task, which admits an id it
@@ -16,7 +16,7 @@ but has no task of its own in the ``ClusterSpec``. It joins a running
   lost) is answered with the same id. No ``Join`` moves ps task 0's count
   but its own giving, so no id named by a caller can use the ids up.
 - **bounded**: a shard admits at most ``max_elastic_workers`` (the chief's
-  :class:`~towerflow.ps.protocol.AggregationConfig`) at once. A member that
+  :class:`~towerflow.ps.wire.messages.AggregationConfig`) at once. A member that
   has sent nothing for :data:`EXPIRY_SECONDS` (it died without ``Done``)
   gives its place up when a ``Join`` needs it, and is retired.
 - **only async**: a sync step averages a fixed number of replicas' gradients
@@ -32,8 +32,8 @@ have finished (:mod:`towerflow.ps.server.lifecycle`), whether elastic workers ar
 still pushing or not; their next call then fails (the ps is gone).
 
 Example:
-    >>> from towerflow.ps import ps_pb2 as pb
-    >>> from towerflow.ps.protocol import AggregationConfig
+    >>> from towerflow.ps.wire import ps_pb2 as pb
+    >>> from towerflow.ps.wire.messages import AggregationConfig
     >>> members = ElasticMembers(0)
     >>> member, count = members.join(pb.JoinRequest(name="spare:42"), AggregationConfig())
     >>> member.worker_id, count, member.worker_id in members
@@ -58,7 +58,8 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.protocol import ELASTIC_BASE, ELASTIC_LIMIT, AggregationConfig, bounded
+from towerflow.ps.wire.calls import ELASTIC_BASE, ELASTIC_LIMIT, bounded
+from towerflow.ps.wire.messages import AggregationConfig
 
 __all__ = ["ElasticMembers", "Member", "EXPIRY_SECONDS", "RETIRED_KEPT", "confirm_with_task0"]
 
@@ -305,8 +306,9 @@ def confirm_with_task0(channel: Callable[[], Any], timeout: float = 10.0) -> Cal
 
     def confirm(request: Any) -> None:
         from towerflow.cluster.transport import unary
-        from towerflow.ps import ps_pb2 as pb
-        from towerflow.ps.protocol import method_path, parse_message
+        from towerflow.ps.wire import ps_pb2 as pb
+        from towerflow.ps.wire.calls import method_path
+        from towerflow.ps.wire.messages import parse_message
 
         data = unary(channel(), method_path("Join"), request.SerializeToString(), timeout=timeout)
         reply = parse_message(pb.JoinReply, data, "JoinReply")

@@ -1,9 +1,10 @@
 """The table that applies each push at most once (server side).
 
-What a push says (:class:`~towerflow.ps.protocol.PushHeader`) and what became
-of it (:class:`~towerflow.ps.protocol.PushOutcome`, with the status codes)
-are the wire contract's, in :mod:`towerflow.ps.protocol`; they are imported
-here for the shard modules.
+What a push says (:class:`~towerflow.ps.wire.messages.PushHeader`) and what
+became of it (:class:`~towerflow.ps.wire.messages.PushOutcome`, with the
+status codes of :mod:`towerflow.ps.wire.calls`) are the wire contract's, in
+:mod:`towerflow.ps.wire.messages`; they are imported here for the shard
+modules.
 
 Every push carries ``(worker_id, incarnation, seq)``: the replica that sent
 it, that replica's incarnation (a restarted worker takes a larger one: its
@@ -53,15 +54,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from towerflow.ps.protocol import (
-    APPLIED,
-    FINAL,
-    REFUSED,
-    STALE,
-    VOIDED,
-    PushHeader,
-    PushOutcome,
-)
+from towerflow.ps.wire.calls import APPLIED, FINAL, REFUSED, STALE, VOIDED
+from towerflow.ps.wire.messages import PushHeader, PushOutcome
 
 __all__ = [
     "APPLIED",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from towerflow.ps import ps_pb2 as pb
+from towerflow.ps.wire import ps_pb2 as pb
 
 __all__ = ["WorkerTable"]
 

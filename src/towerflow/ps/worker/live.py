@@ -24,10 +24,11 @@ from typing import Any
 
 from towerflow.cluster.transport import Credentials, make_channel, unary
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, TowerflowError
-from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.placement import Placement
-from towerflow.ps.protocol import layout_from_proto, method_path, parse_message
 from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import method_path
+from towerflow.ps.wire.messages import layout_from_proto, parse_message
 from towerflow.ps.worker.dense.client import PSClient
 from towerflow.ps.worker.dense.variables import consistent_snapshot, dense_groups
 from towerflow.ps.worker.tables.checkpoint import (

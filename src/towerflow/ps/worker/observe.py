@@ -45,9 +45,9 @@ from towerflow.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.protocol import method_path
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.calls import method_path
 
 __all__ = ["ClusterObserver", "ClusterScalars", "ChiefClusterScalars", "summary_scalars"]
 

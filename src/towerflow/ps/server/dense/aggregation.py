@@ -86,23 +86,20 @@ from collections.abc import Callable, Container, Iterable
 import numpy as np
 
 from towerflow.errors import DataLossError, DeadlineExceededError, InvalidArgumentError
-from towerflow.ps.buffers import receive_into
-from towerflow.ps.protocol import (
+from towerflow.ps.server.dense import checks
+from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.pushes import Pending
+from towerflow.ps.wire.calls import (
     APPLIED,
-    CHUNK_BYTES,
     DEFAULT_TIMEOUT,
     MODES,
     REFUSED,
     STALE,
     VOIDED,
-    AggregationConfig,
-    PushHeader,
-    PushOutcome,
     bounded,
 )
-from towerflow.ps.server.dense import checks
-from towerflow.ps.server.dense.shard import ShardState
-from towerflow.ps.server.pushes import Pending
+from towerflow.ps.wire.framing import CHUNK_BYTES, receive_into
+from towerflow.ps.wire.messages import AggregationConfig, PushHeader, PushOutcome
 
 __all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator", "MODES",
            "DEFAULT_TIMEOUT", "STALL_SECONDS"]

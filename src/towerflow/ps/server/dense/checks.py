@@ -8,7 +8,7 @@
 
 Example:
     >>> from towerflow.ps.placement import plan_placement
-    >>> from towerflow.ps.protocol import PushHeader
+    >>> from towerflow.ps.wire.messages import PushHeader
     >>> layout = plan_placement({"w": (2,)}, 1).shards[0]
     >>> header = PushHeader(worker_id=3, seq=1, token=0, lr=0.1, numel=2)
     >>> "in variable 'w' (shape [2]), at element 1 of the shard" in nonfinite_message(
@@ -24,7 +24,8 @@ import numpy as np
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.placement import ShardLayout
-from towerflow.ps.protocol import PushHeader, bounded
+from towerflow.ps.wire.calls import bounded
+from towerflow.ps.wire.messages import PushHeader
 
 __all__ = ["check_header", "nonfinite_message", "voided_message"]
 

@@ -14,7 +14,7 @@ and the limit:
 - the optimizer and mode from their closed lists (an empty or garbage
   message names neither, so it never replaces a live shard), hyper-parameters
   finite and in range (the ranges ``torch.optim`` accepts), the aggregation
-  spec valid (:class:`~towerflow.ps.protocol.AggregationConfig`), its
+  spec valid (:class:`~towerflow.ps.wire.messages.AggregationConfig`), its
   replicas within the cluster's;
 - optimizer state buffers among the optimizer's, each once; steps >= 0;
   push-table rows of real replicas.
@@ -23,7 +23,7 @@ Nothing is allocated here; the service then allocates the buffers lazily
 (pages are touched only as payload bytes arrive).
 
 Example:
-    >>> from towerflow.ps import ps_pb2 as pb
+    >>> from towerflow.ps.wire import ps_pb2 as pb
     >>> req = pb.InitRequest(optimizer=pb.OptimizerSpec(name="sgd"),
     ...                      aggregation=pb.AggregationSpec(mode="async", total_num_replicas=1))
     >>> check_init(req, 0).layout.numel
@@ -38,17 +38,17 @@ from typing import Any
 
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.placement import ShardLayout
-from towerflow.ps.protocol import (
+from towerflow.ps.spec.dense import OPTIMIZER_NAMES, SLOT_NAMES, canonical_name
+from towerflow.ps.wire.calls import (
     APPLIED,
     DEFAULT_MAX_ELASTIC,
     DEFAULT_TIMEOUT,
     MODES,
     STALE,
     VOIDED,
-    AggregationConfig,
     bounded,
 )
-from towerflow.ps.spec.dense import OPTIMIZER_NAMES, SLOT_NAMES, canonical_name
+from towerflow.ps.wire.messages import AggregationConfig
 
 __all__ = ["InitPlan", "check_init", "MAX_ELEMENTS", "MAX_SEGMENTS", "MAX_DIMS", "MAX_NAME"]
 

@@ -2,7 +2,7 @@
 
 Service ``towerflow.ps.PS``: its methods, the call sequence by role, the
 status codes and the framing are the wire contract of
-:mod:`towerflow.ps.protocol`. This module is the server's side of it: it
+:mod:`towerflow.ps.wire`. This module is the server's side of it: it
 parses each request into the contract's headers and hands them to the shard
 (:class:`~towerflow.ps.server.dense.shard.ShardState` and its
 :mod:`~towerflow.ps.server.dense.aggregation`). A ps task imports neither torch nor a GPU
@@ -31,23 +31,7 @@ from towerflow.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
 )
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.buffers import check_free_memory, receive_into, release_free_memory, tune_malloc
-from towerflow.ps.protocol import (
-    APPLIED,
-    CHIEF_REPLICA,
-    CHUNK_BYTES,
-    REFUSED,
-    SERVICE_NAME,
-    decode_push_header,
-    failure_line,
-    layout_to_proto,
-    outcome_to_reply,
-    pack,
-    parse_message,
-    push_records,
-    unpack,
-)
+from towerflow.ps.memory import check_free_memory, release_free_memory, tune_malloc
 from towerflow.ps.server.dense.aggregation import Aggregator, make_aggregator
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import make_optimizer
@@ -55,6 +39,16 @@ from towerflow.ps.server.dense.shard import ShardState, default_staging_limit
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.workerstats import WorkerTable
 from towerflow.ps.spec.dense import SLOT_NAMES, canonical_name
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import APPLIED, CHIEF_REPLICA, REFUSED, SERVICE_NAME, failure_line
+from towerflow.ps.wire.framing import CHUNK_BYTES, pack, receive_into, unpack
+from towerflow.ps.wire.messages import (
+    decode_push_header,
+    layout_to_proto,
+    outcome_to_reply,
+    parse_message,
+    push_records,
+)
 
 __all__ = ["PSService", "replica_task"]
 
@@ -145,7 +139,7 @@ class PSService:
             (:mod:`~towerflow.ps.server.elastic`); kept across a re-``Init``.
 
     Creating one tunes this process's malloc for streamed chunks
-    (:func:`~towerflow.ps.buffers.tune_malloc` with one arena): a ps task then
+    (:func:`~towerflow.ps.memory.tune_malloc` with one arena): a ps task then
     moves about twice the traffic and keeps no per-thread free heap.
     """
 

@@ -47,22 +47,15 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.buffers import CHECK_BLOCK, ITEM, first_nonfinite, scan_gradient
 from towerflow.ps.placement import ShardLayout
-from towerflow.ps.protocol import (
-    APPLIED,
-    CHUNK_BYTES,
-    REFUSED,
-    STALE,
-    VOIDED,
-    PushHeader,
-    PushOutcome,
-    bounded,
-)
 from towerflow.ps.server.dense import checks
 from towerflow.ps.server.dense.optimizers import RESULT_LIMIT, ServerOptimizer, absmax
 from towerflow.ps.server.dense.records import LedgerRecord, ShardFigures, ShardStats
 from towerflow.ps.server.pushes import LIVENESS_SECONDS, Pending, PushTable
+from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED, bounded
+from towerflow.ps.wire.finite import CHECK_BLOCK, first_nonfinite, scan_gradient
+from towerflow.ps.wire.framing import CHUNK_BYTES, ITEM
+from towerflow.ps.wire.messages import PushHeader, PushOutcome
 
 __all__ = [
     "ShardState",
@@ -498,7 +491,7 @@ class ShardState:
 
     def scan(self, values: np.ndarray, base: int = 0) -> tuple[int | None, float]:
         """:meth:`find_nonfinite` and the sum of the squares of ``values``, in one pass
-        (:func:`~towerflow.ps.buffers.scan_gradient`)."""
+        (:func:`~towerflow.ps.wire.finite.scan_gradient`)."""
         bad, squares = scan_gradient(values, self._zeros)
         return (None if bad is None else base + bad), squares
 

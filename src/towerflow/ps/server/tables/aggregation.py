@@ -1,6 +1,6 @@
 """How a table shard turns row pushes into updates: async, sync and ssp.
 
-The job's aggregation mode (:class:`~towerflow.ps.protocol.AggregationConfig`,
+The job's aggregation mode (:class:`~towerflow.ps.wire.messages.AggregationConfig`,
 sent by the chief with ``InitTable``) applies to sparse pushes as to dense
 ones, per row:
 

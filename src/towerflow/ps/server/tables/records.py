@@ -40,9 +40,9 @@ from collections.abc import Callable, Container
 from typing import Any, Protocol
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.protocol import ELASTIC_BASE
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.pushes import PushTable
+from towerflow.ps.wire.calls import ELASTIC_BASE
 
 __all__ = ["JobWorkers", "DenseMembership", "TablePushes", "MAX_PUSHES_IN_FLIGHT"]
 

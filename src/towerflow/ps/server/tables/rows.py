@@ -57,7 +57,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.buffers import check_free_memory
+from towerflow.ps.memory import check_free_memory
 from towerflow.ps.partition import Partitioner, coalesce
 from towerflow.ps.spec.initializers import ConstantRows, RowInitializer
 from towerflow.ps.spec.row_optimizers import SparseOptimizer

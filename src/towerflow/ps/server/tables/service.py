@@ -70,19 +70,12 @@ from towerflow.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.buffers import raw_bytes
-from towerflow.ps.buffers import tensor_bytes as encode
-from towerflow.ps.protocol import (
-    AggregationConfig,
-    pack_parts,
-    parse_message,
-    push_records,
-    split_parts,
-    unpack,
-)
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.tables.records import JobWorkers
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.framing import pack_parts, split_parts, unpack
+from towerflow.ps.wire.messages import AggregationConfig, parse_message, push_records
+from towerflow.ps.wire.tensors import encode, raw_bytes
 
 __all__ = ["TableService", "TableHost", "SERVICE_NAME", "DEFAULT_CHUNK_ROWS", "MAX_BATCH_ITEMS"]
 
@@ -170,7 +163,8 @@ class TableService:
 
     # -- handlers ------------------------------------------------------------------------
     def init_table(self, data: bytes) -> bytes:
-        from towerflow.ps.server.tables.shard import TableShard, describe_spec
+        from towerflow.ps.server.tables.shard import TableShard
+        from towerflow.ps.wire.tables import describe_table_spec
 
         request = parse_message(tpb.InitTableRequest, data, "InitTable")
         spec, aggregation = request.spec, _aggregation(request.aggregation)
@@ -180,7 +174,7 @@ class TableService:
                 f"{self.task_index}, which holds shard {self.task_index}; send shard i to ps "
                 "task i."
             )
-        description = describe_spec(spec)
+        description = describe_table_spec(spec)
         with self._lock:
             held = self._tables.get((spec.name, spec.shard))
             if held is not None:

@@ -27,18 +27,15 @@ its lock and its counters; nothing else reaches into them:
   dropped, so a status, an export and an import carry the live ones.
 
 Buffers arrive as raw little-endian bytes (int64 ids, rows in the table's
-dtype) and are read in place (``torch.frombuffer`` over the received
-message's bytes, no copy); a refusal names the value and leaves the shard as
+dtype) and are read in place (:func:`~towerflow.ps.wire.tensors.decode`: a
+view of the received message's bytes, no copy); a refusal names the value and leaves the shard as
 it was. A push-and-pull (``PushPullRows``) is a push and a pull under one
 hold of the lock.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -51,99 +48,21 @@ from towerflow.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from towerflow.ps.buffers import tensor_bytes as encode
-from towerflow.ps.protocol import push_rows
 from towerflow.ps.server.pushes import MAX_REPLICAS_TRACKED, PushHeader, PushOutcome
 from towerflow.ps.server.tables.aggregation import make_row_aggregator
 from towerflow.ps.server.tables.records import MAX_PUSHES_IN_FLIGHT, JobWorkers, TablePushes
 from towerflow.ps.server.tables.rows import RowExport, RowStore
 from towerflow.ps.server.tables.stores import row_store_from_dict
+from towerflow.ps.spec.tables import DTYPES_BY_NAME
+from towerflow.ps.wire.messages import push_rows
+from towerflow.ps.wire.tables import describe_table_spec
+from towerflow.ps.wire.tensors import decode, encode
 
-__all__ = ["TableShard", "describe_spec", "decode", "encode"]
+__all__ = ["TableShard"]
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
 #: largest rows reply a shard builds: a gRPC message, less room for its header
 ROWS_REPLY_LIMIT = DEFAULT_MAX_MESSAGE_BYTES - (1 << 20)
-
-
-def _json(field: str, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        raise InvalidArgumentError(
-            f"The table's {field} is not a JSON object ({text[:100]!r}); send the dict's "
-            "JSON (e.g. json.dumps(partitioner.to_dict()))."
-        ) from None
-
-
-def describe_spec(spec: Any) -> dict[str, Any]:
-    """The row store description (:meth:`RowStore.describe`) of a ``TableSpec`` message.
-
-    Raises:
-        InvalidArgumentError: a field missing, malformed or inconsistent.
-    """
-    if not spec.name:
-        raise InvalidArgumentError("A table needs a name; give TableSpec.name.")
-    partitioner = _json("partitioner", spec.partitioner)
-    store = _json("store", spec.store) if spec.store else {"kind": "dense"}
-    dynamic = isinstance(store, dict) and store.get("kind") == "dynamic"
-    rows = None if dynamic else spec.num_rows
-    if not isinstance(partitioner, dict) or partitioner.get("num_rows") != rows or (
-            dynamic and spec.num_rows):
-        raise InvalidArgumentError(
-            f"Table {spec.name!r}: the partitioner {partitioner!r:.200} does not have the "
-            f"table's num_rows={spec.num_rows}; describe both with the same size (a dynamic "
-            "table: num_rows 0 and an unbounded partitioner)."
-        )
-    out = {"kind": "dynamic" if dynamic else "dense", "partitioner": partitioner,
-           "shard": spec.shard, "dim": spec.dim, "dtype": spec.dtype,
-           "optimizer": _json("optimizer", spec.optimizer),
-           "initializer": _json("initializer", spec.initializer)}
-    if dynamic:
-        out["options"] = {k: v for k, v in store.items() if k != "kind"}
-    elif store != {"kind": "dense"}:
-        raise InvalidArgumentError(
-            f"Table {spec.name!r}: unknown store {store!r:.200}; leave TableSpec.store empty "
-            "(a fixed table) or describe a dynamic one."
-        )
-    return out
-
-
-def decode(data: bytes, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    """``count`` values of ``dtype`` from raw little-endian ``data``, without a copy.
-
-    The tensor is a read-only view of ``data`` (it keeps ``data`` alive):
-    nothing on the ps writes into a received buffer; the row store copies what
-    it keeps (``index_copy_``) and reads the rest.
-
-    Raises:
-        InvalidArgumentError: ``data`` holds another number of bytes.
-    """
-    size = torch.empty((), dtype=dtype).element_size()
-    if count < 0 or len(data) != count * size:
-        raise InvalidArgumentError(
-            f"{what} holds {len(data)} bytes but {count} values of {dtype} need "
-            f"{max(count, 0) * size}; client and ps must run the same towerflow version."
-        )
-    if not data:
-        return torch.empty(0, dtype=dtype)
-    out = torch.frombuffer(data, dtype=dtype)
-    return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
-
-
-def _quiet_readonly_warning() -> None:
-    """Spend torch's one-time warning about tensors over read-only buffers.
-
-    ``torch.frombuffer`` of ``bytes`` warns once per process that the tensor
-    could write into an immutable buffer; :func:`decode`'s tensors are only
-    read, so the warning is raised here, once, and dropped.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.frombuffer(bytes(8), dtype=torch.int64)
-
-
-_quiet_readonly_warning()
 
 
 class TableShard:
@@ -156,12 +75,12 @@ class TableShard:
             records of (:mod:`~towerflow.ps.server.tables.records`; None: any id).
 
     Raises:
-        InvalidArgumentError: what :func:`describe_spec` or the row store refuses.
+        InvalidArgumentError: what :func:`~towerflow.ps.wire.tables.describe_table_spec` or the row store refuses.
     """
 
     def __init__(self, spec: Any, aggregation: Any = None,
                  workers: JobWorkers | None = None) -> None:
-        self.description = describe_spec(spec)
+        self.description = describe_table_spec(spec)
         self.name = spec.name
         self.spec_bytes = spec.SerializeToString(deterministic=True)
         self.store: RowStore = row_store_from_dict(self.description)
@@ -204,7 +123,7 @@ class TableShard:
         return self._ids(data, count)
 
     def _values(self, data: bytes, dtype: str, ids: torch.Tensor, what: str) -> torch.Tensor:
-        if _DTYPES.get(dtype) != self.dtype:
+        if DTYPES_BY_NAME.get(dtype) != self.dtype:
             raise InvalidArgumentError(
                 f"Table {self.name!r} holds {str(self.dtype).removeprefix('torch.')} rows but "
                 f"the {what} are {dtype!r}; send them as the table's dtype."

@@ -45,20 +45,19 @@ from towerflow.errors import (
     TowerflowError,
     UnavailableError,
 )
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.buffers import tune_malloc as _tune_malloc
+from towerflow.ps.memory import tune_malloc as _tune_malloc
 from towerflow.ps.placement import Placement
-from towerflow.ps.protocol import (
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import (
     APPLIED,
     CHIEF_REPLICA,
-    CHUNK_BYTES,
     REFUSED,
     STALE,
-    AggregationConfig,
     failure_line,
     method_path,
-    push_rows,
 )
+from towerflow.ps.wire.framing import CHUNK_BYTES
+from towerflow.ps.wire.messages import AggregationConfig, push_rows
 from towerflow.ps.worker.dense.shard_client import ShardClient
 
 __all__ = ["PSClient", "PreparedPush", "PushResult", "ShardSnapshot", "tell_chief_failure"]
@@ -134,7 +133,7 @@ class PSClient:
             gradient, or ``"skip"`` it with a warning.
         chunk_bytes: size of streamed chunks.
         tune_malloc: let glibc's malloc reuse chunk-sized blocks in this process
-            (:func:`towerflow.ps.buffers.tune_malloc`): streamed chunks then cost no
+            (:func:`towerflow.ps.memory.tune_malloc`): streamed chunks then cost no
             page faults, which roughly doubles the traffic a worker moves.
         channel_options: gRPC options of the channels to the ps tasks (message
             size, keepalive, per-call window; default

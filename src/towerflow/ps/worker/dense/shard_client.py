@@ -34,25 +34,21 @@ from towerflow.errors import (
     TowerflowError,
     UnavailableError,
 )
-from towerflow.ps import ps_pb2 as pb
-from towerflow.ps.buffers import all_finite
 from towerflow.ps.placement import ShardLayout
-from towerflow.ps.protocol import (
-    CHUNK_BYTES,
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import failure_line, method_path
+from towerflow.ps.wire.finite import all_finite
+from towerflow.ps.wire.framing import CHUNK_BYTES, chunks, pack, unpack
+from towerflow.ps.wire.messages import (
     AggregationConfig,
     PushHeader,
     aggregation_to_proto,
-    chunks,
     encode_push_header,
-    failure_line,
     layout_to_proto,
-    method_path,
     optimizer_to_proto,
-    pack,
     parse_message,
     push_records,
     signature_bytes,
-    unpack,
 )
 
 __all__ = ["ShardClient", "PUSH_RETRY_LOG_EVERY"]
@@ -158,7 +154,7 @@ class ShardClient:
         """Create the shard with ``params`` (and optimizer ``slots``) on the ps.
 
         ``optimizer``: what the ps applies gradients with (an ``OptimizerConfig``
-        or its ``OptimizerSpec``, :func:`~towerflow.ps.protocol.optimizer_to_proto`).
+        or its ``OptimizerSpec``, :func:`~towerflow.ps.wire.messages.optimizer_to_proto`).
         ``pushes``: the shard's push table from a checkpoint (rows
         ``(worker, incarnation, seq, status)``), so that the pushes it had
         answered are not applied again.

@@ -19,7 +19,7 @@ partitioned variable spans several shards). On a worker:
   (``Join`` on ps task 0 for an id, then on every other ps task).
 
 The optimizer the ps applies is described to it by the worker's
-``OptimizerConfig`` (:func:`~towerflow.ps.protocol.optimizer_to_proto`); the
+``OptimizerConfig`` (:func:`~towerflow.ps.wire.messages.optimizer_to_proto`); the
 calls go through :class:`~towerflow.ps.worker.dense.client.PSClient`. Nothing here imports
 a server module.
 
@@ -300,7 +300,7 @@ def consistent_snapshot(client: Any, *, sync: bool, timeout: float) -> list[Any]
 def join_job(client: Any, name: str) -> tuple[int, int]:
     """Join ``client`` (a ``PSClient``) to a running async job as an elastic worker.
 
-    Ps task 0 gives the id (see :mod:`towerflow.ps.protocol`'s call sequence);
+    Ps task 0 gives the id (see :mod:`towerflow.ps.wire.calls`' call sequence);
     every other ps task is told it; the client then pushes under it, and its
     ``close()`` says ``Done``, which retires the id. (A ps task answers a
     ``Join`` sent again after a lost reply with the same id.)
@@ -313,8 +313,9 @@ def join_job(client: Any, name: str) -> tuple[int, int]:
         ResourceExhaustedError: a ps task admits no more elastic workers.
     """
     from towerflow.cluster.transport import unary
-    from towerflow.ps import ps_pb2 as pb
-    from towerflow.ps.protocol import method_path, parse_message
+    from towerflow.ps.wire import ps_pb2 as pb
+    from towerflow.ps.wire.calls import method_path
+    from towerflow.ps.wire.messages import parse_message
 
     def join(shard: Any, worker_id: int, ticket: bytes = b"") -> Any:
         request = pb.JoinRequest(worker_id=worker_id, name=name, incarnation=client.incarnation,

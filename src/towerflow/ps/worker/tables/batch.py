@@ -4,59 +4,21 @@ A step's table traffic to one ps task is one framed ``RowBatchRequest``
 (``tables.proto``): one :class:`Item` per table shard pulled and / or pushed,
 gathered into :class:`Call`s of at most ``max_call_bytes`` (:func:`group_calls`).
 Ids, row gradients and rows travel as raw little-endian buffers after the
-header (:func:`~towerflow.ps.buffers.raw_bytes` out, :func:`decode` in: a view
-of the received bytes).
+header (:func:`~towerflow.ps.wire.tensors.raw_bytes` out,
+:func:`~towerflow.ps.wire.tensors.decode` in: a view of the received bytes).
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import warnings
 from typing import Any
 
 import torch
 
-from towerflow.errors import InvalidArgumentError
-from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.buffers import raw_bytes
-from towerflow.ps.protocol import pack_parts
-from towerflow.ps.spec.tables import DTYPE_NAMES, TableConfig
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.framing import pack_parts
+from towerflow.ps.wire.tensors import raw_bytes
 
-__all__ = ["Call", "Item", "Push", "batch_call", "decode", "group_calls", "table_spec"]
-
-
-def table_spec(config: TableConfig, shard: int) -> tpb.TableSpec:
-    """The ``TableSpec`` message of shard ``shard`` of the table ``config`` describes."""
-    return tpb.TableSpec(
-        name=config.name, num_rows=config.num_rows, dim=config.dim,
-        dtype=DTYPE_NAMES[config.dtype],
-        partitioner=json.dumps(config.partitioner.to_dict(), sort_keys=True),
-        optimizer=json.dumps(dict(config.optimizer), sort_keys=True),
-        initializer=json.dumps(dict(config.initializer), sort_keys=True), shard=shard,
-        store="" if config.store is None else json.dumps(dict(config.store), sort_keys=True))
-
-
-def decode(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]
-           ) -> torch.Tensor:
-    count = 1
-    for n in shape:
-        count *= n
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(data) != count * size:
-        raise InvalidArgumentError(
-            f"A ps answered {len(data)} bytes where {shape} {dtype} values need {count * size}; "
-            "client and ps must run the same towerflow version."
-        )
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    out = torch.frombuffer(data, dtype=dtype).view(shape)  # read only: copied by the caller
-    return out if sys.byteorder == "little" else out.byteswap()  # pragma: no cover
-
-
-with warnings.catch_warnings():  # torch warns once per process about read-only buffers
-    warnings.simplefilter("ignore")
-    torch.frombuffer(bytes(8), dtype=torch.int64)
+__all__ = ["Call", "Item", "Push", "batch_call", "group_calls"]
 
 
 class Item:

@@ -54,11 +54,12 @@ import torch
 
 from towerflow.checkpoint import ChunkedGroup, ChunkedReader
 from towerflow.errors import CheckpointError, DataLossError, InvalidArgumentError
-from towerflow.ps.buffers import release_free_memory
+from towerflow.ps.memory import release_free_memory
 from towerflow.ps.partition import Partitioner, partitioner_from_dict
-from towerflow.ps.protocol import FINAL, REFUSED, push_rows
 from towerflow.ps.spec.tables import TableConfig
-from towerflow.ps.worker.tables.batch import decode as _decode
+from towerflow.ps.wire.calls import FINAL, REFUSED
+from towerflow.ps.wire.messages import push_rows
+from towerflow.ps.wire.tensors import decode as _decode
 from towerflow.ps.worker.tables.client import TableClient
 
 __all__ = ["TABLES_GROUP", "TABLES_KEY", "FUSED_KEY", "PART_BYTES", "MAX_SHARDS",

@@ -28,25 +28,21 @@ from typing import Any
 
 import torch
 
-from towerflow.cluster.transport import (
-    Credentials,
-    make_channel,
-    stream_unary,
-    unary,
-    unary_stream,
-)
+from towerflow.cluster.transport import Credentials, make_channel, stream_unary, unary, unary_stream
 from towerflow.errors import (
     DataLossError,
     DeadlineExceededError,
     InvalidArgumentError,
     UnavailableError,
 )
-from towerflow.ps import tables_pb2 as tpb
-from towerflow.ps.buffers import tensor_bytes as encode
 from towerflow.ps.partition import check_ids
-from towerflow.ps.protocol import parse_message, push_records, split_parts, unpack
 from towerflow.ps.spec.tables import DTYPE_NAMES, TableConfig
-from towerflow.ps.worker.tables.batch import Call, Item, Push, decode, group_calls, table_spec
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.framing import split_parts, unpack
+from towerflow.ps.wire.messages import parse_message, push_records
+from towerflow.ps.wire.tables import table_spec
+from towerflow.ps.wire.tensors import decode, encode
+from towerflow.ps.worker.tables.batch import Call, Item, Push, group_calls
 from towerflow.ps.worker.tables.fusion import TableView
 from towerflow.ps.worker.tables.stream import RowStream
 

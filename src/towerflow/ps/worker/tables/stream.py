@@ -16,7 +16,7 @@ from __future__ import annotations
 import grpc
 
 from towerflow.cluster.transport import RequestStream
-from towerflow.ps import tables_pb2 as tpb
+from towerflow.ps.wire import tables_pb2 as tpb
 
 __all__ = ["RowStream", "STREAM_METHOD"]
 

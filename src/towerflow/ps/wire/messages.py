@@ -1,82 +1,22 @@
-"""The ps shard service's wire contract: names, call sequence, status codes, framing.
+"""The ps wire's messages as Python values: headers, outcomes, configs and their protobufs.
 
-Both sides of the dense parameter path import this module and nothing of
-each other: the ps task (:mod:`~towerflow.ps.server.dense.service` and the shard state it
-hosts) and the worker (:mod:`~towerflow.ps.worker.dense.client`). It holds no state and
-imports neither torch nor grpc.
+The control messages are protobuf (``ps.proto``, :mod:`~towerflow.ps.wire.ps_pb2`);
+this module converts between them and what each side computes with:
 
-Service ``towerflow.ps.PS`` (raw-bytes handlers of
-:func:`towerflow.cluster.transport.raw_handlers`, so every call is
-authenticated by the cluster's credentials):
+- :class:`PushHeader` (a push's ``PushRequest``: :func:`encode_push_header`,
+  :func:`decode_push_header`, :func:`signature_bytes`) and :class:`PushOutcome`
+  (its ``PushReply``: :func:`outcome_to_reply`);
+- :class:`AggregationConfig` (``AggregationSpec``: :func:`aggregation_to_proto`),
+  an optimizer config (``OptimizerSpec``: :func:`optimizer_to_proto`), a shard's
+  layout (``Segment``: :func:`layout_to_proto`, :func:`layout_from_proto`) and the
+  push table's rows (``PushRecord``: :func:`push_records`, :func:`push_rows`);
+- :func:`parse_message`: any message from received bytes, malformed input
+  refused by name.
 
-=======================  ===============  =====================================
-method                   kind             messages
-=======================  ===============  =====================================
-``Init``                 stream -> unary  ``InitRequest``, then the params and
-                                          slot buffers -> ``Empty``
-``Status``               unary            ``StatusRequest`` -> ``StatusReply``
-``Join``                 unary            ``JoinRequest`` -> ``JoinReply``
-``Pull``                 unary -> stream  ``PullRequest`` -> ``PullReply`` +
-                                          buffer chunks
-``Push``                 stream -> unary  ``PushRequest``, gradient chunks ->
-                                          ``PushReply``
-``PushPull``             stream -> stream as ``Push``; replies ``PushReply`` +
-                                          param chunks
-``PushPullSmall``        unary            ``PushPull`` in one message each way,
-                                          for a shard that fits in one chunk
-                                          (:func:`pack`)
-``PushPullSmallStream``  stream           many ``PushPullSmall`` round trips on
-                                          one long-lived call
-``Done``                 unary            ``DoneRequest`` -> ``Empty``
-``Ledger``               unary            ``LedgerRequest`` -> ``LedgerReply``
-=======================  ===============  =====================================
-
-The call sequence by role:
-
-1. The **chief** calls ``Init`` on every ps task (the variables, optimizer,
-   aggregation, step, optimizer state and push table, from a checkpoint or
-   fresh). A later ``Init`` replaces the shard whole; pushes it had answered
-   stay answered.
-2. Every **worker** (the chief too, once it has initialised) calls
-   ``Status`` until each shard is initialised with its own layout's
-   fingerprint, then ``Pull``, then ``Push`` / ``PushPull`` (or their small
-   forms) once per step, and ``Done`` when it finishes (the chief's ``Done``
-   names the step of its final checkpoint). A worker that stopped on an error
-   sends no ``Done``.
-3. An **elastic worker** (a process with the cluster and its credentials but
-   no task of its own in it) joins a running ``async`` job: after ``Status``
-   says every shard is initialised it calls ``Join`` on ps task 0, which
-   gives it a worker id from :data:`ELASTIC_BASE` up (counted up, never a
-   replica's and never given twice by one ps task) and the id's random
-   ticket, then ``Join`` with that id and ticket on every other ps task
-   (which asks ps task 0 to confirm them); then ``Pull``, ``Push`` /
-   ``PushPull`` as a worker, and ``Done`` with the ticket when it leaves (its
-   id is retired: a later push from it is refused). Each shard admits at most
-   ``AggregationConfig.max_elastic_workers`` at once. A sync or ssp shard
-   refuses ``Join``: its steps and bound count a fixed set of replicas. The
-   job's end is the replicas' (every replica's ``Done``): a ps task does not
-   wait for its elastic workers.
-4. Anyone holding the cluster's credentials may call ``Status`` and
-   ``Ledger`` (``towerflow status``, audits); a checkpoint ``Pull`` s the
-   slot buffers by name.
-
-Status codes of a push (``PushReply.status``): :data:`APPLIED` (the gradient
-is in the parameters), :data:`STALE` (sync: computed on an older step;
-dropped and counted), :data:`REFUSED` (wrong shape, dtype, NaN / inf, a
-worker that is neither a replica nor an admitted elastic worker: nothing
-changed; its retry is checked afresh)
-and :data:`VOIDED` (sync: its step was abandoned when the shard was
-re-initialised). A retry of a push answered already gets the same answer
-with ``duplicate`` set.
-
-Framing: control messages are protobuf (``ps.proto``); tensors never travel
-inside them. A streamed call sends its header message first, then the raw
-little-endian float32 bytes of a flat buffer in chunks of
-:data:`CHUNK_BYTES`; the header says how many elements follow, so the
-receiver validates before it copies. A one-message call carries header and
-payload as :func:`pack` lays them out. Nothing is unpickled.
+It holds no state and imports neither torch nor grpc.
 
 Example:
+    >>> from towerflow.ps.wire.framing import pack, unpack
     >>> header = PushHeader(worker_id=1, seq=3, token=7, lr=0.5, numel=2)
     >>> decode_push_header(unpack(pack(encode_push_header(header)))[0])[0] == header
     True
@@ -85,45 +25,28 @@ Example:
 from __future__ import annotations
 
 import math
-import struct
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from google.protobuf.message import DecodeError
 
-from towerflow.errors import DataLossError, InvalidArgumentError
-from towerflow.ps import ps_pb2 as pb
+from towerflow.errors import InvalidArgumentError
 from towerflow.ps.placement import ShardLayout
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import (
+    APPLIED,
+    DEFAULT_MAX_ELASTIC,
+    DEFAULT_TIMEOUT,
+    ELASTIC_BASE,
+    MODES,
+    bounded,
+)
 
 __all__ = [
-    "SERVICE_NAME",
-    "METHODS",
-    "method_path",
-    "APPLIED",
-    "STALE",
-    "REFUSED",
-    "VOIDED",
-    "FINAL",
-    "MODES",
-    "ELASTIC_BASE",
-    "ELASTIC_LIMIT",
-    "DEFAULT_MAX_ELASTIC",
-    "DEFAULT_TIMEOUT",
     "AggregationConfig",
-    "CHUNK_BYTES",
-    "MESSAGE_LIMIT",
     "PushHeader",
     "PushOutcome",
-    "bounded",
-    "CHIEF_REPLICA",
-    "failure_line",
-    "chunks",
-    "pack",
-    "pack_parts",
-    "split_parts",
-    "unpack",
     "parse_message",
     "layout_to_proto",
     "layout_from_proto",
@@ -136,53 +59,6 @@ __all__ = [
     "aggregation_to_proto",
     "optimizer_to_proto",
 ]
-
-SERVICE_NAME = "towerflow.ps.PS"
-#: the service's methods, in the order of the call sequence
-METHODS = ("Init", "Status", "Join", "Pull", "Push", "PushPull", "PushPullSmall",
-           "PushPullSmallStream", "Done", "Ledger")
-
-APPLIED = "applied"      # the gradient changed the parameters
-STALE = "stale"          # sync: computed on an older step; dropped and counted
-REFUSED = "refused"      # wrong shape / dtype / NaN / inf; parameters unchanged
-VOIDED = "voided"        # sync: the step was abandoned (its shard re-initialised)
-#: outcomes a retry is answered with (a refused push may be sent again)
-FINAL = (APPLIED, STALE, VOIDED)
-
-#: bytes per streamed chunk (1-4 MiB measured fastest for Python gRPC)
-CHUNK_BYTES = 1 << 20
-#: characters of a refusal message a shard keeps and replies with
-MESSAGE_LIMIT = 1024
-
-_LENGTH = struct.Struct("<I")
-
-
-def method_path(method: str) -> str:
-    """The gRPC path of one of :data:`METHODS` (``/towerflow.ps.PS/<method>``)."""
-    return f"/{SERVICE_NAME}/{method}"
-
-
-def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:
-    """``message`` cut to ``limit`` characters (saying how much was left out)."""
-    if len(message) <= limit:
-        return message
-    return f"{message[:limit]}... ({len(message) - limit} more characters)"
-
-
-#: the replica that initialises the shards (the chief: replica 0 of the cluster)
-CHIEF_REPLICA = 0
-
-
-def failure_line(error: str) -> str:
-    """The first line of a chief's error as a ``Done`` carries it: printable, bounded.
-
-    Example:
-        >>> failure_line("CheckpointError: bad\\x07 digest\\nTraceback ...")
-        'CheckpointError: bad  digest'
-    """
-    lines = error.strip().splitlines()
-    text = "".join(c if c.isprintable() else " " for c in (lines[0] if lines else ""))
-    return bounded(text) if text else "an error it did not name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,17 +109,6 @@ class PushOutcome:
     def applied(self) -> bool:
         """True when the gradient is part of an applied update."""
         return self.status == APPLIED
-
-
-MODES = ("async", "sync", "ssp")
-#: the first elastic worker id: ids from here up are elastic workers', never a replica's
-ELASTIC_BASE = 1 << 20
-#: one past the last elastic worker id (ids travel as int32)
-ELASTIC_LIMIT = (1 << 31) - 1
-#: elastic workers a shard admits at once unless the chief says otherwise
-DEFAULT_MAX_ELASTIC = 16
-#: seconds a sync / ssp push waits by default
-DEFAULT_TIMEOUT = 120.0
 
 
 def _positive_int(name: str, value: object, least: int) -> None:
@@ -327,62 +192,6 @@ class AggregationConfig:
             f"0 .. {self.total_num_replicas - 1} (total_num_replicas="
             f"{self.total_num_replicas}). Give each worker its replica index.{hint}"
         )
-
-
-# -- framing -------------------------------------------------------------------------------
-def chunks(buffer: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The raw bytes of ``buffer`` (made contiguous) in chunks of ``chunk_bytes``."""
-    raw = memoryview(np.ascontiguousarray(buffer)).cast("B")
-    for start in range(0, len(raw), chunk_bytes):
-        yield bytes(raw[start:start + chunk_bytes])
-
-
-def pack(header: bytes, payload: bytes | memoryview = b"") -> bytes:
-    """One message: a 4-byte little-endian header length, the header, the raw payload."""
-    return b"".join((_LENGTH.pack(len(header)), header, payload))
-
-
-def unpack(message: bytes) -> tuple[bytes, memoryview]:
-    """Split a :func:`pack` message into its header and (zero-copy) payload.
-
-    Raises:
-        DataLossError: the message is shorter than its header length says.
-    """
-    view = memoryview(message)
-    if len(view) < _LENGTH.size:
-        raise DataLossError(f"A {len(view)}-byte message is too short for its header length.")
-    (length,) = _LENGTH.unpack_from(view)
-    end = _LENGTH.size + length
-    if end > len(view):
-        raise DataLossError(
-            f"A message announces a {length}-byte header but holds {len(view)} bytes in all."
-        )
-    return bytes(view[_LENGTH.size:end]), view[end:]
-
-
-def pack_parts(header: bytes, parts: Sequence[bytes | memoryview]) -> bytes:
-    """:func:`pack` of a payload of several raw buffers end to end (each copied once)."""
-    return b"".join((_LENGTH.pack(len(header)), header, *parts))
-
-
-def split_parts(payload: memoryview, sizes: Sequence[int], what: str) -> list[memoryview]:
-    """The buffers of a :func:`pack_parts` payload, by their byte lengths (zero-copy views).
-
-    Raises:
-        DataLossError: the lengths are negative or do not add up to the payload.
-    """
-    out, start = [], 0
-    for size in sizes:
-        if size < 0 or start + size > len(payload):
-            break
-        out.append(payload[start:start + size])
-        start += size
-    if len(out) != len(sizes) or start != len(payload):
-        raise DataLossError(
-            f"A {what} of {len(payload)} payload bytes announces parts of {list(sizes)[:8]} "
-            "bytes; client and ps must run the same towerflow version."
-        )
-    return out
 
 
 def parse_message(cls: type, data: bytes, what: str):  # noqa: ANN201 - a protobuf message

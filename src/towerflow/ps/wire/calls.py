@@ -1,0 +1,151 @@
+"""The ps shard service's names, call sequence and status codes (``towerflow.ps.PS``).
+
+Both halves speak them: the ps task (:mod:`~towerflow.ps.server.dense.service`)
+and the worker (:mod:`~towerflow.ps.worker.dense.client`). Plain constants: this
+module imports nothing of torch, grpc or protobuf.
+
+Service ``towerflow.ps.PS`` (raw-bytes handlers of
+:func:`towerflow.cluster.transport.raw_handlers`, so every call is
+authenticated by the cluster's credentials):
+
+=======================  ===============  =====================================
+method                   kind             messages
+=======================  ===============  =====================================
+``Init``                 stream -> unary  ``InitRequest``, then the params and
+                                          slot buffers -> ``Empty``
+``Status``               unary            ``StatusRequest`` -> ``StatusReply``
+``Join``                 unary            ``JoinRequest`` -> ``JoinReply``
+``Pull``                 unary -> stream  ``PullRequest`` -> ``PullReply`` +
+                                          buffer chunks
+``Push``                 stream -> unary  ``PushRequest``, gradient chunks ->
+                                          ``PushReply``
+``PushPull``             stream -> stream as ``Push``; replies ``PushReply`` +
+                                          param chunks
+``PushPullSmall``        unary            ``PushPull`` in one message each way,
+                                          for a shard that fits in one chunk
+                                          (:func:`~towerflow.ps.wire.framing.pack`)
+``PushPullSmallStream``  stream           many ``PushPullSmall`` round trips on
+                                          one long-lived call
+``Done``                 unary            ``DoneRequest`` -> ``Empty``
+``Ledger``               unary            ``LedgerRequest`` -> ``LedgerReply``
+=======================  ===============  =====================================
+
+The call sequence by role:
+
+1. The **chief** calls ``Init`` on every ps task (the variables, optimizer,
+   aggregation, step, optimizer state and push table, from a checkpoint or
+   fresh). A later ``Init`` replaces the shard whole; pushes it had answered
+   stay answered.
+2. Every **worker** (the chief too, once it has initialised) calls
+   ``Status`` until each shard is initialised with its own layout's
+   fingerprint, then ``Pull``, then ``Push`` / ``PushPull`` (or their small
+   forms) once per step, and ``Done`` when it finishes (the chief's ``Done``
+   names the step of its final checkpoint). A worker that stopped on an error
+   sends no ``Done``.
+3. An **elastic worker** (a process with the cluster and its credentials but
+   no task of its own in it) joins a running ``async`` job: after ``Status``
+   says every shard is initialised it calls ``Join`` on ps task 0, which
+   gives it a worker id from :data:`ELASTIC_BASE` up (counted up, never a
+   replica's and never given twice by one ps task) and the id's random
+   ticket, then ``Join`` with that id and ticket on every other ps task
+   (which asks ps task 0 to confirm them); then ``Pull``, ``Push`` /
+   ``PushPull`` as a worker, and ``Done`` with the ticket when it leaves (its
+   id is retired: a later push from it is refused). Each shard admits at most
+   :attr:`~towerflow.ps.wire.messages.AggregationConfig.max_elastic_workers` at once. A sync or ssp shard
+   refuses ``Join``: its steps and bound count a fixed set of replicas. The
+   job's end is the replicas' (every replica's ``Done``): a ps task does not
+   wait for its elastic workers.
+4. Anyone holding the cluster's credentials may call ``Status`` and
+   ``Ledger`` (``towerflow status``, audits); a checkpoint ``Pull`` s the
+   slot buffers by name.
+
+Status codes of a push (``PushReply.status``): :data:`APPLIED` (the gradient
+is in the parameters), :data:`STALE` (sync: computed on an older step;
+dropped and counted), :data:`REFUSED` (wrong shape, dtype, NaN / inf, a
+worker that is neither a replica nor an admitted elastic worker: nothing
+changed; its retry is checked afresh)
+and :data:`VOIDED` (sync: its step was abandoned when the shard was
+re-initialised). A retry of a push answered already gets the same answer
+with ``duplicate`` set.
+
+Example:
+    >>> method_path("Push"), APPLIED in FINAL, REFUSED in FINAL
+    ('/towerflow.ps.PS/Push', True, False)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SERVICE_NAME",
+    "METHODS",
+    "method_path",
+    "APPLIED",
+    "STALE",
+    "REFUSED",
+    "VOIDED",
+    "FINAL",
+    "MODES",
+    "ELASTIC_BASE",
+    "ELASTIC_LIMIT",
+    "DEFAULT_MAX_ELASTIC",
+    "DEFAULT_TIMEOUT",
+    "MESSAGE_LIMIT",
+    "bounded",
+    "CHIEF_REPLICA",
+    "failure_line",
+]
+
+SERVICE_NAME = "towerflow.ps.PS"
+#: the service's methods, in the order of the call sequence
+METHODS = ("Init", "Status", "Join", "Pull", "Push", "PushPull", "PushPullSmall",
+           "PushPullSmallStream", "Done", "Ledger")
+
+APPLIED = "applied"      # the gradient changed the parameters
+STALE = "stale"          # sync: computed on an older step; dropped and counted
+REFUSED = "refused"      # wrong shape / dtype / NaN / inf; parameters unchanged
+VOIDED = "voided"        # sync: the step was abandoned (its shard re-initialised)
+#: outcomes a retry is answered with (a refused push may be sent again)
+FINAL = (APPLIED, STALE, VOIDED)
+
+#: characters of a refusal message a shard keeps and replies with
+MESSAGE_LIMIT = 1024
+
+
+def method_path(method: str) -> str:
+    """The gRPC path of one of :data:`METHODS` (``/towerflow.ps.PS/<method>``)."""
+    return f"/{SERVICE_NAME}/{method}"
+
+
+def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``message`` cut to ``limit`` characters (saying how much was left out)."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message) - limit} more characters)"
+
+
+#: the replica that initialises the shards (the chief: replica 0 of the cluster)
+CHIEF_REPLICA = 0
+
+
+def failure_line(error: str) -> str:
+    """The first line of a chief's error as a ``Done`` carries it: printable, bounded.
+
+    Example:
+        >>> failure_line("CheckpointError: bad\\x07 digest\\nTraceback ...")
+        'CheckpointError: bad  digest'
+    """
+    lines = error.strip().splitlines()
+    text = "".join(c if c.isprintable() else " " for c in (lines[0] if lines else ""))
+    return bounded(text) if text else "an error it did not name"
+
+
+#: the aggregation modes of a job (``AggregationSpec.mode``)
+MODES = ("async", "sync", "ssp")
+#: the first elastic worker id: ids from here up are elastic workers', never a replica's
+ELASTIC_BASE = 1 << 20
+#: one past the last elastic worker id (ids travel as int32)
+ELASTIC_LIMIT = (1 << 31) - 1
+#: elastic workers a shard admits at once unless the chief says otherwise
+DEFAULT_MAX_ELASTIC = 16
+#: seconds a sync / ssp push waits by default
+DEFAULT_TIMEOUT = 120.0
