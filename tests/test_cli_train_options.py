@@ -101,13 +101,15 @@ def test_every_keyword_of_the_strategies_has_a_flag_or_comes_from_the_cluster() 
 
 def test_the_flags_choices_are_the_librarys() -> None:
     from towerflow.ps.placement import STRATEGY_NAMES
-    from towerflow.ps.server.dense.aggregation import MODES
+    from towerflow.ps.wire.calls import MODES
+    from towerflow.training.user_task import LOSSES
     from towerflow.ps.spec.dense import OPTIMIZER_NAMES
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser = sub.choices["train"]
     choices = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
     assert choices["mode"] == MODES
+    assert choices["loss"] == tuple(LOSSES)
     assert choices["ps_strategy"] == STRATEGY_NAMES
     assert choices["optimizer"] == OPTIMIZER_NAMES
 

@@ -20,14 +20,13 @@ from typing import Any
 from towerflow.cli._serving import BIND_ENV, add_lifecycle_arguments
 from towerflow.ps.placement import DEFAULT_PS_STRATEGY, STRATEGY_NAMES
 from towerflow.ps.spec.dense import OPTIMIZER_NAMES
-from towerflow.training.names import TASK_NAMES
+from towerflow.ps.wire.calls import MODES
+from towerflow.training.names import LOSS_NAMES, TASK_NAMES
 
 __all__ = ["FROM_THE_CLUSTER", "add_train_arguments", "byte_count", "byte_count_or_off",
            "data_source", "flag_of_dest", "model_name",
            "option_defaults", "strategy_options"]
 
-_LOSSES = ("mse", "cross_entropy", "bce_with_logits")  # towerflow.training.user_task.LOSSES
-_MODES = ("async", "sync", "ssp")  # towerflow.ps.server.dense.aggregation.MODES
 
 #: option dest -> (the strategy that takes it, its keyword there)
 _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
@@ -102,7 +101,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "or with no network; MODULE:FACTORY: your own model's data, a function "
                         "of (split, batch_size, rank, world_size, seed, epoch, data_dir: those "
                         "it names) returning an iterable of (inputs, targets) batches")
-    parser.add_argument("--loss", choices=_LOSSES, default=None,
+    parser.add_argument("--loss", choices=LOSS_NAMES, default=None,
                         help="the loss of your own model (--model MODULE:FACTORY); default: "
                         "the loss_fn its factory returns")
     parser.add_argument("--synthetic-examples", type=int, default=10000, metavar="N",
@@ -196,7 +195,7 @@ def _add_optimizer_arguments(group: Any) -> None:
 def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--ps", type=int, default=0, metavar="K",
                        help="train with K local parameter-server tasks instead of all-reduce")
-    group.add_argument("--mode", choices=_MODES, default="async",
+    group.add_argument("--mode", choices=MODES, default="async",
                        help="how the ps tasks apply the workers' gradients")
     group.add_argument("--staleness", type=int, default=2, metavar="N",
                        help="--mode ssp: pushes a worker may run ahead of the slowest")

@@ -50,6 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from towerflow.errors import InvalidArgumentError, NotFoundError
+from towerflow.training.names import LOSS_NAMES
 from towerflow.training.taskbase import DataOptions, Task
 
 __all__ = ["UserTask", "LOSSES", "DATA_KEYWORDS", "is_factory_spec", "load_factory"]
@@ -65,8 +66,8 @@ def _mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 #: ``--loss`` names: criteria ``(outputs, targets) -> scalar``
-LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "mse": _mse, "cross_entropy": F.cross_entropy, "bce_with_logits": _bce_with_logits}
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = dict(zip(
+    LOSS_NAMES, (_mse, F.cross_entropy, _bce_with_logits), strict=True))
 #: the keywords a data factory may name
 DATA_KEYWORDS = ("split", "batch_size", "rank", "world_size", "seed", "epoch", "data_dir")
 _MODEL_KEYS = frozenset({"model", "loss_fn", "optimizer"})
