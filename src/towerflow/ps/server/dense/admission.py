@@ -173,7 +173,8 @@ class Admission:
         ``optimizer_step``)."""
         with self._cond:
             return ShardFigures(self._step, optimizer_step, self._stats.as_dict(),
-                                tuple(self._stats.refusals), self._staged, tuple(self._table.rows()))
+                                tuple(self._stats.refusals), self._staged,
+                                tuple(self._table.rows()))
 
     def commit_update(self) -> int:
         """Count one applied update; return the new step (waking waiters)."""

@@ -236,7 +236,8 @@ class _AsyncAggregator(Aggregator):
             with admission.holding(values.nbytes, who):
                 bad, squares = store.scan(values, base=first)
                 if bad is not None:
-                    raise ChunkRefused(checks.nonfinite_message(store.layout, header, bad, pending.applied))
+                    raise ChunkRefused(checks.nonfinite_message(store.layout, header, bad,
+                                                                pending.applied))
                 try:
                     store.check_update([(first, values)], header.lr, what, math.sqrt(squares),
                                        self._applied_phrase(header, pending))
@@ -483,7 +484,8 @@ class _SyncAggregator(Aggregator):
         return min(self.config.required, self._live())
 
     def _complete(self) -> None:
-        """Average and apply the step's sum; answer its pushes (caller holds the admission's lock)."""
+        """Average and apply the step's sum; answer its pushes (caller holds the admission's
+        lock)."""
         self._attempt += 1
         self._acc *= np.float32(1.0 / len(self._counted))
         try:
