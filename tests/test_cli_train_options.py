@@ -101,9 +101,9 @@ def test_every_keyword_of_the_strategies_has_a_flag_or_comes_from_the_cluster() 
 
 def test_the_flags_choices_are_the_librarys() -> None:
     from towerflow.ps.placement import STRATEGY_NAMES
+    from towerflow.ps.spec.dense import OPTIMIZER_NAMES
     from towerflow.ps.wire.calls import MODES
     from towerflow.training.user_task import LOSSES
-    from towerflow.ps.spec.dense import OPTIMIZER_NAMES
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser = sub.choices["train"]

@@ -13,9 +13,9 @@ import pytest
 
 from towerflow.errors import DeadlineExceededError, InvalidArgumentError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.aggregation import AggregationConfig
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED
 from towerflow.ps.wire.messages import PushHeader
 
@@ -25,7 +25,7 @@ NUMEL = 6
 def make(mode: str, **cfg):
     layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
     state = ShardState(layout, np.zeros(NUMEL, np.float32), make_optimizer("sgd", NUMEL))
-    return state, make_aggregator(state, AggregationConfig(mode=mode, **cfg))
+    return state, DenseShard(state, AggregationConfig(mode=mode, **cfg)).aggregator
 
 
 class Worker:

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.aggregation import AggregationConfig
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED
 from towerflow.ps.wire.messages import PushHeader
 
@@ -34,7 +34,7 @@ def make(mode: str = "async", optimizer: str = "sgd", **cfg):
     layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
     state = ShardState(layout, np.zeros(NUMEL, np.float32), make_optimizer(optimizer, NUMEL))
     cfg.setdefault("total_num_replicas", 1)
-    return state, make_aggregator(state, AggregationConfig(mode=mode, **cfg))
+    return state, DenseShard(state, AggregationConfig(mode=mode, **cfg)).aggregator
 
 
 def header(state: ShardState, worker: int = 0, seq: int = 1, token: int | None = None
@@ -299,7 +299,7 @@ def test_a_push_cut_off_part_way_by_a_worker_that_restarts_is_in_the_ledger_as_p
     restarted = PushHeader(0, 1, state.step, 1.0, NUMEL, incarnation=6,
                            segments=state.layout.signature)
     assert agg.push(restarted, pieces(grad)).status == APPLIED
-    assert state.ledger_since(0)[1] == [(0, 5, 1, 0, True, 0, 2 * CHUNK),
+    assert state.admission.ledger_since(0)[1] == [(0, 5, 1, 0, True, 0, 2 * CHUNK),
                                         (0, 6, 1, 1, False, 0, NUMEL)]
     np.testing.assert_allclose(state.params[:2 * CHUNK], -2 * grad[:2 * CHUNK])
     np.testing.assert_allclose(state.params[2 * CHUNK:], -grad[2 * CHUNK:])

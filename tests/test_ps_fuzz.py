@@ -47,8 +47,8 @@ def live() -> PSService:
 
 
 def snapshot(service: PSService) -> tuple:
-    state = service.shard[0]
-    return (service._generation, state.step, state.params.copy(), state.ledger_total)
+    state = service.shard.state
+    return (service._generation, state.step, state.params.copy(), state.admission.ledger_total)
 
 
 def call(fn, *args) -> object:
@@ -84,7 +84,7 @@ payload = st.one_of(
 def check_push(service: PSService, before: tuple, req: pb.PushRequest, data: bytes,
                reply: object) -> None:
     generation, step, params, ledger = before
-    state = service.shard[0]
+    state = service.shard.state
     assert service._generation == generation
     if isinstance(reply, bytes):
         head = reply if req.want_params is False else reply
@@ -93,10 +93,10 @@ def check_push(service: PSService, before: tuple, req: pb.PushRequest, data: byt
             grad = np.frombuffer(data, np.float32)
             expected = params - grad * req.lr
             np.testing.assert_array_equal(state.params, expected)
-            assert state.step == step + 1 and state.ledger_total == ledger + 1
+            assert state.step == step + 1 and state.admission.ledger_total == ledger + 1
             return
     np.testing.assert_array_equal(state.params, params)
-    assert state.step == step and state.ledger_total == ledger
+    assert state.step == step and state.admission.ledger_total == ledger
 
 
 def parse_reply(data: bytes) -> pb.PushReply:
@@ -152,7 +152,7 @@ def test_init_headers_are_refused_cleanly_or_replace_the_shard_whole(req, data) 
     generation, _, params, _ = snapshot(service)
     reply = call(service.init, iter([req, data]))
     if isinstance(reply, bytes):  # accepted: a whole new shard from exactly this payload
-        state = service.shard[0]
+        state = service.shard.state
         assert service._generation == generation + 1
         assert len(data) == 4 * state.layout.numel * (1 + len(state.optimizer.slots)) or \
             len(data) == 4 * state.layout.numel * (1 + len(pb.InitRequest.FromString(req).slots))
@@ -160,7 +160,7 @@ def test_init_headers_are_refused_cleanly_or_replace_the_shard_whole(req, data) 
             state.params, np.frombuffer(data[:4 * state.layout.numel], np.float32))
     else:
         assert service._generation == generation
-        np.testing.assert_array_equal(service.shard[0].params, params)
+        np.testing.assert_array_equal(service.shard.state.params, params)
 
 
 @FUZZ
@@ -179,4 +179,4 @@ def test_other_requests_are_answered_or_refused_cleanly_and_change_no_parameters
                "Ledger": service.ledger}[method]
     call(handler, req)
     assert snapshot(service)[0:2] == (generation, step)
-    np.testing.assert_array_equal(service.shard[0].params, params)
+    np.testing.assert_array_equal(service.shard.state.params, params)

@@ -36,7 +36,7 @@ def request(**fields) -> pb.InitRequest:
 def live_service() -> PSService:
     service = PSService(0, replicas=2)
     service.init(iter([request().SerializeToString(), np.ones(NUMEL, np.float32).tobytes()]))
-    assert service.shard[0].step == 0
+    assert service.shard.state.step == 0
     return service
 
 
@@ -97,7 +97,7 @@ def test_bad_fields_are_refused_naming_the_field_and_the_limit(fields, pattern) 
 def test_an_empty_init_never_replaces_a_live_shard() -> None:
     service = live_service()
     assert "optimizer.name = ''" in refused(service, b"")
-    np.testing.assert_array_equal(service.shard[0].params, 1.0)
+    np.testing.assert_array_equal(service.shard.state.params, 1.0)
 
 
 def test_duplicate_variable_parts_are_refused() -> None:
@@ -112,11 +112,11 @@ def test_wait_forever_is_spelled_explicitly() -> None:
     spec = pb.AggregationSpec(mode="sync", total_num_replicas=2, wait_forever=True)
     service.init(iter([request(aggregation=spec).SerializeToString(),
                        np.zeros(NUMEL, np.float32).tobytes()]))
-    assert service.shard[1].config.timeout is None
+    assert service.shard.config.timeout is None
     default = pb.AggregationSpec(mode="sync", total_num_replicas=2)
     service.init(iter([request(aggregation=default).SerializeToString(),
                        np.zeros(NUMEL, np.float32).tobytes()]))
-    assert service.shard[1].config.timeout == 120.0
+    assert service.shard.config.timeout == 120.0
 
 
 def test_an_init_announcing_a_gib_of_state_allocates_only_what_arrives() -> None:

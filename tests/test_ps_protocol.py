@@ -162,7 +162,7 @@ def test_the_shard_owns_its_counters() -> None:
     seen.updates = 99
     seen.refusals.append("forged")
     assert state.stats.updates == 1 and state.stats.refusals == []
-    state.count_bytes_in(16)
+    state.admission.count_bytes_in(16)
     figures = state.figures()
     assert (figures.step, figures.stats["updates"], figures.stats["bytes_in"]) == (1, 1, 16)
     assert not hasattr(state, "cond") and not hasattr(state, "table")

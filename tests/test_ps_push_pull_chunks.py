@@ -15,9 +15,9 @@ import pytest
 from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials
 from towerflow.ps import PSClient, PSService, plan_placement
-from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.aggregation import AggregationConfig
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.pushes import APPLIED, REFUSED, PushHeader
 from towerflow.ps.wire import ps_pb2 as pb
 
@@ -31,7 +31,7 @@ def make(mode: str = "async", optimizer: str = "momentum"):
     opt = make_optimizer(optimizer, NUMEL, momentum=0.9) if optimizer == "momentum" else \
         make_optimizer(optimizer, NUMEL)
     state = ShardState(layout, np.linspace(-1, 1, NUMEL, dtype=np.float32), opt)
-    return state, make_aggregator(state, AggregationConfig(mode, total_num_replicas=2))
+    return state, DenseShard(state, AggregationConfig(mode, total_num_replicas=2))
 
 
 def gradient(seed: int) -> np.ndarray:
@@ -49,16 +49,16 @@ def chunks(grad: np.ndarray) -> list[bytes]:
 
 def reference(*grads: np.ndarray) -> np.ndarray:
     """The parameters after applying ``grads`` one by one with plain pushes."""
-    state, agg = make()
+    state, shard = make()
     for seq, grad in enumerate(grads, 1):
-        assert agg.push(header(state, seq=seq), chunks(grad)).status == APPLIED
+        assert shard.push(header(state, seq=seq), chunks(grad))[0].status == APPLIED
     return state.params.copy()
 
 
 def test_the_reply_carries_every_range_updated_and_equals_a_plain_push() -> None:
-    state, agg = make()
+    state, shard = make()
     grad = gradient(1)
-    outcome, reply = agg.push_pull(header(state), chunks(grad), chunk_bytes=CHUNK)
+    outcome, reply = shard.push(header(state), chunks(grad), want_params=True, chunk_bytes=CHUNK)
     assert outcome.status == APPLIED and outcome.step == 1
     sent = np.frombuffer(b"".join(reply), np.float32)
     expected = reference(grad)
@@ -69,24 +69,24 @@ def test_the_reply_carries_every_range_updated_and_equals_a_plain_push() -> None
 
 def test_a_reply_abandoned_after_its_first_range_leaves_the_gradient_applied_whole_once(
         ) -> None:
-    state, agg = make()
+    state, shard = make()
     grad = gradient(2)
-    _, reply = agg.push_pull(header(state), chunks(grad), chunk_bytes=CHUNK)
+    _, reply = shard.push(header(state), chunks(grad), want_params=True, chunk_bytes=CHUNK)
     stream = iter(reply)
     first = np.frombuffer(next(stream), np.float32)
     np.testing.assert_array_equal(first, reference(grad)[:64])
     stream.close()  # the caller went away
     np.testing.assert_array_equal(state.params, reference(grad))
     assert state.step == 1 and state.staged == 0
-    again = agg.push(header(state), chunks(grad))
+    again, _ = shard.push(header(state), chunks(grad))
     assert again.status == APPLIED and again.duplicate
     np.testing.assert_array_equal(state.params, reference(grad))
 
 
 def test_a_reply_never_read_leaves_the_gradient_applied_whole() -> None:
-    state, agg = make()
+    state, shard = make()
     grad = gradient(3)
-    _, reply = agg.push_pull(header(state), chunks(grad), chunk_bytes=CHUNK)
+    _, reply = shard.push(header(state), chunks(grad), want_params=True, chunk_bytes=CHUNK)
     del reply  # the call ended before the reply was read
     np.testing.assert_array_equal(state.params, reference(grad))
     assert state.step == 1 and state.stats.applied == 1
@@ -94,11 +94,11 @@ def test_a_reply_never_read_leaves_the_gradient_applied_whole() -> None:
 
 def test_a_bad_gradient_in_its_last_chunk_applies_the_chunks_before_and_sends_no_parameters(
         ) -> None:
-    state, agg = make()
+    state, shard = make()
     before = state.params.copy()
     grad = gradient(4)
     grad[NUMEL - 1] = np.nan
-    outcome, reply = agg.push_pull(header(state), chunks(grad), chunk_bytes=CHUNK)
+    outcome, reply = shard.push(header(state), chunks(grad), want_params=True, chunk_bytes=CHUNK)
     assert outcome.status == REFUSED and "NaN" in outcome.message and list(reply) == []
     assert f"first {SPLIT[2]} of {NUMEL} values were applied" in outcome.message
     np.testing.assert_array_equal(state.params[:SPLIT[2]], reference(_head(grad))[:SPLIT[2]])
@@ -114,10 +114,10 @@ def _head(grad: np.ndarray) -> np.ndarray:
 
 
 def test_two_streamed_pushes_interleaved_are_each_applied_once() -> None:
-    state, agg = make(optimizer="sgd")
+    state, shard = make(optimizer="sgd")
     g1, g2 = gradient(5), gradient(6)
-    o1, r1 = agg.push_pull(header(state, worker=0), chunks(g1), chunk_bytes=CHUNK)
-    o2, r2 = agg.push_pull(header(state, worker=1), chunks(g2), chunk_bytes=CHUNK)
+    o1, r1 = shard.push(header(state, worker=0), chunks(g1), want_params=True, chunk_bytes=CHUNK)
+    o2, r2 = shard.push(header(state, worker=1), chunks(g2), want_params=True, chunk_bytes=CHUNK)
     assert (o1.step, o2.step) == (1, 2)
     s1, s2 = iter(r1), iter(r2)
     next(s1), next(s2), next(s1)
@@ -134,10 +134,10 @@ def test_two_streamed_pushes_interleaved_are_each_applied_once() -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
 def test_sync_and_ssp_reply_after_the_update(mode) -> None:
-    state, agg = make(mode)
-    agg.worker_done(1)  # one live replica: a sync step needs one gradient
+    state, shard = make(mode)
+    shard.worker_done(1)  # one live replica: a sync step needs one gradient
     grad = gradient(7)
-    outcome, reply = agg.push_pull(header(state), chunks(grad), chunk_bytes=CHUNK)
+    outcome, reply = shard.push(header(state), chunks(grad), want_params=True, chunk_bytes=CHUNK)
     assert outcome.status == APPLIED and state.step == 1
     np.testing.assert_array_equal(np.frombuffer(b"".join(reply), np.float32), state.params)
 
@@ -165,7 +165,7 @@ def test_a_push_and_pull_call_cancelled_after_its_reply_header_applies_the_gradi
             reply = pb.PushReply.FromString(next(call))
             assert reply.status == APPLIED
             call.cancel()  # the worker goes away without reading the parameters
-            state = service.shard[0]
+            state = service.shard.state
             deadline = time.monotonic() + 10
             while state.step != 1:
                 assert time.monotonic() < deadline, "the cut-off reply's gradient was not applied"

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.aggregation import AggregationConfig
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.pushes import INCARNATION_AHEAD_NS, PushTable
 from towerflow.ps.wire.calls import APPLIED, MESSAGE_LIMIT, REFUSED
 from towerflow.ps.wire.messages import PushHeader, PushOutcome
@@ -27,8 +27,8 @@ NUMEL = 4
 def make(mode: str = "async", replicas: int = 2, **cfg):
     layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
     state = ShardState(layout, np.zeros(NUMEL, np.float32), make_optimizer("sgd", NUMEL))
-    return state, make_aggregator(state, AggregationConfig(mode, total_num_replicas=replicas,
-                                                           **cfg))
+    return state, DenseShard(state, AggregationConfig(mode, total_num_replicas=replicas,
+                                                           **cfg)).aggregator
 
 
 def push(state, agg, worker: int, incarnation: int, seq: int, value: float = 1.0, *,
@@ -107,7 +107,7 @@ def test_push_table_rows_restore_into_a_fresh_table() -> None:
     state, agg = make()
     push(state, agg, 0, 500, 5)
     push(state, agg, 1, 600, 2)
-    rows = state.push_rows()
+    rows = state.admission.push_rows()
     assert rows == [(0, 500, 5, "applied"), (1, 600, 2, "applied")]
     table = PushTable()
     table.merge(rows, step=2)
@@ -127,7 +127,7 @@ def test_an_incarnation_ahead_of_the_clock_never_locks_the_replica_out(ahead: in
     assert re.search(r"comes from incarnation \d+, more than 300 s ahead of this ps's clock",
                      forged.message)
     np.testing.assert_array_equal(state.params, 0.0)  # nothing applied, nothing remembered
-    assert state.push_rows() == []
+    assert state.admission.push_rows() == []
     honest = push(state, agg, 0, time.time_ns(), 1)
     assert honest.status == APPLIED
     np.testing.assert_array_equal(state.params, -1.0)
@@ -144,16 +144,16 @@ def test_a_checkpointed_row_ahead_of_the_clock_is_dropped_on_restore() -> None:
 def _with_optimizer(name: str, mode: str, **options):
     layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
     state = ShardState(layout, np.ones(NUMEL, np.float32), make_optimizer(name, NUMEL, **options))
-    return state, make_aggregator(state, AggregationConfig(mode, total_num_replicas=1))
+    return state, DenseShard(state, AggregationConfig(mode, total_num_replicas=1))
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize(("name", "options"), [("sgd", {}), ("momentum", {"momentum": 0.9}),
                                                ("adam", {}), ("adagrad", {})])
 def test_an_update_that_would_overflow_is_refused_and_changes_nothing(mode, name, options):
-    state, agg = _with_optimizer(name, mode, **options)
+    state, shard = _with_optimizer(name, mode, **options)
     head = PushHeader(0, 1, 0, 1e38, NUMEL, incarnation=1, segments=state.layout.signature)
-    outcome = agg.push(head, [np.full(NUMEL, 10.0, np.float32).tobytes()])
+    outcome, _ = shard.push(head, [np.full(NUMEL, 10.0, np.float32).tobytes()])
     assert outcome.status == ("refused" if mode == "async" else "voided")
     assert re.search(r"learning rate 1e\+38, largest gradient 10\) could take a parameter or "
                      r"optimizer slot of \w+ to [\d.e+]+, past 8\.51e\+37 .*nothing was applied",
@@ -162,7 +162,7 @@ def test_an_update_that_would_overflow_is_refused_and_changes_nothing(mode, name
     assert all(np.isfinite(buf).all() for buf in state.optimizer.slots.values())
     # the same replica's next, sane push is applied
     sane = PushHeader(0, 2, state.step, 0.1, NUMEL, incarnation=1, segments=state.layout.signature)
-    assert agg.push(sane, [np.full(NUMEL, 1.0, np.float32).tobytes()]).status == APPLIED
+    assert shard.push(sane, [np.full(NUMEL, 1.0, np.float32).tobytes()])[0].status == APPLIED
 
 
 @settings(max_examples=60, deadline=None)
@@ -171,17 +171,17 @@ def test_an_update_that_would_overflow_is_refused_and_changes_nothing(mode, name
 @example(name="adam", lr=3.402823567797336e+37, grad=0.0, streamed=False)  # lr / bias1 overflows
 def test_no_finite_push_leaves_a_non_finite_parameter_or_slot(name, lr, grad, streamed):
     options = {"momentum": 0.9} if name == "momentum" else {}
-    state, agg = _with_optimizer(name, "async", **options)
+    state, shard = _with_optimizer(name, "async", **options)
     for seq in (1, 2):
         head = PushHeader(0, seq, state.step, lr, NUMEL, incarnation=1,
                           segments=state.layout.signature)
         chunks = [np.full(NUMEL, grad, np.float32).tobytes()]
         if streamed:
-            outcome, reply = agg.push_pull(head, chunks)
+            outcome, reply = shard.push(head, chunks, want_params=True)
             for _ in reply:
                 pass
         else:
-            outcome = agg.push(head, chunks)
+            outcome, _ = shard.push(head, chunks)
         assert outcome.status in ("applied", "refused")
         assert np.isfinite(state.params).all()
         assert all(np.isfinite(buf).all() for buf in state.optimizer.slots.values())
@@ -195,7 +195,7 @@ def test_a_push_from_a_worker_outside_the_replica_set_is_refused(mode) -> None:
         assert outcome.status == REFUSED
         assert f"from worker {worker} was refused: the replicas of this job are 0 .. 1" \
             in outcome.message
-    assert state.step == 0 and len(state.push_rows()) == 0
+    assert state.step == 0 and len(state.admission.push_rows()) == 0
     np.testing.assert_array_equal(state.params, 0.0)
 
 
@@ -261,7 +261,7 @@ def test_refusal_messages_and_stats_stay_bounded() -> None:
         assert outcome.status == REFUSED and len(outcome.message) < MESSAGE_LIMIT + 100
     assert len(state.stats.refusals) == 3
     assert sum(map(len, state.stats.refusals)) < 4 * MESSAGE_LIMIT
-    assert state.stats.refused == 3 and len(state.push_rows()) == 0
+    assert state.stats.refused == 3 and len(state.admission.push_rows()) == 0
 
 
 def test_chunk_bytes_held_are_bounded_by_the_staging_limit() -> None:
@@ -270,7 +270,7 @@ def test_chunk_bytes_held_are_bounded_by_the_staging_limit() -> None:
     layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
     state = ShardState(layout, np.zeros(NUMEL, np.float32), make_optimizer("sgd", NUMEL),
                        staging_limit=8)
-    agg = make_aggregator(state, AggregationConfig(total_num_replicas=1))
+    agg = DenseShard(state, AggregationConfig(total_num_replicas=1)).aggregator
     with pytest.raises(ResourceExhaustedError, match=r"staging limit of 8 bytes"):
         push(state, agg, 0, 1, 1, chunks=[np.ones(NUMEL, np.float32).tobytes()])
     assert state.staged == 0 and state.step == 0 and state.ledger == []

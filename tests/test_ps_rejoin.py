@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense.aggregation import AggregationConfig
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.wire.calls import APPLIED
 from towerflow.ps.wire.messages import PushHeader
 from towerflow.testing import wait_until
@@ -22,8 +22,8 @@ NUMEL = 4
 def _sync(timeout: float | None):
     layout = plan_placement({"w": (NUMEL,)}, 1).shards[0]
     state = ShardState(layout, np.zeros(NUMEL, np.float32), make_optimizer("sgd", NUMEL))
-    return state, make_aggregator(state, AggregationConfig(mode="sync", total_num_replicas=2,
-                                                           timeout=timeout))
+    return state, DenseShard(state, AggregationConfig(mode="sync", total_num_replicas=2,
+                                                           timeout=timeout)).aggregator
 
 
 def _push(state: ShardState, agg, worker: int, incarnation: int, seq: int, value: float,

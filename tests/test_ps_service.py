@@ -101,7 +101,7 @@ def test_pull_and_push_through_two_shards(ps_cluster) -> None:
         c.pull(into)
         for got, want in zip(into, values, strict=True):
             np.testing.assert_allclose(got, want - 0.5)
-    assert [s.shard[0].stats.applied for s in services] == [1, 1]
+    assert [s.shard.state.stats.applied for s in services] == [1, 1]
 
 
 def test_push_and_pull_in_one_round_trip(ps_cluster) -> None:
@@ -126,7 +126,7 @@ def test_wrong_secret_is_refused_and_changes_nothing(ps_cluster) -> None:
             intruder.push([np.ones_like(v) for v in values], lr=1.0)
     finally:
         intruder.close(done=False)
-    state = services[0].shard[0]
+    state = services[0].shard.state
     np.testing.assert_array_equal(state.params, values[0])
     assert state.step == 0 and state.stats.pushes == 0
 
@@ -141,7 +141,7 @@ def test_bad_gradient_raises_by_default_and_is_counted(ps_cluster) -> None:
             c.push(grads, lr=1.0)
         assert c.stats()[0]["refused"] == 1
     # the chunks before the one holding the inf were applied; no parameter is non-finite
-    params = services[0].shard[0].params
+    params = services[0].shard.state.params
     assert np.isfinite(params).all()
     np.testing.assert_array_equal(params[-1], values[0][-1])
 
@@ -154,7 +154,7 @@ def test_bad_gradient_skip_policy_returns_unapplied_result(ps_cluster) -> None:
         grads[1][0] = np.nan
         result = c.push(grads, lr=1.0)
     assert result.refused and not result.applied
-    np.testing.assert_array_equal(services[1].shard[0].params, values[1])
+    np.testing.assert_array_equal(services[1].shard.state.params, values[1])
 
 
 def test_gradient_for_another_model_names_the_variable(ps_cluster) -> None:
@@ -179,7 +179,7 @@ def test_retried_push_with_same_sequence_number_is_applied_once(ps_cluster) -> N
         first = shard.push(grad, worker_id=1, incarnation=c.incarnation, seq=9, lr=1.0)
         retry = shard.push(grad, worker_id=1, incarnation=c.incarnation, seq=9, lr=1.0)
     assert first.status == retry.status == "applied" and retry.duplicate
-    state = services[0].shard[0]
+    state = services[0].shard.state
     assert state.step == 1 and state.stats.duplicates == 1
     np.testing.assert_allclose(state.params, values[0] - 1.0)
 
@@ -222,7 +222,7 @@ def test_push_stalled_then_cancelled_mid_stream_keeps_its_prefix_and_blocks_nobo
     cluster, services = ps_cluster
     with client(cluster, worker_id=1) as c, client(cluster, worker_id=0) as other:
         values = init(c)
-        shard, state = c.shards[0], services[0].shard[0]
+        shard, state = c.shards[0], services[0].shard.state
         grad = (np.arange(state.layout.numel) % 7 + 1).astype(np.float32)  # 16-element chunks
         zeros = np.zeros_like(grad)
         # elements 0..47 see seq 4, seq 5, then the other worker's; the rest seq 4, the other
@@ -319,7 +319,7 @@ def test_snapshot_and_restore_keep_optimizer_state(ps_cluster) -> None:
                      aggregation=AggregationConfig(), step=snap[0].step,
                      slots=[s.slots for s in snap], optimizer_step=snap[0].optimizer_step)
         c.push([np.ones_like(v) for v in values], lr=0.1)
-    state = services[0].shard[0]
+    state = services[0].shard.state
     # momentum continued from the restored buffer: 0.5 * 1 + 1 = 1.5
     np.testing.assert_allclose(state.optimizer.slots["momentum_buffer"], 1.5)
     np.testing.assert_allclose(state.params, values[0] - 0.1 - 0.15, rtol=1e-6)
@@ -376,8 +376,8 @@ def test_small_shards_push_and_pull_in_one_message_each_way(ps_cluster) -> None:
         bad[1][2] = np.nan
         with pytest.raises(InvalidArgumentError, match=r"NaN or inf in variable"):
             c.push(bad, lr=1.0, pull_into=fresh)
-    assert services[1].shard[0].stats.refused == 1
-    np.testing.assert_allclose(services[1].shard[0].params, values[1] - 1.0)
+    assert services[1].shard.state.stats.refused == 1
+    np.testing.assert_allclose(services[1].shard.state.params, values[1] - 1.0)
 
 
 def test_replica_task_maps_replicas_to_the_chief_and_the_workers() -> None:
@@ -421,7 +421,7 @@ def test_small_pushes_reuse_one_stream_across_steps(ps_cluster) -> None:
             assert c.push([np.ones_like(v) for v in values], lr=1.0, pull_into=fresh).applied
         assert [s._stream for s in c.shards] == streams
         for got, service in zip(fresh, services, strict=True):
-            np.testing.assert_array_equal(got, service.shard[0].params)
+            np.testing.assert_array_equal(got, service.shard.state.params)
         assert [r.total for r in c.ledger()] == [4, 4]
     assert all(s._stream is None for s in c.shards)  # close() ended the streams
 
@@ -439,8 +439,8 @@ def test_refused_small_push_raises_and_the_stream_carries_later_pushes(ps_cluste
             c.push(bad, lr=1.0, pull_into=fresh)
         assert [s._stream for s in c.shards] == streams
         assert c.push([np.ones_like(v) for v in values], lr=1.0, pull_into=fresh).applied
-    assert services[0].shard[0].stats.refused == 1
-    assert [s.shard[0].step for s in services] == [2, 3]  # only shard 0 refused it
+    assert services[0].shard.state.stats.refused == 1
+    assert [s.shard.state.step for s in services] == [2, 3]  # only shard 0 refused it
 
 
 def test_small_push_failing_on_the_stream_raises_its_error_and_reopens(ps_cluster) -> None:
@@ -463,7 +463,7 @@ def test_small_push_retried_on_a_fresh_stream_is_applied_once(ps_cluster) -> Non
         shard.close_stream()  # the stream broke after the ps applied the push
         retry = shard.push(grad, worker_id=0, incarnation=c.incarnation, seq=5, lr=1.0)
     assert first.status == retry.status == "applied" and retry.duplicate
-    state = services[0].shard[0]
+    state = services[0].shard.state
     assert state.step == 1 and state.stats.duplicates == 1
     np.testing.assert_allclose(state.params, values[0] - 1.0)
 
@@ -529,13 +529,13 @@ def test_small_shards_are_pushed_side_by_side_and_a_broken_stream_is_pushed_agai
         c.shards[0]._stream._call.cancel()  # the ps may have applied it or not: either way once
         reply = c.shards[0].finish_push(request, pull_into=fresh[0])
         assert reply.status == "applied"
-        assert services[0].shard[0].stats.applied == 2  # the push and its retry: applied once
+        assert services[0].shard.state.stats.applied == 2  # the push and its retry: applied once
         np.testing.assert_allclose(fresh[0], values[0] - 1.25)  # momentum 0.5: 0.5 + 0.75
         c.shards[1].push(grads[1], **ident)  # the same step's other shard
 
 
 def _steps(services) -> list[int]:
-    return [s.shard[0].step for s in services]
+    return [s.shard.state.step for s in services]
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["sync-client", "plain-client"])
@@ -562,7 +562,7 @@ def test_sync_shards_a_step_apart_meet_again(ps_cluster, sync) -> None:
         assert result.statuses == ("stale", "applied"), result.messages
         assert re.search(r"step 1 of ps task 0 but of step 0 of ps task 1: sent to the tasks "
                          r"at step 0 only", result.messages[0])
-        assert _steps(services) == [1, 1] and services[0].shard[0].stats.stale == 0
+        assert _steps(services) == [1, 1] and services[0].shard.state.stats.stale == 0
         np.testing.assert_allclose(into[1], values[1] - 0.5)  # the step shard 1 lacked
         for _ in range(3):
             assert other.push(ones, lr=0.5, pull_into=into).applied
@@ -588,4 +588,4 @@ def test_a_small_sync_push_out_of_time_raises_once_push_wait_has_passed(ps_clust
         with pytest.raises(DeadlineExceededError):
             c.push([np.ones_like(v) for v in values], lr=0.5)
         assert sent_again == []  # each shard's one attempt, on its stream, then the error
-        assert [s.shard[0].step for s in services] == [0, 0]
+        assert [s.shard.state.step for s in services] == [0, 0]

@@ -11,11 +11,11 @@ import torch
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.memory import tune_malloc
 from towerflow.ps.placement import plan_placement
-from towerflow.ps.server.dense import shard as shard_module
-from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
+from towerflow.ps.server.dense import admission as admission_module
+from towerflow.ps.server.dense.aggregation import AggregationConfig
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.records import LedgerRecord
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE
 from towerflow.ps.wire.finite import all_finite
 from towerflow.ps.wire.messages import PushHeader
@@ -27,7 +27,7 @@ def make_shard(opt: str = "sgd", **opt_kw):
     layout = plan_placement(SHAPES, 1).shards[0]
     init = np.arange(layout.numel, dtype=np.float32)
     state = ShardState(layout, init.copy(), make_optimizer(opt, layout.numel, **opt_kw))
-    return state, make_aggregator(state, AggregationConfig("async", total_num_replicas=2))
+    return state, DenseShard(state, AggregationConfig("async", total_num_replicas=2)).aggregator
 
 
 def header(state, worker=0, seq=1, **kw) -> PushHeader:
@@ -123,7 +123,7 @@ def test_nonfinite_gradient_ends_the_push_at_its_chunk_and_is_refused(bad_value)
     again = agg.push(header(state), chunks(grad))
     assert again.status == REFUSED and again.duplicate
     np.testing.assert_array_equal(state.params[:5], before[:5] - 0.5)
-    assert state.ledger_since(0)[1] == [LedgerRecord(0, 0, 1, 0, True, 0, 5)]
+    assert state.admission.ledger_since(0)[1] == [LedgerRecord(0, 0, 1, 0, True, 0, 5)]
 
 
 def test_nonfinite_gradient_in_the_first_chunk_changes_nothing() -> None:
@@ -172,17 +172,17 @@ def test_ledger_records_each_applied_push_once_and_nothing_else() -> None:
     agg.push(header(state, worker=0, seq=1), chunks(np.full(9, np.nan)))  # refused
     agg.push(header(state, worker=0, seq=2), chunks(np.ones(9)))
     assert list(state.ledger) == [(1, 9, 1, 1), (0, 0, 2, 2)]
-    assert state.ledger_since(1) == (1, [LedgerRecord(0, 0, 2, 2, False, 0, 9)])
+    assert state.admission.ledger_since(1) == (1, [LedgerRecord(0, 0, 2, 2, False, 0, 9)])
 
 
 def test_ledger_forgets_the_oldest_entries_beyond_its_capacity(monkeypatch) -> None:
-    monkeypatch.setattr(shard_module, "LEDGER_CAPACITY", 2)
+    monkeypatch.setattr(admission_module, "LEDGER_CAPACITY", 2)
     state, agg = make_shard()
     for seq in (1, 2, 3):
         agg.push(header(state, worker=0, seq=seq), chunks(np.ones(9)))
-    assert state.ledger_total == 3
-    assert [r[:4] for r in state.ledger_since(0)[1]] == [(0, 0, 2, 2), (0, 0, 3, 3)]
-    assert state.ledger_since(0)[0] == 1
+    assert state.admission.ledger_total == 3
+    assert [r[:4] for r in state.admission.ledger_since(0)[1]] == [(0, 0, 2, 2), (0, 0, 3, 3)]
+    assert state.admission.ledger_since(0)[0] == 1
 
 
 def cut(values: np.ndarray, chunk: int, after: int | None = None):
@@ -207,7 +207,7 @@ def test_a_push_cut_off_keeps_its_prefix_and_its_retry_applies_the_rest_once() -
     outcome = agg.push(mine, cut(grad, 2))
     assert outcome.status == APPLIED and not outcome.duplicate and outcome.step == 2
     assert agg.push(mine, cut(grad, 2)).duplicate
-    assert state.ledger_since(0)[1] == [LedgerRecord(1, 0, 1, 1, False, 0, 9),
+    assert state.admission.ledger_since(0)[1] == [LedgerRecord(1, 0, 1, 1, False, 0, 9),
                                         LedgerRecord(0, 0, 1, 2, False, 0, 9)]
     np.testing.assert_array_equal(state.params, initial - 0.5 * (grad + 1))
 
@@ -219,7 +219,7 @@ def test_read_chunks_returns_a_copy_of_the_buffer() -> None:
     slot = b"".join(state.read_chunks("momentum_buffer"))
     assert len(slot) == 36
     with pytest.raises(InvalidArgumentError, match=r"no buffer 'exp_avg'.*params, momentum_buffer"):
-        state.buffer("exp_avg")
+        state.store.buffer("exp_avg")
 
 
 def test_initial_values_of_wrong_size_are_refused() -> None:
@@ -250,12 +250,12 @@ def test_update_applied_range_by_range_equals_the_whole_update(name) -> None:
 def test_finiteness_checks_find_nan_and_inf_and_accept_huge_finite_values() -> None:
     state, _ = make_shard()
     values = np.full(200_000, 3e38, np.float32)  # huge but finite: no false alarm
-    assert all_finite(values) and state.find_nonfinite(values) is None
+    assert all_finite(values) and state.store.find_nonfinite(values) is None
     values[150_001] = -np.inf
     assert not all_finite(values)
-    assert state.find_nonfinite(values, base=5) == 150_006
+    assert state.store.find_nonfinite(values, base=5) == 150_006
     values[150_001], values[7] = 0.0, np.nan
-    assert not all_finite(values) and state.find_nonfinite(values) == 7
+    assert not all_finite(values) and state.store.find_nonfinite(values) == 7
 
 
 def test_malloc_tuning_is_applied_once_per_process() -> None:

@@ -102,7 +102,7 @@ def test_parameters_are_views_of_the_flat_buffers(cluster) -> None:
         flat = strategy._buffers.flat[0]
         assert model.weight.data_ptr() == flat.data_ptr()
         assert model.weight.grad.data_ptr() == strategy._buffers.grad[0].data_ptr()
-        assert torch.equal(torch.from_numpy(service.shard[0].params.copy()), flat)
+        assert torch.equal(torch.from_numpy(service.shard.state.params.copy()), flat)
     finally:
         strategy.shutdown()
 
@@ -117,7 +117,7 @@ def test_async_two_workers_fit_the_true_weights_with_non_consecutive_steps(clust
         runs = [pool.submit(train, s, 300, m, start=start)
                 for s, m in zip((chief, other), models, strict=True)]
         seen = [r.result(timeout=120) for r in runs]
-    state = service.shard[0]
+    state = service.shard.state
     weight, bias = state.params.tolist()
     assert abs(weight - TRUE_WEIGHT) < 1e-2 and abs(bias - TRUE_BIAS) < 1e-2
     assert state.step == len(seen[0]) + len(seen[1])  # every push applied
@@ -138,7 +138,7 @@ def test_sync_global_step_counts_applied_updates_and_drops_stale(cluster) -> Non
         fast_seen = [f.result(timeout=120) for f in fast]  # backups: the straggler holds nothing
         slow_gate.set()
         slow_seen = slow.result(timeout=120)
-    state = service.shard[0]
+    state = service.shard.state
     assert state.step == state.stats.updates == 20
     assert state.stats.stale == 1 and state.stats.applied == 2 * 20
     for steps in fast_seen:  # each step of a fast worker is one applied, averaged update
@@ -159,7 +159,7 @@ def test_ssp_keeps_every_worker_within_the_staleness_bound(cluster) -> None:
         gate.set()
         fast_run.result(timeout=120)
         slow_run.result(timeout=120)
-    assert service.shard[0].stats.max_lead == 3
+    assert service.shard.state.stats.max_lead == 3
 
 
 def test_non_chief_waits_until_the_chief_initialises(cluster) -> None:
@@ -222,7 +222,7 @@ def test_nan_gradient_raises_by_default_and_skip_policy_skips(cluster) -> None:
         assert lenient.run_step(mse_loss, DATA).applied
     finally:
         lenient.shutdown()
-    assert service.shard[0].step == 1
+    assert service.shard.state.step == 1
 
 
 def test_checkpoint_state_round_trips_through_the_ps(cluster) -> None:
@@ -245,7 +245,7 @@ def test_checkpoint_state_round_trips_through_the_ps(cluster) -> None:
         again.load_state(groups, meta)
         assert again.global_step == 3
         assert torch.equal(model.weight.detach(), groups["model"]["weight"])
-        momentum = service.shard[0].optimizer.slots["momentum_buffer"]
+        momentum = service.shard.state.optimizer.slots["momentum_buffer"]
         assert momentum.tolist() == [float(groups["optimizer"]["weight/momentum_buffer"]),
                                      float(groups["optimizer"]["bias/momentum_buffer"])]
     finally:
@@ -257,8 +257,8 @@ def test_prefetch_overlaps_the_push_with_the_next_batch_and_still_fits(cluster) 
     one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
     strategy = worker(one, 0, prefetch=True)
     seen = train(strategy, 200)
-    assert seen == list(range(1, len(seen) + 1)) and service.shard[0].step == len(seen)
-    weight, bias = service.shard[0].params.tolist()
+    assert seen == list(range(1, len(seen) + 1)) and service.shard.state.step == len(seen)
+    weight, bias = service.shard.state.params.tolist()
     assert abs(weight - TRUE_WEIGHT) < 1e-2 and abs(bias - TRUE_BIAS) < 1e-2
 
 
@@ -312,7 +312,7 @@ def test_an_async_chief_waits_for_the_other_workers_done_before_its_final_checkp
             assert chief.wait_for_peers(timeout=60) is True
             assert len(pushes.result(timeout=60)) > 0
         chief.state_dict()  # the final checkpoint's snapshot, pulled now
-        assert chief.state_metadata()["global_step"] == service.shard[0].step >= 30
+        assert chief.state_metadata()["global_step"] == service.shard.state.step >= 30
         assert chief.wait_for_peers(timeout=60) is False  # nobody left to wait for
     finally:
         chief.shutdown()

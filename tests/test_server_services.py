@@ -77,7 +77,7 @@ def test_handlers_given_for_the_same_service_win_over_the_registered_one(spec):
     with Server(spec, "ps", 0, credentials=SECRET, handlers=[service.handlers()]) as ps:
         assert [type(s) for s in ps.services] == [TableHost]  # another service: still hosted
         _train_once(spec)
-        state, _ = service.shard  # the given service received the Init and the push
+        state = service.shard.state  # the given service received the Init and the push
         assert state.step == 1
 
 

@@ -281,7 +281,7 @@ def test_on_a_ps_cluster_only_the_chief_saves(tmp_path, free_ports) -> None:
         assert not dirs[1].exists() or list(dirs[1].iterdir()) == []
         ckpt = CheckpointManager(dirs[0]).restore()
         assert ckpt.metadata["strategy"]["mode"] == "async"
-        assert ckpt.groups["model"]["weight"].tolist() == [service.shard[0].params[0]]
+        assert ckpt.groups["model"]["weight"].tolist() == [service.shard.state.params[0]]
     finally:
         for server in servers:
             server.stop()

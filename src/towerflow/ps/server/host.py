@@ -92,12 +92,13 @@ class ShardHost:
         return self.service.handlers()
 
     def start(self) -> None:
-        """Start watching the chief and workers (the server listens already); hand the
-        task's table service this shard's ``PushPullSmall`` for the dense push a
-        ``RowBatch`` carries."""
+        """Start watching the chief and workers (the server listens already); put the
+        task's table service beside this dense shard service (it counts the job's workers
+        as this shard does, and hands the dense push a ``RowBatch`` carries to
+        :meth:`~towerflow.ps.server.dense.service.PSService.push_pull_small`)."""
         for hosted in self.server.services:
             if isinstance(hosted, TableHost):
-                hosted.service.dense = self.service.push_pull_small
+                hosted.service.serve_beside(self.service)
         if self.monitor is not None:
             self.monitor.start()
         self.lifecycle.start()

@@ -33,8 +33,9 @@ start time in nanoseconds) and the push's number within the incarnation. A
   (:meth:`PushTable.rows` / :meth:`PushTable.merge`), so a ps restarted from
   a checkpoint still refuses the retries of the pushes it had applied.
 
-The table does no locking: its :class:`~towerflow.ps.server.dense.shard.ShardState` calls
-it with its condition held.
+The table does no locking: its owner (a dense shard's
+:class:`~towerflow.ps.server.dense.admission.Admission`, a table shard)
+calls it with its own lock held.
 
 Example:
     >>> table = PushTable()

@@ -33,7 +33,7 @@ answer for the retry.
 
 A push is handled chunk by chunk: a ps holds its parameters, optimizer
 slots, one accumulator in sync, and the chunks being handled (bounded by its
-staging limit, :func:`~towerflow.ps.server.dense.shard.default_staging_limit`),
+staging limit, :func:`~towerflow.ps.server.dense.admission.default_staging_limit`),
 nothing per worker at full size. Each received chunk (a read-only view of
 the received bytes) is checked finite, then
 
@@ -87,18 +87,11 @@ import numpy as np
 
 from towerflow.errors import DataLossError, DeadlineExceededError, InvalidArgumentError
 from towerflow.ps.server.dense import checks
-from towerflow.ps.server.dense.shard import ShardState
+from towerflow.ps.server.dense.admission import Admission
+from towerflow.ps.server.dense.store import DenseStore
 from towerflow.ps.server.pushes import Pending
-from towerflow.ps.wire.calls import (
-    APPLIED,
-    DEFAULT_TIMEOUT,
-    MODES,
-    REFUSED,
-    STALE,
-    VOIDED,
-    bounded,
-)
-from towerflow.ps.wire.framing import CHUNK_BYTES, receive_into
+from towerflow.ps.wire.calls import APPLIED, DEFAULT_TIMEOUT, MODES, REFUSED, STALE, VOIDED, bounded
+from towerflow.ps.wire.framing import receive_into
 from towerflow.ps.wire.messages import AggregationConfig, PushHeader, PushOutcome
 
 __all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator", "MODES",
@@ -109,10 +102,15 @@ __all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator",
 STALL_SECONDS = 2.0
 
 class Aggregator(abc.ABC):
-    """Receives pushes for one :class:`ShardState` and applies them."""
+    """Receives pushes for one dense shard and applies them: it asks the shard's
+    :class:`~towerflow.ps.server.dense.admission.Admission` whether, and when, a push is
+    taken, and applies or sums it into the shard's
+    :class:`~towerflow.ps.server.dense.store.DenseStore`."""
 
-    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
-        self.state = state
+    def __init__(self, store: DenseStore, admission: Admission,
+                 config: AggregationConfig) -> None:
+        self.store = store
+        self.admission = admission
         self.config = config
         #: names a worker (and, on a ps task with heartbeats, its health) in messages
         self.describe_worker: Callable[[int], str] = _worker_label
@@ -132,37 +130,27 @@ class Aggregator(abc.ABC):
         has ended with ``DeadlineExceededError``: a sync push stays counted in its
         step, whose answer its retry gets from the push table.
         """
-        state = self.state
+        admission = self.admission
         begun = self._begin(header, active)
         if isinstance(begun, PushOutcome):
             return begun
         try:
             outcome = self._accept(header, begun, chunks, active)
         except ChunkRefused as exc:  # a bad chunk ended the push; what came before stays
-            outcome = PushOutcome(REFUSED, state.step, bounded(str(exc)))
+            outcome = PushOutcome(REFUSED, admission.step, bounded(str(exc)))
         except (InvalidArgumentError, DataLossError) as exc:  # the payload did not fit
-            state.suspend_push(header, begun)
-            return state.refuse(PushOutcome(REFUSED, state.step, bounded(
+            admission.suspend_push(header, begun)
+            return admission.refuse(PushOutcome(REFUSED, admission.step, bounded(
                 str(exc) + self._resumable(header, begun))))
         except DeadlineExceededError:
             raise  # a sync push counted in its step: the step answers it (and its retry)
         except BaseException:
-            state.suspend_push(header, begun)
+            admission.suspend_push(header, begun)
             raise
-        outcome = state.finish_push(header, outcome, begun.applied)
+        outcome = admission.finish_push(header, outcome, begun.applied)
         if outcome.status == APPLIED:
             self._after_applied(header, active)
         return outcome
-
-    def push_pull(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
-                  active: Callable[[], bool] | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> tuple[PushOutcome, Iterable[bytes]]:
-        """:meth:`push`, then the parameters to send back (nothing when refused), streamed
-        chunk by chunk, each range copied under its locks."""
-        outcome = self.push(header, chunks, active)
-        if outcome.status == REFUSED:
-            return outcome, ()
-        return outcome, self.state.read_chunks("params", chunk_bytes)
 
     @staticmethod
     def _resumable(header: PushHeader, pending: Pending) -> str:
@@ -174,14 +162,14 @@ class Aggregator(abc.ABC):
     def _begin(self, header: PushHeader,
                active: Callable[[], bool] | None) -> PushOutcome | Pending:
         """Check a push's sender and header and register it (see :meth:`push`)."""
-        state = self.state
+        admission = self.admission
         try:
             self.config.check_replica(header.worker_id, f"Push {header.seq}", self.elastic)
-            begun = state.begin_push(header, self.config.timeout, active)
+            begun = admission.begin_push(header, self.config.timeout, active)
         except InvalidArgumentError as exc:
-            return state.refuse(PushOutcome(REFUSED, state.step, bounded(str(exc))))
+            return admission.refuse(PushOutcome(REFUSED, admission.step, bounded(str(exc))))
         if not isinstance(begun, PushOutcome):
-            with state.locked():
+            with admission.locked():
                 self._done.discard(header.worker_id)
         return begun
 
@@ -204,15 +192,15 @@ class Aggregator(abc.ABC):
             InvalidArgumentError: ``worker_id`` is not one of the replicas.
         """
         self.config.check_replica(worker_id, "Done")
-        with self.state.locked():
+        with self.admission.locked():
             self._done.add(worker_id)
-            self.state.notify()
+            self.admission.notify()
 
     def close(self) -> None:
         """The shard was replaced (the chief re-initialised it): release waiting pushes."""
-        with self.state.locked():
+        with self.admission.locked():
             self._closed = True
-            self.state.notify()
+            self.admission.notify()
 
     def _live(self) -> int:
         return max(1, self.config.total_num_replicas - len(self._done))
@@ -226,7 +214,7 @@ class _AsyncAggregator(Aggregator):
 
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
                 active: Callable[[], bool] | None) -> PushOutcome:
-        state, who = self.state, self._who(header)
+        store, admission, who = self.store, self.admission, self._who(header)
         what = f"push {header.seq} of {who}"
 
         def take(first: int, values: np.ndarray) -> None:
@@ -235,22 +223,23 @@ class _AsyncAggregator(Aggregator):
                 return
             if first < pending.applied:
                 values, first = values[pending.applied - first:], pending.applied
-            with state.holding(values.nbytes, who):
-                bad, squares = state.scan(values, base=first)
+            with admission.holding(values.nbytes, who):
+                bad, squares = store.scan(values, base=first)
                 if bad is not None:
-                    raise ChunkRefused(state.nonfinite_message(header, bad, pending.applied))
+                    raise ChunkRefused(checks.nonfinite_message(store.layout, header, bad,
+                                                                pending.applied))
                 try:
-                    state.check_update([(first, values)], header.lr, what, math.sqrt(squares),
+                    store.check_update([(first, values)], header.lr, what, math.sqrt(squares),
                                        self._applied_phrase(header, pending))
                 except InvalidArgumentError as exc:
                     raise ChunkRefused(str(exc)) from None
                 self._begin_update(header, pending)
-                state.apply_range(first, values, header.lr, pending.update)
+                store.apply_range(first, values, header.lr, pending.update)
             pending.applied = stop
 
         receive_into(None, chunks, header.numel, who=who, on_chunk=take)
         self._begin_update(header, pending)  # an empty shard's push is an update too
-        return PushOutcome(APPLIED, state.commit_update())
+        return PushOutcome(APPLIED, admission.commit_update())
 
     @staticmethod
     def _applied_phrase(header: PushHeader, pending: Pending) -> str:
@@ -263,7 +252,7 @@ class _AsyncAggregator(Aggregator):
         """Number the push's update once, before its first change (a retry keeps it)."""
         if not pending.update:
             self._before_apply(header)
-            pending.update = self.state.begin_update()
+            pending.update = self.store.begin_update()
 
     def _before_apply(self, header: PushHeader) -> None:
         """Hook run once per push before it changes the parameters (ssp records the lead)."""
@@ -272,8 +261,9 @@ class _AsyncAggregator(Aggregator):
 class _SSPAggregator(_AsyncAggregator):
     """Async updates, but no worker more than ``staleness`` pushes ahead."""
 
-    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
-        super().__init__(state, config)
+    def __init__(self, store: DenseStore, admission: Admission,
+                 config: AggregationConfig) -> None:
+        super().__init__(store, admission, config)
         self._clocks: dict[int, int] = dict.fromkeys(range(config.total_num_replicas), 0)
 
     def _min_clock(self) -> int:
@@ -281,16 +271,16 @@ class _SSPAggregator(_AsyncAggregator):
         return min(live) if live else 0
 
     def _before_apply(self, header: PushHeader) -> None:
-        with self.state.locked():
+        with self.admission.locked():
             clock = self._clocks[header.worker_id]
             lead = clock - self._min_clock()
-            self.state.record_lead(lead)
+            self.admission.record_lead(lead)
             self._clocks[header.worker_id] = clock + 1
-            self.state.notify()
+            self.admission.notify()
 
     def _after_applied(self, header: PushHeader, active: Callable[[], bool] | None) -> None:
-        state, bound, timeout = self.state, self.config.staleness, self.config.timeout
-        deadline = state.deadline(timeout)
+        admission, bound, timeout = self.admission, self.config.staleness, self.config.timeout
+        deadline = admission.deadline(timeout)
 
         def message() -> str:
             slowest = self._min_clock()
@@ -300,9 +290,9 @@ class _SSPAggregator(_AsyncAggregator):
                     f"({', '.join(map(str, behind))}, at push {slowest}) to come within "
                     f"staleness {bound}; check that they are alive.")
 
-        with state.locked():
+        with admission.locked():
             while self._clocks[header.worker_id] - self._min_clock() > bound and not self._closed:
-                state.wait_once(deadline, message, active)
+                admission.wait_once(deadline, message, active)
 
 
 class _SyncAggregator(Aggregator):
@@ -311,9 +301,10 @@ class _SyncAggregator(Aggregator):
     Pushes are summed chunk by chunk into one accumulator (see the module doc).
     """
 
-    def __init__(self, state: ShardState, config: AggregationConfig) -> None:
-        super().__init__(state, config)
-        self._acc = np.zeros(state.layout.numel, np.float32)
+    def __init__(self, store: DenseStore, admission: Admission,
+                 config: AggregationConfig) -> None:
+        super().__init__(store, admission, config)
+        self._acc = np.zeros(store.layout.numel, np.float32)
         #: replicas whose whole gradient is in the step's sum
         self._counted: set[int] = set()
         #: replicas admitted to the step -> elements of their gradient summed (a prefix)
@@ -322,7 +313,7 @@ class _SyncAggregator(Aggregator):
         self._arriving: dict[int, Pending] = {}
         #: admitted replicas -> time.monotonic() of their last chunk summed (or admission)
         self._progress: dict[int, float] = {}
-        #: chunks being summed now (outside the shard's lock)
+        #: chunks being summed now (outside the admission's lock)
         self._summing = 0
         #: the step's attempts: a push sums into the attempt it was admitted to only
         self._attempt = 0
@@ -332,12 +323,12 @@ class _SyncAggregator(Aggregator):
 
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
                 active: Callable[[], bool] | None) -> PushOutcome:
-        state, worker = self.state, header.worker_id
-        with state.locked():
+        admission, worker = self.admission, header.worker_id
+        with admission.locked():
             try:
                 admitted = self._admit(header, pending, active)
             except DeadlineExceededError:
-                state.drop_push(header)  # nothing of it was summed: its retry starts afresh
+                admission.drop_push(header)  # nothing of it was summed: its retry starts afresh
                 raise
             if admitted is None:
                 return self._stale(header)
@@ -350,10 +341,10 @@ class _SyncAggregator(Aggregator):
             except _StepEnded:
                 pass  # the step was voided meanwhile: the push is answered
             except BaseException:
-                with state.locked():
+                with admission.locked():
                     self._leave(header, pending)
                 raise
-            with state.locked():
+            with admission.locked():
                 if self._arriving.get(worker) is pending:
                     del self._arriving[worker]
                     if pending.outcome is None and attempt == self._attempt:
@@ -361,23 +352,23 @@ class _SyncAggregator(Aggregator):
                         self._lr = header.lr
                         if self._ready():
                             self._complete()
-                state.notify()
-        return state.wait_outcome(pending, self.config.timeout,
+                admission.notify()
+        return admission.wait_outcome(pending, self.config.timeout,
                                   lambda: self._missing_message(header), active)
 
     def _admit(self, header: PushHeader, pending: Pending,
                active: Callable[[], bool] | None) -> bool | None:
-        """Whether the push sums its gradient into the step (caller holds the shard's lock).
+        """Whether the push sums its gradient into the step (caller holds the admission's lock).
 
         True: admitted (it joins the step's waiting pushes); False: its replica's
         gradient is in the step already, it waits with it; None: stale. Waits
         while the step has all the replicas it admits, or while another push of
         the same replica arrives.
         """
-        state, worker = self.state, header.worker_id
-        deadline = state.deadline(self.config.timeout)
+        admission, worker = self.admission, header.worker_id
+        deadline = admission.deadline(self.config.timeout)
         while True:
-            if header.token != state.step:
+            if header.token != admission.step:
                 return None
             if worker in self._counted:  # a replica counts once per step
                 self._waiting.append((header, pending))
@@ -391,12 +382,12 @@ class _SyncAggregator(Aggregator):
                 return True
             if worker not in self._summed and self._void_stalled(header):
                 continue
-            state.wait_once(deadline, lambda: self._missing_message(header), active,
+            admission.wait_once(deadline, lambda: self._missing_message(header), active,
                             most=STALL_SECONDS / 4)
 
     def _void_stalled(self, header: PushHeader) -> bool:
         """Void the step when an admitted replica's part sum holds it while ``header``'s replica
-        waits to be admitted (caller holds the shard's lock); True when it did."""
+        waits to be admitted (caller holds the admission's lock); True when it did."""
         now = time.monotonic()
         for worker, summed in self._summed.items():
             if worker in self._counted or not summed:
@@ -404,9 +395,9 @@ class _SyncAggregator(Aggregator):
             idle = now - self._progress.get(worker, now)
             if idle >= STALL_SECONDS:
                 self._void(
-                    f"step {self.state.step} of ps shard {self.state.layout.index} was voided: "
+                    f"step {self.admission.step} of ps shard {self.store.layout.index} was voided: "
                     f"the push of worker {worker} stopped after {summed} of "
-                    f"{self.state.layout.numel} values were summed (no chunk for {idle:.0f} s) "
+                    f"{self.store.layout.numel} values were summed (no chunk for {idle:.0f} s) "
                     f"while worker {header.worker_id} waited; compute the step again, and check "
                     f"worker {worker} and its network")
                 return True
@@ -415,8 +406,8 @@ class _SyncAggregator(Aggregator):
     def _sum(self, header: PushHeader, pending: Pending, attempt: int, first: int,
              values: np.ndarray) -> None:
         """Check one chunk and add it to the step's sum (skipping what was summed already)."""
-        state, worker = self.state, header.worker_id
-        with state.locked():
+        store, admission, worker = self.store, self.admission, header.worker_id
+        with admission.locked():
             if pending.outcome is not None or attempt != self._attempt:
                 raise _StepEnded
             done = self._summed[worker]
@@ -427,26 +418,26 @@ class _SyncAggregator(Aggregator):
             self._summing += 1
         bad = None
         try:
-            with state.holding(values.nbytes, self._who(header)):
-                bad = state.find_nonfinite(values, first)
+            with admission.holding(values.nbytes, self._who(header)):
+                bad = store.find_nonfinite(values, first)
                 if bad is None:
-                    state.add_range(self._acc, first, values)
+                    store.add_range(self._acc, first, values)
         finally:
-            with state.locked():
+            with admission.locked():
                 self._summing -= 1
                 if bad is None and attempt == self._attempt:
                     self._summed[worker] = first + values.size
                     self._progress[worker] = time.monotonic()
-                state.notify()
+                admission.notify()
         if bad is not None:
-            with state.locked():
+            with admission.locked():
                 if attempt == self._attempt:
-                    self._void(checks.voided_message(state.layout, header, bad, state.step))
+                    self._void(checks.voided_message(store.layout, header, bad, admission.step))
             raise _StepEnded
 
     def _leave(self, header: PushHeader, pending: Pending) -> None:
         """A push cut off: its replica's prefix stays in the sum for its retry (caller holds
-        the shard's lock); a replica with nothing summed gives its place up."""
+        the admission's lock); a replica with nothing summed gives its place up."""
         worker = header.worker_id
         if self._arriving.get(worker) is pending:
             del self._arriving[worker]
@@ -454,7 +445,7 @@ class _SyncAggregator(Aggregator):
                 self._summed.pop(worker, None)
         with contextlib.suppress(ValueError):
             self._waiting.remove((header, pending))
-        self.state.notify()
+        self.admission.notify()
 
     def _ready(self) -> bool:
         """Enough replicas counted and no gradient summed in part (caller holds the lock)."""
@@ -465,34 +456,36 @@ class _SyncAggregator(Aggregator):
         """Answer every push of the step ``voided`` and reset the sum (caller holds the lock)."""
         self._attempt += 1  # no chunk sums into this attempt any more
         while self._summing:
-            self.state.wait_once(None, lambda: "")
-        self._answer(PushOutcome(VOIDED, self.state.step, bounded(message)))
+            self.admission.wait_once(None, lambda: "")
+        self._answer(PushOutcome(VOIDED, self.admission.step, bounded(message)))
 
     @property
     def counted(self) -> int:
         """Replicas whose gradient is in the current step's sum."""
-        with self.state.locked():
+        with self.admission.locked():
             return len(self._counted)
 
     def _stale(self, header: PushHeader) -> PushOutcome:
-        return PushOutcome(STALE, self.state.step, (
+        return PushOutcome(STALE, self.admission.step, (
             f"gradient of worker {header.worker_id} was computed on step {header.token} but "
-            f"shard {self.state.layout.index} is at step {self.state.step}"))
+            f"shard {self.store.layout.index} is at step {self.admission.step}"))
 
     def _needed(self) -> int:
         return min(self.config.required, self._live())
 
     def _complete(self) -> None:
-        """Average and apply the step's sum; answer its pushes (caller holds the shard's lock)."""
+        """Average and apply the step's sum; answer its pushes (caller holds the admission's
+        lock)."""
         self._attempt += 1
         self._acc *= np.float32(1.0 / len(self._counted))
         try:
-            self.state.check_update([(0, self._acc)], self._lr, "the step's averaged gradient")
+            self.store.check_update([(0, self._acc)], self._lr, "the step's averaged gradient")
         except InvalidArgumentError as exc:  # the step is not applied; its pushes are answered
-            self._answer(PushOutcome(VOIDED, self.state.step,
-                                     bounded(f"step {self.state.step} was not applied: {exc}")))
+            self._answer(PushOutcome(VOIDED, self.admission.step,
+                                     bounded(f"step {self.admission.step} was not applied: {exc}")))
             return
-        step = self.state.apply(self._acc, self._lr)
+        self.store.apply(self._acc, self._lr)
+        step = self.admission.commit_update()
         self._answer(PushOutcome(APPLIED, step))
 
     def _answer(self, outcome: PushOutcome) -> None:
@@ -503,20 +496,19 @@ class _SyncAggregator(Aggregator):
         self._arriving.clear()
         self._progress.clear()
         for header, pending in waiting:
-            self.state.finish_push(header, outcome)
+            self.admission.finish_push(header, outcome)
             if pending.outcome is None:
                 # a replica's incarnation superseded by its restart while its push waited:
                 # the push table no longer holds it, but its gradient is in the step
                 pending.outcome = outcome
-        self.state.notify()
+        self.admission.notify()
 
     def _missing_message(self, header: PushHeader) -> str:
-        state = self.state
         got = sorted(self._counted)
         missing = [w for w in range(self.config.total_num_replicas)
                    if w not in got and w not in self._done]
         timeout = self.config.timeout or 0.0
-        return (f"Step {header.token} of ps shard {state.layout.index} waited "
+        return (f"Step {header.token} of ps shard {self.store.layout.index} waited "
                 f"{timeout:.0f} s for {self.config.required} gradients but received "
                 f"{len(got)} (from worker {', '.join(map(str, got)) or 'none'}); missing: "
                 f"{', '.join(self.describe_worker(w) for w in missing) or 'none'}. "
@@ -524,17 +516,17 @@ class _SyncAggregator(Aggregator):
 
     def worker_done(self, worker_id: int) -> None:
         self.config.check_replica(worker_id, "Done")
-        with self.state.locked():
+        with self.admission.locked():
             self._done.add(worker_id)
             if self._counted and self._ready():
                 self._complete()
-            self.state.notify()
+            self.admission.notify()
 
     def close(self) -> None:
-        with self.state.locked():
+        with self.admission.locked():
             self._closed = True
-            self._void(f"ps shard {self.state.layout.index} was re-initialised before step "
-                       f"{self.state.step} was applied; compute it again")
+            self._void(f"ps shard {self.store.layout.index} was re-initialised before step "
+                       f"{self.admission.step} was applied; compute it again")
 
 
 class ChunkRefused(Exception):
@@ -553,16 +545,16 @@ _KINDS: dict[str, type[Aggregator]] = {
 }
 
 
-def make_aggregator(state: ShardState, config: AggregationConfig,
+def make_aggregator(store: DenseStore, admission: Admission, config: AggregationConfig,
                     describe_worker: Callable[[int], str] | None = None,
                     elastic: Container[int] = ()) -> Aggregator:
-    """Return the aggregator of ``config.mode`` over ``state``.
+    """Return the aggregator of ``config.mode`` over ``store`` and ``admission``.
 
     ``describe_worker(replica)`` names a worker in error messages (default
     ``/job:worker/task:<replica>``); ``elastic``: the elastic workers admitted
     now, whose pushes an async aggregator takes too.
     """
-    aggregator = _KINDS[config.mode](state, config)
+    aggregator = _KINDS[config.mode](store, admission, config)
     aggregator.elastic = elastic
     if describe_worker is not None:
         aggregator.describe_worker = describe_worker

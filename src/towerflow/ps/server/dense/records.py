@@ -1,7 +1,7 @@
 """What a dense ps shard counts and reports: its counters, its ``Status`` figures, its ledger.
 
-Plain values, read by :class:`~towerflow.ps.server.dense.shard.ShardState`'s
-callers; the shard changes them only under its own lock.
+Plain values, read by :class:`~towerflow.ps.server.dense.admission.Admission`'s
+callers; the admission changes them only under its own lock.
 
 Example:
     >>> ShardStats(pushes=2, applied=1).as_dict()["applied"]

@@ -4,9 +4,11 @@ Service ``towerflow.ps.PS``: its methods, the call sequence by role, the
 status codes and the framing are the wire contract of
 :mod:`towerflow.ps.wire`. This module is the server's side of it: it
 parses each request into the contract's headers and hands them to the shard
-(:class:`~towerflow.ps.server.dense.shard.ShardState` and its
-:mod:`~towerflow.ps.server.dense.aggregation`). A ps task imports neither torch nor a GPU
-runtime.
+(:class:`~towerflow.ps.server.dense.shard.DenseShard`). Each push carrier
+(``Push``, ``PushPull``, ``PushPullSmall`` and its stream, and the ``RowBatch``
+of the task's table service, which carries a ``PushPullSmall`` request) only
+decodes its framing and calls :meth:`PSService.dense_push`, the one route of a
+dense push. A ps task imports neither torch nor a GPU runtime.
 
 Data path: a pushed chunk is used where gRPC left it (a read-only view of the
 received ``bytes``, applied into the flat parameter buffer or summed into the
@@ -32,10 +34,10 @@ from towerflow.errors import (
     InvalidArgumentError,
 )
 from towerflow.ps.memory import check_free_memory, release_free_memory, tune_malloc
-from towerflow.ps.server.dense.aggregation import Aggregator, make_aggregator
+from towerflow.ps.server.dense.admission import default_staging_limit
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.shard import ShardState, default_staging_limit
+from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.workerstats import WorkerTable
 from towerflow.ps.spec.dense import SLOT_NAMES, canonical_name
@@ -43,6 +45,7 @@ from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.calls import APPLIED, CHIEF_REPLICA, REFUSED, SERVICE_NAME, failure_line
 from towerflow.ps.wire.framing import CHUNK_BYTES, pack, receive_into, unpack
 from towerflow.ps.wire.messages import (
+    PushHeader,
     decode_push_header,
     layout_to_proto,
     outcome_to_reply,
@@ -82,32 +85,19 @@ def _scatter(buffers: list[np.ndarray], first: int, values: np.ndarray) -> None:
         values, first = values[take:], first + take
 
 
-class _Counted:
-    """Wraps a chunk iterator, counting bytes into the shard's stats.
-
-    The count is kept locally and added once, under the shard's lock, when the
-    payload ends (or is cut off), so concurrent pushes lose no bytes and the
-    per-chunk path takes no lock.
-    """
-
-    __slots__ = ("_chunks", "_state")
-
-    def __init__(self, chunks: Iterator[bytes], state: ShardState) -> None:
-        self._chunks, self._state = chunks, state
-
-    def __iter__(self) -> Iterator[bytes]:
-        received = 0
-        try:
-            for chunk in self._chunks:
-                received += len(chunk)
-                yield chunk
-        except grpc.RpcError:  # the call was cancelled or broke part way
-            raise AbortedError(
-                f"A push's call ended after {received} bytes of its payload; its retry "
-                "continues after what of it was applied."
-            ) from None
-        finally:
-            self._state.count_bytes_in(received)
+def _payload(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """A streamed push's payload chunks; a call cancelled or broken part way raises
+    :class:`AbortedError` (the push is suspended: its retry continues it)."""
+    received = 0
+    try:
+        for chunk in chunks:
+            received += len(chunk)
+            yield chunk
+    except grpc.RpcError:  # the call was cancelled or broke part way
+        raise AbortedError(
+            f"A push's call ended after {received} bytes of its payload; its retry "
+            "continues after what of it was applied."
+        ) from None
 
 
 class PSService:
@@ -123,7 +113,7 @@ class PSService:
             workers), when known: an Init may not name more, and a ``Done`` must
             name one of them.
         staging_bytes: bytes of pushed chunks a shard may hold while they are handled
-            (default :func:`~towerflow.ps.server.dense.shard.default_staging_limit`).
+            (default :func:`~towerflow.ps.server.dense.admission.default_staging_limit`).
         describe_peer: ``describe_peer(replica) -> (task, heartbeat,
             last_heartbeat_age)`` for the per-replica figures of ``Status``.
         confirm_join: on a ps task other than 0, asks ps task 0 whether it gave
@@ -163,7 +153,7 @@ class PSService:
         self.describe_worker = describe_worker
         self.on_worker_done = on_worker_done
         self._lock = threading.Lock()
-        self._shard: tuple[ShardState, Aggregator] | None = None
+        self._shard: DenseShard | None = None
         self._generation = 0
 
     def handlers(self):  # noqa: ANN201 - grpc.GenericRpcHandler
@@ -191,11 +181,11 @@ class PSService:
     def current_step(self) -> int | None:
         """The shard's global step (None before the chief initialises it)."""
         current = self._shard
-        return None if current is None else current[0].step
+        return None if current is None else current.state.step
 
     @property
-    def shard(self) -> tuple[ShardState, Aggregator]:
-        """The current state and aggregator.
+    def shard(self) -> DenseShard:
+        """The current dense shard (its state and aggregator).
 
         Raises:
             FailedPreconditionError: not initialised yet.
@@ -228,16 +218,16 @@ class PSService:
         optimizer.step = plan.optimizer_step
         limit = self.staging_bytes or default_staging_limit(plan.config.total_num_replicas)
         state = ShardState(plan.layout, params, optimizer, step=plan.step, staging_limit=limit)
-        state.merge_pushes(plan.pushes, plan.step)
-        aggregator = make_aggregator(state, plan.config, self.describe_worker, self.elastic)
+        state.admission.merge_pushes(plan.pushes, plan.step)
+        shard = DenseShard(state, plan.config, self.describe_worker, self.elastic)
         with self._lock:
-            previous, self._shard = self._shard, (state, aggregator)
+            previous, self._shard = self._shard, shard
             self._generation += 1
             self.failure = ""  # a chief that failed before was restarted and initialised
             if previous is not None:
-                state.merge_pushes(previous[0].push_rows(), plan.step)
+                state.admission.merge_pushes(previous.state.admission.push_rows(), plan.step)
         if previous is not None:
-            previous[1].close()
+            previous.close()
         del previous
         release_free_memory()  # the Init chunks
         logger.info("ps shard %d initialised: %d variables, %.1f MiB, step %d, mode %s",
@@ -255,11 +245,11 @@ class PSService:
         if current is None:
             return pb.StatusReply(initialized=False, shard=self.shard_index, workers=workers,
                                   uptime=uptime, failure=self.failure).SerializeToString()
-        state, aggregator = current
+        state = current.state
         figures = state.figures()
         reply = pb.StatusReply(
             initialized=True, step=figures.step, fingerprint=state.layout.fingerprint,
-            numel=state.layout.numel, stats=figures.stats, mode=aggregator.config.mode,
+            numel=state.layout.numel, stats=figures.stats, mode=current.config.mode,
             slots=list(state.optimizer.slots), optimizer_step=figures.optimizer_step,
             generation=self._generation, shard=self.shard_index, refusals=figures.refusals,
             staged_bytes=figures.staged, workers=workers, uptime=uptime,
@@ -267,57 +257,62 @@ class PSService:
             segments=layout_to_proto(state.layout) if req.with_layout else ())
         return reply.SerializeToString()
 
-    def _push(self, chunks: Iterator[bytes], active: Callable[[], bool] | None = None,
-              pull: bool = False
-              ) -> tuple[ShardState, bool, pb.PushReply, Iterable[bytes]]:
-        """Handle one push: ``(shard, whether it wants the parameters back, reply, params)``.
+    def dense_push(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
+                   want_params: bool = False, active: Callable[[], bool] | None = None,
+                   chunk_bytes: int | None = None) -> tuple[pb.PushReply, Iterable[bytes]]:
+        """The one route of a dense push on this ps task: ``(reply, params)``.
 
-        With ``pull`` (and the request's ``want_params``) ``params`` are the
-        parameters to send back after it (nothing when it was refused).
+        Every carrier (``Push``, ``PushPull``, ``PushPullSmall`` and its
+        stream, a ``RowBatch``'s ``dense``) decodes its framing and calls this:
+        the shard handles the push (:meth:`~towerflow.ps.server.dense.shard.DenseShard.push`),
+        then the job's records of the worker are kept. With ``want_params``
+        (and the push not refused) ``params`` are the parameters to send back,
+        in chunks of ``chunk_bytes`` (None: one chunk), and the reply says
+        their ``numel``.
         """
-        header, want_params = decode_push_header(next(chunks, b""))
-        state, aggregator = self.shard
-        params: Iterable[bytes] = ()
-        if pull and want_params:
-            outcome, params = aggregator.push_pull(header, _Counted(chunks, state), active,
-                                                   self.chunk_bytes)
-        else:
-            outcome = aggregator.push(header, _Counted(chunks, state), active)
+        shard = self.shard
+        outcome, params = shard.push(header, chunks, want_params=want_params, active=active,
+                                     chunk_bytes=chunk_bytes)
         self.last_call = time.monotonic()
         self.elastic.seen(header.worker_id)
         self.workers.record(header.worker_id, header.token, outcome.step,
                             outcome.status == APPLIED)
-        return state, want_params, outcome_to_reply(outcome), params
+        reply = outcome_to_reply(outcome)
+        if want_params and outcome.status != REFUSED:
+            reply.numel = shard.layout.numel
+        return reply, params
 
     def push(self, requests: Iterator[bytes], context: grpc.ServicerContext | None = None) -> bytes:
-        """Apply (or aggregate, or refuse) one pushed gradient."""
-        _, _, reply, _ = self._push(iter(requests), _active(context))
+        """``Push``: apply (or aggregate, or refuse) one pushed gradient streamed in chunks."""
+        chunks = iter(requests)
+        header, _ = decode_push_header(next(chunks, b""))
+        reply, _ = self.dense_push(header, _payload(chunks), active=_active(context))
         return reply.SerializeToString()
 
     def push_pull(self, requests: Iterator[bytes],
                   context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
-        """Push, then stream the fresh parameters back in the same call, chunk by chunk.
+        """``PushPull``: push, then stream the fresh parameters back in the same call, chunk
+        by chunk.
 
         The push was applied (or summed) as it arrived; a reply cut off
         changes nothing of it.
         """
-        state, want_params, reply, params = self._push(iter(requests), _active(context),
-                                                       pull=True)
-        if want_params and reply.status != REFUSED:
-            reply.numel = state.layout.numel
+        chunks = iter(requests)
+        header, want_params = decode_push_header(next(chunks, b""))
+        reply, params = self.dense_push(header, _payload(chunks), want_params, _active(context),
+                                        self.chunk_bytes)
         yield reply.SerializeToString()
         yield from params
 
-    def push_pull_small(self, request: bytes, context: grpc.ServicerContext | None = None) -> bytes:
-        """``PushPull`` of a small shard: header and payload packed in one message each way."""
+    def push_pull_small(self, request: bytes | memoryview,
+                        context: grpc.ServicerContext | None = None) -> bytes:
+        """``PushPull`` of a small shard: header and payload packed in one message each way
+        (also the dense push a ``RowBatch`` carries)."""
         head, payload = unpack(request)
-        state, want_params, reply, _ = self._push(
-            iter((head, payload) if len(payload) else (head,)), _active(context))
-        params = b""
-        if want_params and reply.status != REFUSED:
-            reply.numel = state.layout.numel
-            params = b"".join(state.read_chunks("params", max(state.layout.nbytes, 1)))
-        return pack(reply.SerializeToString(), params)
+        header, want_params = decode_push_header(head)
+        reply, params = self.dense_push(header, (payload,) if len(payload) else (),
+                                        want_params, _active(context))
+        return pack(reply.SerializeToString(), b"".join(params))
 
     def push_pull_small_stream(self, requests: Iterator[bytes],
                                context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
@@ -335,10 +330,10 @@ class PSService:
         """Stream the parameters (or an optimizer slot buffer)."""
         req = parse_message(pb.PullRequest, request, "PullRequest")
         self.last_call = time.monotonic()
-        state, _ = self.shard
+        state = self.shard.state
         name = req.buffer or "params"
-        buffer = state.buffer(name)
-        with state.locked():
+        buffer = state.store.buffer(name)
+        with state.admission.locked():
             head = pb.PullReply(step=state.step, numel=buffer.size,
                                 optimizer_step=state.optimizer.step)
         yield head.SerializeToString()
@@ -349,11 +344,11 @@ class PSService:
         :meth:`~towerflow.ps.server.elastic.ElasticMembers.join` for the refusals."""
         req = parse_message(pb.JoinRequest, request, "JoinRequest")
         current = self._shard
-        config = None if current is None else current[1].config
+        config = None if current is None else current.config
         member, count = self.elastic.join(req, config)
         logger.info("ps shard %d: elastic worker %d (%s) joined at step %s (%d elastic)",
-                    self.shard_index, member.worker_id, member.name, current[0].step, count)
-        return pb.JoinReply(worker_id=member.worker_id, step=current[0].step, members=count,
+                    self.shard_index, member.worker_id, member.name, current.state.step, count)
+        return pb.JoinReply(worker_id=member.worker_id, step=current.state.step, members=count,
                             max_elastic_workers=config.max_elastic_workers,
                             ticket=member.ticket).SerializeToString()
 
@@ -376,7 +371,7 @@ class PSService:
             )
         current = self._shard
         if current is not None:
-            current[1].worker_done(req.worker_id)
+            current.worker_done(req.worker_id)
         elif req.failure and req.worker_id == CHIEF_REPLICA:
             self._chief_failed(req.failure)
         if self.replicas is not None or len(self.finished) < 1024:  # bounded
@@ -402,9 +397,9 @@ class PSService:
         refused part way (:class:`~towerflow.ps.server.dense.records.LedgerRecord`).
         """
         req = parse_message(pb.LedgerRequest, request, "LedgerRequest")
-        state, _ = self.shard
-        first, entries = state.ledger_since(req.since)
-        return pb.LedgerReply(first=first, total=state.ledger_total, entries=[
+        admission = self.shard.state.admission
+        first, entries = admission.ledger_since(req.since)
+        return pb.LedgerReply(first=first, total=admission.ledger_total, entries=[
             pb.LedgerEntry(**record._asdict()) for record in entries
         ]).SerializeToString()
 

@@ -44,7 +44,8 @@ from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.pushes import PushTable
 from towerflow.ps.wire.calls import ELASTIC_BASE
 
-__all__ = ["JobWorkers", "DenseMembership", "TablePushes", "MAX_PUSHES_IN_FLIGHT"]
+__all__ = ["JobWorkers", "DenseMembership", "DenseNeighbour", "TablePushes",
+           "MAX_PUSHES_IN_FLIGHT"]
 
 #: pushes one worker may have in progress on one table shard (a sync push waits for its
 #: step; a worker sends its pushes to a shard in order, so a few at most)
@@ -53,8 +54,8 @@ MAX_PUSHES_IN_FLIGHT = 64
 
 class DenseMembership(Protocol):
     """What a table shard reads of its ps task's dense shard service (``PSService``, which
-    the tables may not import): whether its ``Init`` came, its aggregator's config, the
-    cluster's replica count and the elastic workers admitted."""
+    the tables may not import): whether its ``Init`` came, its shard's aggregation config,
+    the cluster's replica count and the elastic workers admitted."""
 
     replicas: int | None
     elastic: ElasticMembers
@@ -63,7 +64,15 @@ class DenseMembership(Protocol):
     def initialized(self) -> bool: ...
 
     @property
-    def shard(self) -> tuple[Any, Any]: ...
+    def shard(self) -> Any: ...  # its ``config``: the shard's ``AggregationConfig``
+
+
+class DenseNeighbour(DenseMembership, Protocol):
+    """The ps task's dense shard service as its table service sees it: the membership
+    above, and the dense push a ``RowBatch`` carries (``RowBatchRequest.dense``: a
+    ``PushPullSmall`` request, answered with its ``PushPullSmall`` reply)."""
+
+    def push_pull_small(self, request: bytes | memoryview, context: Any = None) -> bytes: ...
 
 
 class JobWorkers:
@@ -87,7 +96,7 @@ class JobWorkers:
     def _dense(self) -> Any:
         """The dense shard's ``AggregationConfig`` (None: no dense shard, or not initialised)."""
         ps = self.ps
-        return ps.shard[1].config if ps is not None and ps.initialized else None
+        return ps.shard.config if ps is not None and ps.initialized else None
 
     def view(self) -> tuple[int | None, Container[int]]:
         """``(replicas, elastic)``: the job's replica count (None: no job known, any id) and

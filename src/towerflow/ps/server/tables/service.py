@@ -70,8 +70,7 @@ from towerflow.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from towerflow.ps.server.elastic import ElasticMembers
-from towerflow.ps.server.tables.records import JobWorkers
+from towerflow.ps.server.tables.records import DenseNeighbour, JobWorkers
 from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.wire.framing import pack_parts, split_parts, unpack
 from towerflow.ps.wire.messages import AggregationConfig, parse_message, push_records
@@ -116,18 +115,29 @@ class TableService:
             is refused. None: any shard (tests serving several in one process).
         workers: the job's current workers, whose pushes the tables take and
             keep records of (:class:`~towerflow.ps.server.tables.records.JobWorkers`;
-            :class:`TableHost` points it at the task's dense shard). None: any id.
+            :meth:`serve_beside` points it at the task's dense shard). None: any id.
+        dense: the task's dense shard service (:meth:`serve_beside`); None: none yet.
     """
 
-    def __init__(self, task_index: int | None = None, workers: JobWorkers | None = None
-                 ) -> None:
+    def __init__(self, task_index: int | None = None, workers: JobWorkers | None = None,
+                 dense: DenseNeighbour | None = None) -> None:
         self.task_index = task_index
         self.workers = JobWorkers() if workers is None else workers
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
-        #: the dense shard's ``push_pull_small(request, context)`` of this ps task (a RowBatch's
-        #: ``dense``); set by the task's ``ShardHost``, None where no dense shard is served
-        self.dense: Any = None
+        #: the ps task's dense shard service; None where no dense shard is served
+        self.dense: DenseNeighbour | None = None
+        if dense is not None:
+            self.serve_beside(dense)
+
+    def serve_beside(self, dense: DenseNeighbour) -> None:
+        """Serve next to the ps task's dense shard service ``dense``: count the job's workers
+        as it does (its ``Init`` and elastic membership:
+        :class:`~towerflow.ps.server.tables.records.JobWorkers`) and hand it the dense push a
+        ``RowBatch`` carries (its ``push_pull_small``, the dense shard's small-message carrier).
+        """
+        self.workers.ps = dense
+        self.dense = dense
 
     def handlers(self) -> Any:
         """The ``towerflow.ps.Tables`` gRPC service."""
@@ -325,7 +335,7 @@ class TableService:
                 f"ps task {self.task_index} serves tables but no dense shard here, so a RowBatch "
                 "cannot carry a dense push; send it to the ps shard service (PushPullSmall)."
             )
-        return self.dense(request, context)
+        return self.dense.push_pull_small(request, context)
 
     def row_batch_stream(self, requests: Iterator[bytes],
                          context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
@@ -426,14 +436,8 @@ class TableHost:
         return self.service.handlers()
 
     def start(self) -> None:
-        """Count the job's workers as the task's dense shard does (its ``Init`` and elastic
-        membership: :class:`~towerflow.ps.server.tables.records.JobWorkers`); tables are
-        created by ``InitTable`` (the task's ``ShardHost`` hands the service its dense
-        shard's push: ``TableService.dense``)."""
-        for hosted in self.server.services:  # the dense shard's service (a DenseMembership)
-            dense = getattr(hosted, "service", None)
-            if isinstance(getattr(dense, "elastic", None), ElasticMembers):
-                self.service.workers.ps = dense
+        """Nothing to start: tables are created by ``InitTable`` (the task's ``ShardHost``
+        puts the service beside its dense shard: :meth:`TableService.serve_beside`)."""
 
     def stop(self) -> None:
         """Nothing to stop."""
