@@ -18,6 +18,7 @@ from towerflow.cluster.limits import RateLimitedLog
 from towerflow.cluster.server import PING_METHOD
 from towerflow.cluster.transport import make_channel, raw_handlers, stream_unary, unary
 from towerflow.errors import InvalidArgumentError, ResourceExhaustedError
+from towerflow.testing import wait_until
 
 SECRET = Credentials(secret=b"limits-test-secret")
 
@@ -55,14 +56,6 @@ class _IdleStreams:
         return out
 
 
-def _wait_for(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        threading.Event().wait(0.02)
-
-
 def _hold(requests) -> bytes:  # type: ignore[no-untyped-def]
     for _ in requests:
         pass
@@ -93,7 +86,8 @@ def test_a_stream_past_the_cap_of_its_peer_is_refused_and_other_peers_go_on(idle
     honest = make_channel(address, SECRET)
     try:
         idle.open(hostile, 5)
-        _wait_for(lambda: len(idle.refused()) == 2 and server.streams.open_streams == 3)
+        wait_until(lambda: len(idle.refused()) == 2 and server.streams.open_streams == 3,
+                   timeout=30.0, what="two refused and three open streams")
         assert re.search(r"refuses another stream from ipv[46]:\S+: it already has 3 open, the cap "
                          r"per peer \(max_streams_per_peer=3\); close idle streams or raise the "
                          r"cap \(ServerOptions\.max_streams_per_peer, towerflow server "
@@ -105,7 +99,7 @@ def test_a_stream_past_the_cap_of_its_peer_is_refused_and_other_peers_go_on(idle
         idle.release.set()
         hostile.close()
         honest.close()
-    _wait_for(lambda: server.streams.open_streams == 0)
+    wait_until(lambda: server.streams.open_streams == 0, timeout=30.0, what="every stream closed")
 
 
 def test_idle_streams_past_the_cap_in_all_are_refused_and_unary_calls_still_answer(idle_server):
@@ -117,7 +111,8 @@ def test_idle_streams_past_the_cap_in_all_are_refused_and_unary_calls_still_answ
     try:
         for channel in channels:
             idle.open(channel, 29)  # 261 streams, none over the cap of its connection
-        _wait_for(lambda: server.streams.open_streams + len(idle.refused()) == 261, timeout=60)
+        wait_until(lambda: server.streams.open_streams + len(idle.refused()) == 261,
+                   timeout=60, what="261 streams open or refused")
         assert server.streams.open_streams == 192
         assert "the cap in all (max_streams=192)" in idle.refused()[0]
         started = time.monotonic()
@@ -132,7 +127,8 @@ def test_idle_streams_past_the_cap_in_all_are_refused_and_unary_calls_still_answ
         for channel in channels:
             channel.close()
         honest.close()
-    _wait_for(lambda: server.streams.open_streams == 0)  # every handler returned
+    wait_until(lambda: server.streams.open_streams == 0,
+               timeout=30.0, what="every stream closed")  # every handler returned
 
 
 def test_stream_caps_must_leave_threads_for_unary_calls():
@@ -147,7 +143,8 @@ def test_a_repeated_warning_is_written_once_then_with_its_count(caplog):
         for i in range(3000):
             log.warning("no credentials", "refused call to %s: no credentials", f"/m{i % 3}")
         log.warning("other", "something else")
-        _wait_for(lambda: "more in the last" in caplog.text, timeout=10)
+        wait_until(lambda: "more in the last" in caplog.text,
+                   timeout=10, what="the rate-limited line")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["refused call to /m0: no credentials", "something else",
                      "refused call to /m0: no credentials (and 2,999 more in the last 0.5 s)"]
@@ -162,7 +159,8 @@ def test_unauthenticated_calls_to_a_real_server_write_a_few_lines_not_one_each(
         for _ in range(300):
             with pytest.raises(grpc.RpcError):
                 bare.unary_unary(PING_METHOD)(b"", timeout=10)
-        _wait_for(lambda: "more in the last" in caplog.text, timeout=10)
+        wait_until(lambda: "more in the last" in caplog.text,
+                   timeout=10, what="the rate-limited line")
     refusals = [r.getMessage() for r in caplog.records if "refused call" in r.getMessage()]
     assert refusals == [
         f"refused call to {PING_METHOD}: no credentials",

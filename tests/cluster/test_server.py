@@ -18,16 +18,9 @@ from towerflow.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from towerflow.testing import wait_until
 
 SECRET = Credentials(secret=b"server-test-secret")
-
-
-def _wait_for(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        threading.Event().wait(0.02)
 
 
 def test_target_and_ping_of_a_two_task_cluster(free_ports):
@@ -57,7 +50,7 @@ def test_wait_for_peers_logs_retries_until_the_peer_starts(free_ports, caplog):
     waiter.start()
     try:
         line = f"waiting for /job:worker/replica:0/task:0 at localhost:{b} (failed to connect; retrying)"
-        _wait_for(lambda: line in caplog.text)
+        wait_until(lambda: line in caplog.text, timeout=20.0, what="the log line")
         assert waiter.is_alive()
         worker = Server(cluster, "worker", 0, credentials=SECRET)
         waiter.join(30)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import gc
 import itertools
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,15 +17,9 @@ from towerflow.data import (
     synthetic_cifar10,
 )
 from towerflow.errors import InvalidArgumentError
+from towerflow.testing import wait_until
 
 CPU = torch.device("cpu")
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.01)
 
 
 def _dataset() -> Dataset:
@@ -58,10 +50,12 @@ def test_queue_holds_at_most_capacity_batches_ahead() -> None:
     sampler = ShardedBatches(24, 2)
     with DevicePrefetcher(_dataset(), sampler, CPU, capacity=2) as p:
         # Two batches queued plus one in the producer's hand, blocked on the full queue.
-        _wait_for(lambda: sampler.state()["offset"] >= 3 and p._queue.full())
+        wait_until(lambda: sampler.state()["offset"] >= 3 and p._queue.full(),
+                   timeout=20.0, what="the queue full at offset 3")
         assert sampler.state()["offset"] == 3
         next(p)
-        _wait_for(lambda: sampler.state()["offset"] >= 4 and p._queue.full())
+        wait_until(lambda: sampler.state()["offset"] >= 4 and p._queue.full(),
+                   timeout=20.0, what="the queue full at offset 4")
         assert sampler.state()["offset"] == 4
 
 
@@ -117,7 +111,7 @@ def test_producer_exception_is_raised_in_the_consumer() -> None:
         next(p)
         with pytest.raises(ValueError, match=r"bad batch number 2"):
             next(p)
-        _wait_for(lambda: not p.running)
+        wait_until(lambda: not p.running, timeout=20.0, what="the prefetcher stopped")
         with pytest.raises(StopIteration):
             next(p)
     finally:
@@ -140,7 +134,7 @@ def test_garbage_collected_prefetcher_stops_its_thread() -> None:
     next(p)
     del p
     gc.collect()
-    _wait_for(lambda: not thread.is_alive())
+    wait_until(lambda: not thread.is_alive(), timeout=20.0, what="the thread ended")
     assert not [t for t in threading.enumerate() if t is thread]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -17,6 +16,7 @@ from towerflow.ps.protocol import APPLIED, REFUSED, STALE, VOIDED, PushHeader
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
+from towerflow.testing import wait_until
 
 NUMEL = 6
 
@@ -39,14 +39,6 @@ class Worker:
                           1.0, NUMEL, segments=self.state.layout.signature)
         data = payload if payload is not None else [np.full(NUMEL, value, np.float32).tobytes()]
         return self.agg.push(head, data)
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
 
 
 def test_config_rejects_bad_values() -> None:
@@ -72,7 +64,7 @@ def test_sync_averages_one_gradient_per_replica_and_applies_once() -> None:
     w0, w1 = Worker(state, agg, 0), Worker(state, agg, 1)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(w0.push, 2.0)
-        wait_until(lambda: agg.counted == 1)
+        wait_until(lambda: agg.counted == 1, timeout=10.0, what="one push counted")
         assert not pending.done() and state.step == 0  # waits for the other replica
         second = w1.push(4.0)
         first = pending.result(timeout=10)
@@ -119,7 +111,7 @@ def test_sync_finished_worker_no_longer_holds_the_step() -> None:
     w0 = Worker(state, agg, 0)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(w0.push, 1.0)
-        wait_until(lambda: agg.counted == 1)
+        wait_until(lambda: agg.counted == 1, timeout=10.0, what="one push counted")
         agg.worker_done(1)
         assert pending.result(timeout=10).status == APPLIED
     assert state.step == 1
@@ -133,7 +125,7 @@ def test_sync_nan_chunk_voids_the_step_and_the_step_computed_again_is_correct() 
     bad = [np.ones(3, np.float32).tobytes(), np.array([1, np.nan, 1], np.float32).tobytes()]
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(w0.push, 1.0)
-        wait_until(lambda: agg.counted == 1)
+        wait_until(lambda: agg.counted == 1, timeout=10.0, what="one push counted")
         voided = w1.push(0.0, payload=bad)
         assert voided.status == VOIDED
         assert re.search(r"step 0 .* voided: the gradient pushed by worker 1 contains NaN or "
@@ -165,9 +157,11 @@ def test_ssp_bound_holds_with_a_slow_worker() -> None:
     thread = threading.Thread(target=run_fast)
     thread.start()
     try:
-        wait_until(lambda: len(progress) >= staleness)
+        wait_until(lambda: len(progress) >= staleness,
+                   timeout=10.0, what="the fast worker's pushes")
         # the fast worker is now blocked: it may not run further ahead of the slow one
-        wait_until(lambda: agg._clocks[0] == staleness + 1)
+        wait_until(lambda: agg._clocks[0] == staleness + 1,
+                   timeout=10.0, what="the fast worker blocked")
         assert len(progress) == staleness and not stop.is_set()
         for _ in range(8):
             slow.push(1.0)
@@ -192,7 +186,7 @@ def test_closing_a_replaced_shard_releases_waiting_pushes() -> None:
     state, agg = make("sync", total_num_replicas=2)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(Worker(state, agg, 0).push, 1.0)
-        wait_until(lambda: agg.counted == 1)
+        wait_until(lambda: agg.counted == 1, timeout=10.0, what="one push counted")
         agg.close()
         assert pending.result(timeout=10).status == VOIDED
     assert state.step == 0
@@ -225,7 +219,8 @@ def test_a_push_stalled_half_way_holds_no_other_push_and_counts_once_whole(mode)
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(agg.push, streamed(state, 0), halves(1.0, first_done, release))
         assert first_done.wait(10)
-        wait_until(lambda: state.params[0] == -1.0)  # its first chunk applied as it arrived
+        wait_until(lambda: state.params[0] == -1.0,
+                   timeout=10.0, what="its first chunk applied as it arrived")
         assert state.staged == 0 and state.step == 0  # nothing held; no update counted yet
         np.testing.assert_array_equal(state.params[half:], 0.0)
         other = agg.push(streamed(state, 1), halves(2.0))  # not held by the unfinished push

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +23,7 @@ from towerflow.ps.protocol import APPLIED, REFUSED, STALE, VOIDED, PushHeader
 from towerflow.ps.server.dense.aggregation import AggregationConfig, make_aggregator
 from towerflow.ps.server.dense.optimizers import make_optimizer
 from towerflow.ps.server.dense.shard import ShardState
+from towerflow.testing import wait_until
 
 NUMEL = 50
 CHUNK = 10  # five chunks of ten elements
@@ -50,13 +50,6 @@ def pieces(grad: np.ndarray, cut_after: int | None = None, sent: list | None = N
         if sent is not None:
             sent.append(index)
         yield grad[start:start + CHUNK].tobytes()
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def distinct(seed: int) -> np.ndarray:
@@ -137,7 +130,8 @@ def test_sync_three_workers_one_backup_count_each_gradient_once():
         fast = [pool.submit(agg.push, header(state, w), held(w)) for w in (0, 1)]
         assert all(e.wait(10) for e in first_chunk)  # both admitted and summing
         late = pool.submit(agg.push, header(state, 2), pieces(grads[2], sent=read_of_late))
-        wait_until(lambda: state.stats.pushes == 3)  # the late push has begun
+        wait_until(lambda: state.stats.pushes == 3,
+                   timeout=10.0, what="the late push begun")
         gate.set()
         assert [f.result(timeout=10).status for f in fast] == [APPLIED, APPLIED]
         assert late.result(timeout=10).status == STALE

@@ -24,6 +24,7 @@ from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
 from towerflow.ps import ps_pb2 as pb
 from towerflow.ps.protocol import CHUNK_BYTES
 from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.testing import wait_until
 
 SECRET = Credentials(secret=b"test-secret")
 SHAPES = {"emb": (40, 5), "w": (5, 3), "b": (3,)}
@@ -198,13 +199,6 @@ def test_ledger_lists_the_applied_pushes_of_every_shard(ps_cluster) -> None:
         assert [len(r.entries) for r in c.ledger(since=1)] == [1, 1]
 
 
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def replay_momentum(start: np.ndarray, grads) -> list[np.ndarray]:
     """The parameters after each of ``grads`` applied in turn by a momentum optimizer."""
     replay = make_optimizer("momentum", start.size, momentum=0.5)
@@ -247,7 +241,8 @@ def test_push_stalled_then_cancelled_mid_stream_keeps_its_prefix_and_blocks_nobo
         call = shard.channel.stream_unary("/towerflow.ps.PS/Push").future(
             three_chunks_then_stall(), timeout=10)
         try:
-            wait_until(lambda: np.array_equal(state.params[:48], prefix))  # applied on arrival
+            wait_until(lambda: np.array_equal(state.params[:48], prefix),
+                       timeout=10.0, what="the three chunks applied on arrival")
             np.testing.assert_array_equal(state.params[48:], expected[0][48:])  # only seq 4
             assert shard.status().staged_bytes == 0  # nothing of it held
             # another worker's push-and-pull is not held by the stalled push
@@ -258,7 +253,8 @@ def test_push_stalled_then_cancelled_mid_stream_keeps_its_prefix_and_blocks_nobo
             call.cancel()  # the worker goes away part way through its push
         finally:
             release.set()
-        wait_until(lambda: shard.status().staged_bytes == 0)
+        wait_until(lambda: shard.status().staged_bytes == 0,
+                   timeout=10.0, what="the staged bytes released")
         assert state.step == 2 and [e[:3] for e in state.ledger] == [
             (1, c.incarnation, 4), (0, other.incarnation, 1)]
         again = shard.push(grad, worker_id=1, incarnation=c.incarnation, seq=4, lr=0.5)
