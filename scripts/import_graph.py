@@ -16,12 +16,15 @@ from pathlib import Path
 
 
 def package_of(module: str) -> str:
+    """The package ``module`` (a dotted name; ``pkg.__init__`` for a package's own file) counts in."""
     parts = module.split(".")
+    if parts[-1] == "__init__":
+        parts = parts[:-1] + ["__init__"] if len(parts) > 2 else parts[:-1]
     if parts[:2] == ["towerflow", "ps"]:
         # towerflow.ps.server.dense.shard -> towerflow.ps.server.dense
         depth = 4 if len(parts) > 4 and parts[2] in ("server", "worker") else 3
         return ".".join(parts[:depth]) if len(parts) > depth else ".".join(parts[:-1]) or module
-    return ".".join(parts[:2]) if len(parts) > 2 else module
+    return ".".join(parts[:2]) if len(parts) > 2 else ".".join(parts)
 
 
 def main(src: str = "src") -> None:

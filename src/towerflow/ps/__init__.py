@@ -1,27 +1,33 @@
-"""The parameter server wing: two halves and the wire contract they share.
+"""The parameter server wing: what users say, the wire, and the two halves that run.
 
-A file's path says which process it runs in:
+A file's path says which process runs it and what it is about::
 
-- :mod:`towerflow.ps.wire` — the wire contract both sides speak: the
-  ``.proto`` files and their generated modules, the service's names, call
-  sequence and status codes, framing, the messages' Python values
-  (:class:`PushHeader`, :class:`PushOutcome`, :class:`AggregationConfig`) and
-  tensors as raw buffers;
-- at this package's root, what else both sides use: partitioning
-  (:mod:`~towerflow.ps.partition`), variable placement
-  (:mod:`~towerflow.ps.placement`: :func:`replica_device_setter`) and malloc
-  tuning / free-memory checks (:mod:`~towerflow.ps.memory`);
-- :mod:`towerflow.ps.server` — what runs inside a ps task: :class:`ShardHost`
-  and :func:`run_ps_task` (:mod:`~towerflow.ps.server.host`), the dense shard
-  (:class:`ShardState`, :class:`PSService`) and the sparse tables'
-  (:class:`TableService`, :class:`TableHost`);
-- :mod:`towerflow.ps.worker` — what runs inside a worker: :class:`PSClient`,
-  :class:`TableClient` / :class:`TableConfig`, :class:`ShardedEmbedding`,
-  :func:`keep_dense` (a model's embedding that stays a dense parameter).
+    ps/
+      spec/       what users and both halves say (torch only, no gRPC):
+                  tables.py (TableConfig, a dynamic table's options),
+                  row_optimizers.py (SparseSGD, SparseAdagrad, SparseLazyAdam,
+                  SparseFtrl and their registry), initializers.py (UniformRows,
+                  NormalRows, ConstantRows), dense.py (dense optimizer names, slots)
+      wire/       what travels between the halves: the .proto files and their
+                  generated modules, calls.py (service, methods, call sequence,
+                  status codes), framing.py, messages.py (PushHeader, PushOutcome,
+                  AggregationConfig), tables.py (the TableSpec message),
+                  tensors.py (one encode, one decode of raw buffers), finite.py
+      partition.py, placement.py, memory.py
+                  what both halves compute alike: row partitioners, variable
+                  placement (replica_device_setter), malloc tuning
+      server/     runs inside a ps task: host.py (ShardHost, run_ps_task),
+                  dense/ (store, admission, aggregation, the PS service),
+                  tables/ (row stores, the Tables service), lifecycle, elastic
+      worker/     runs inside a worker: dense/ (PSClient), tables/ (TableClient,
+                  ShardedEmbedding, prefetch, table checkpoints), live export,
+                  observation
 
-The halves never import each other, and the wire imports neither. This
-module only hands names on: importing it loads neither torch nor grpc, nor
-either half; each name is imported on first use.
+Arrows (import contracts in ``pyproject.toml``): ``spec`` imports neither half
+nor the wire; ``wire`` imports neither half; the halves never import each other,
+and within each half the dense part and the tables are independent.
+This module only hands names on: importing it loads neither torch nor grpc,
+nor either half; each name is imported on first use.
 
 Example (a ps task, as the article's ``server.join()``)::
 
