@@ -200,3 +200,17 @@ def test_the_peer_wait_line_shows_by_default_and_follows_logging_configuration(
     assert line not in done.stdout
     if "format='app:" in configure:
         assert f"app: {line}" in done.stderr
+
+
+def test_closing_the_log_writes_every_open_count_and_leaves_no_timer(caplog):
+    log = RateLimitedLog(logging.getLogger("towerflow.cluster"), interval=3600)
+    with caplog.at_level(logging.WARNING, logger="towerflow.cluster"):
+        for _ in range(5):
+            log.warning("a", "refused call to %s: no credentials", "/a")
+        log.warning("b", "something else")  # no repeat: no count line
+        log.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused call to /a: no credentials", "something else",
+        "refused call to /a: no credentials (and 4 more in the last 3600 s)"]
+    assert not [t for t in threading.enumerate()
+                if isinstance(t, threading.Timer) and t.function == log._close]

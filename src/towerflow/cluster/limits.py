@@ -140,7 +140,7 @@ class RateLimitedLog:
     def __init__(self, log: logging.Logger | None = None, interval: float = 10.0) -> None:
         self._log = log or logger
         self.interval = interval
-        self._windows: dict[str, list[Any]] = {}  # kind -> [message, args, suppressed]
+        self._windows: dict[str, list[Any]] = {}  # kind -> [message, args, suppressed, timer]
         self._lock = threading.Lock()
 
     def warning(self, kind: str, msg: str, *args: Any) -> None:
@@ -150,18 +150,31 @@ class RateLimitedLog:
             if window is not None:
                 window[2] += 1
                 return
-            self._windows[kind] = [msg, args, 0]
             timer = threading.Timer(self.interval, self._close, (kind,))
             timer.daemon = True
+            self._windows[kind] = [msg, args, 0, timer]
             timer.start()
         self._log.warning(msg, *args)
 
     def _close(self, kind: str) -> None:
         with self._lock:
-            msg, args, suppressed = self._windows.pop(kind)
-        if suppressed:
+            window = self._windows.pop(kind, None)
+        if window is not None and window[2]:
+            msg, args, suppressed, _ = window
             self._log.warning(f"{msg} (and {suppressed:,} more in the last {self.interval:g} s)",
                               *args)
+
+    def close(self) -> None:
+        """End every open window now: its count is written and its timer thread ends (the
+        server that owns this log calls it when it stops)."""
+        with self._lock:
+            kinds = list(self._windows)
+        for kind in kinds:
+            window = self._windows.get(kind)
+            if window is not None:
+                window[3].cancel()
+                window[3].join()  # a timer that fired already has written its line
+            self._close(kind)
 
 
 class _StderrHandler(logging.StreamHandler):

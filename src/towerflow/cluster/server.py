@@ -122,6 +122,7 @@ class Server:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._auth: AuthInterceptor | None = None
+        self._warnings: RateLimitedLog | None = None  # refused calls, counted per window
         self._ended: TowerflowError | None = None
         self.streams: StreamLimiter | None = None
         self.health = TaskHealth()
@@ -189,7 +190,7 @@ class Server:
             handlers = [h for _, service_handlers in hosted for h in service_handlers]
             # health first: answered without credentials, bounded apart from the training calls
             interceptors: list[grpc.ServerInterceptor] = [self.health.gate()]
-            warnings = RateLimitedLog(logger, self.options.warning_interval)
+            warnings = self._warnings = RateLimitedLog(logger, self.options.warning_interval)
             if self.credentials.secret:
                 self._auth = AuthInterceptor(
                     self.credentials.secret, self.options.auth_freshness,
@@ -330,6 +331,8 @@ class Server:
                 self._executor.shutdown(wait=False)
         for channel in channels.values():
             channel.close()
+        if self._warnings is not None:
+            self._warnings.close()  # a refused call's count now, not from a timer left behind
         self._stopped.set()
 
     @property

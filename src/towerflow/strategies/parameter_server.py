@@ -2,8 +2,11 @@
 
 Article 003's roles: ps tasks hold the variables and apply updates; every worker pulls the
 parameters, computes gradients on its own device (its GPU when it has one) and pushes them;
-the chief (the ``chief`` job's task, else worker 0) initialises the parameters on the ps
-tasks, or restores them from a checkpoint, and the other workers wait until it has.
+the chief (the ``chief`` job's task, else worker 0) creates the sparse tables on the ps tasks
+before :meth:`~ParameterServer.prepare` returns (a forward, an evaluation or a checkpoint
+works from then on) and initialises the dense parameters, or restores both from a
+checkpoint, at its first forward, step or checkpoint; the other workers' ``prepare`` waits
+until it has.
 
 On the worker, each ps shard's parameters and gradients are one flat buffer: every
 parameter's ``.data`` and ``.grad`` are views into them, so a push sends the gradient buffer
@@ -19,11 +22,9 @@ An **elastic worker** (``join=True``; ``towerflow train --join``) is a process w
 cluster (``cluster=`` or ``TF_CONFIG`` with no ``task``) and its credentials but no task of
 its own in it. It joins a running ``async`` job (:mod:`~towerflow.strategies.ps_elastic`:
 ps task 0 gives its worker id), trains from the current parameters, never initialises,
-restores or saves (it is never the chief), runs no server, and leaves with ``Done`` when it
-shuts down, on an error and on SIGTERM too. It reads its data as a replica of its own (rank
-0 of 1). The job ends with its replicas, not with its elastic workers: once the ps tasks
-have ended, an elastic worker's next push fails with an ``UnavailableError`` saying so.
-Dense models only: a sparse table's shards count the cluster's replicas alone.
+restores or saves, runs no server, and leaves with ``Done`` when it shuts down (on an
+error and on SIGTERM too); it reads its data as a replica of its own (rank 0 of 1). Dense
+models only: a sparse table's shards count the cluster's replicas alone.
 
 A model's sparse tables are bound, created on the ps tasks, checkpointed and moved to and
 from one process by :mod:`~towerflow.strategies.ps_tables`.
@@ -206,16 +207,14 @@ class ParameterServer(Strategy):
         self._sigterm: Any = None  # an elastic worker's SIGTERM handler replaced
         self._bind_host = bind_host
         self._model: nn.Module | None = None
-        self._hooks: list[Any] = []  # on the model: its inputs to the device, settle()
+        self._hooks: list[Any] = []  # on the model: inputs to the device, settle(), the Init
         self._pending: Future | None = None
         self._unfinished = False  # stopped on an error (a missing peer...): no Done at shutdown
         self._checkpoint_step: int | None = None  # the chief's final checkpoint, for its Done
-        self._needs_init = False
-        self._initialised = False  # the chief: it initialised the ps tasks (or restored them)
+        self._needs_init = self._initialised = False  # the chief: Init to send / sent
         self._failure = ""  # the chief's error when it stopped before initialising: its Done says it
         self._restore: DenseRestore | None = None
-        self._step = 0
-        self._meta: dict[str, Any] = {}
+        self._step, self._meta = 0, {}
         self._sparse_threshold, self._tables = sparse_threshold_bytes, None
         self._table_part_bytes, self._table_restore = table_part_bytes, None
 
@@ -320,8 +319,11 @@ class ParameterServer(Strategy):
             self._carrier = DenseCarrier(model, self._tables, self.client,
                                          lambda result_of: self._take(self._outcome(result_of)),
                                          self._buffers.host_param_arrays)
-        if self._chief:
-            self._needs_init = True  # after a possible restore (load_state)
+        if self._chief:  # tables now; the dense Init after a possible restore (load_state)
+            if self._tables:
+                start_tables(self._tables, None)
+            self._hooks.append(model.register_forward_pre_hook(self._initialise, prepend=True))
+            self._needs_init = True
         else:
             self._step = self._client.wait_until_initialized(self._init_timeout)
             if self._elastic:
@@ -330,11 +332,8 @@ class ParameterServer(Strategy):
         return model
 
     def _push_timeout(self) -> float:
-        """Deadline of one attempt of a push: the step timeout and a call's deadline.
-
-        With ``step_timeout=None`` each attempt has a call's deadline and the
-        client sends the same push again (applied once) for as long as it takes.
-        """
+        """Deadline of one attempt of a push: the step timeout and a call's deadline (with
+        ``step_timeout=None`` a call's; the same push is sent again, applied once)."""
         wait = self.aggregation.timeout
         if wait is None or self._elastic:  # an elastic worker's async pushes never wait
             return self._timeout
@@ -352,6 +351,9 @@ class ParameterServer(Strategy):
                                        self._bind_host)
             self._owns_server = self._server is not None
 
+    def _initialise(self, *_: Any) -> None:  # the chief's first forward, before the tables' pulls
+        self._ensure_initialized()
+
     def _ensure_initialized(self) -> None:
         if not self._needs_init:
             return
@@ -359,7 +361,7 @@ class ParameterServer(Strategy):
         restore = self._restore or DenseRestore(buffers.host_params(), [], 0, 0, [])
         if self._tables:  # before the dense Init the other workers wait for
             pending, self._table_restore = self._table_restore, None
-            start_tables(self._tables, pending)
+            start_tables(self._tables, pending, again=True)
         self.client.initialize(restore.params, optimizer=self._opt, aggregation=self.aggregation,
                                step=restore.step, slots=restore.slots,
                                optimizer_step=restore.optimizer_step, pushes=restore.pushes)

@@ -99,20 +99,24 @@ def _check_no_meta(model: nn.Module, sparse_threshold: int | None) -> None:
         f"{way_out}, or build it with values.")
 
 
-def start_tables(tables: SparseTables, restore: tuple[Any, Any] | None) -> None:
+def start_tables(tables: SparseTables, restore: tuple[Any, Any] | None, *,
+                 again: bool = False) -> None:
     """(The chief) create the tables on the ps tasks, before the dense ``Init``.
 
     Args:
         tables: the model's tables.
         restore: what :func:`tables_to_restore` took from a checkpoint; None:
-            the tables start from their initializers.
+            the tables start from their initializers (or a module's own rows).
+        again: the tables were created already (when ``prepare`` returned): a
+            checkpoint's rows are imported over them, and rows a module was given
+            since (a checkpoint's weights) are shipped to every shard.
     """
     if restore:
         tables.release()  # the checkpoint's rows win over the modules' weights
         configs = [module.config for _, module in tables.modules]
         import_tables(tables.client, configs, *restore)
     else:
-        tables.initialize()
+        tables.initialize(everywhere=again)
 
 
 def table_groups(tables: SparseTables, part_bytes: int | None

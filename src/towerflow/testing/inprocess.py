@@ -20,13 +20,13 @@ __all__ = ["ps_tasks"]
 
 
 @contextlib.contextmanager
-def ps_tasks(credentials: Any, num_ps: int = 2) -> Iterator[ClusterSpec]:
+def ps_tasks(credentials: Any, num_ps: int = 2, num_workers: int = 1) -> Iterator[ClusterSpec]:
     """``num_ps`` full ps tasks (dense and table services) serving until the block ends.
 
-    Yields the cluster: the ps tasks and one ``worker`` slot, on free 127.0.0.1 ports.
+    Yields the cluster: the ps tasks and ``num_workers`` worker slots, on free 127.0.0.1 ports.
     Every server started is stopped on the way out, however the block ends.
     """
-    spec = loopback_cluster(num_ps, 1)
+    spec = loopback_cluster(num_ps, num_workers)
     servers: list[Server] = []
     try:
         for index in range(num_ps):

@@ -317,10 +317,10 @@ def test_a_model_prepared_again_pulls_through_its_new_strategy_only(start_ps_tas
         strategy = strategy_for(start_ps_tasks(SECRET))
         strategy.prepare(model, OptimizerConfig("adagrad", lr=0.05))
         try:
-            # the inputs to the model's device, the tables' pull ahead, then the strategy's
-            # (the dense push no pull carried)
+            # the chief's Init (first), the inputs to the model's device, the tables' pull
+            # ahead, then the strategy's (the dense push no pull carried)
             assert [h.__name__ for h in model._forward_pre_hooks.values()] == [
-                "_to_model_device", "_before", "_before_forward"]
+                "_initialise", "_to_model_device", "_before", "_before_forward"]
             for batch in batches(3):
                 strategy.run_step(loss, batch)
             assert strategy._tables.prefetcher.recordings == 1

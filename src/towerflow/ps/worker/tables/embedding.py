@@ -466,11 +466,12 @@ class SparseTables:
         if carried is not None:
             carried[1](replies)
 
-    def initialize(self) -> None:
+    def initialize(self, *, everywhere: bool = False) -> None:
         """Create every table on every ps task (the chief; idempotent).
 
         A table that starts from given rows (a module's weight) ships them to
-        the shards this call created (a shard that existed keeps its rows),
+        the shards this call created (a shard that existed keeps its rows;
+        ``everywhere``: to every shard, rows given after the tables were made),
         then forgets them.
         """
         fused = {t.name: [s for s, reply in enumerate(self.client.init_table(t))  # type: ignore[union-attr]
@@ -483,6 +484,8 @@ class SparseTables:
             else:
                 created = fused[view.table.name]
             start = module.take_start()
+            if start is not None and everywhere:
+                created = list(range(self.client.num_shards))  # type: ignore[union-attr]
             if start is not None and created:
                 ship_rows(self.client, module.config, *start, shards=created)  # type: ignore[arg-type]
 
