@@ -16,7 +16,9 @@ The contract:
   criterion ``loss_fn(outputs, targets) -> scalar tensor``, as
   ``nn.BCEWithLogitsLoss()``) and ``"optimizer"`` (a ``torch.optim`` SGD /
   Adagrad / Adam over the model's parameters, per-group learning rates
-  included, or an :class:`~towerflow.strategies.OptimizerConfig`). ``--loss``
+  included, or an :class:`~towerflow.strategies.OptimizerConfig`) and
+  ``"metrics"`` (names to ``fn(outputs, targets) -> float``, scored on the test
+  split). ``--loss``
   (``mse``, ``cross_entropy``, ``bce_with_logits``) names a loss instead;
   ``--optimizer`` and its flags describe the optimizer when the factory gives
   none.
@@ -26,9 +28,13 @@ The contract:
   of ``(inputs, targets)`` batches: ``inputs`` a tensor, a tuple of tensors
   (the model's positional arguments) or a dict of tensors (its keywords). It
   is called again for each epoch of the training split; a replica's share is
-  its to take (``rank`` of ``world_size``).
+  its to take (``rank`` of ``world_size``). A resumed run continues at the
+  batch its checkpoint recorded (:mod:`~towerflow.training.user_data`: the
+  iterable's ``state_dict()``, a ``skip`` keyword, or batches read and dropped).
 
-``towerflow eval`` prints the mean loss of the test split.
+``towerflow eval`` prints the mean loss of the test split and the metrics its
+loss implies (:mod:`~towerflow.training.user_metrics`: AUC and logloss for a
+binary cross entropy, accuracy for a cross entropy) and the factory's own.
 
 Example:
     >>> task = UserTask("torch.nn:Identity", "towerflow.testing:none", loss="mse")
@@ -42,7 +48,7 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +58,8 @@ from torch.nn import functional as F
 from towerflow.errors import InvalidArgumentError, NotFoundError
 from towerflow.training.names import LOSS_NAMES
 from towerflow.training.taskbase import DataOptions, Task
+from towerflow.training.user_data import FactoryBatches
+from towerflow.training.user_metrics import check_metrics, kind_of_loss, split_metrics
 
 __all__ = ["UserTask", "LOSSES", "DATA_KEYWORDS", "is_factory_spec", "load_factory"]
 
@@ -69,8 +77,8 @@ def _mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = dict(zip(
     LOSS_NAMES, (_mse, F.cross_entropy, _bce_with_logits), strict=True))
 #: the keywords a data factory may name
-DATA_KEYWORDS = ("split", "batch_size", "rank", "world_size", "seed", "epoch", "data_dir")
-_MODEL_KEYS = frozenset({"model", "loss_fn", "optimizer"})
+DATA_KEYWORDS = ("split", "batch_size", "rank", "world_size", "seed", "epoch", "data_dir", "skip")
+_MODEL_KEYS = frozenset({"model", "loss_fn", "optimizer", "metrics"})
 #: ``towerflow train``'s settings that describe the optimizer
 _OPTIMIZER_SETTINGS = frozenset({"optimizer", "lr", "momentum", "weight_decay", "adam_beta1",
                                  "adam_beta2", "eps", "initial_accumulator_value"})
@@ -135,31 +143,6 @@ def load_factory(spec: str, flag: str) -> Callable[..., Any]:
     return value
 
 
-class _FactoryBatches:
-    """The batches a data factory gives one replica: iterating again calls it again (an
-    epoch)."""
-
-    def __init__(self, task: UserTask, split: str, options: DataOptions, *, batch_size: int,
-                 rank: int, world_size: int, seed: int) -> None:
-        self._task, self.split, self._epoch = task, split, 0
-        self._values = {"split": split, "batch_size": batch_size, "rank": rank,
-                        "world_size": world_size, "seed": seed,
-                        "data_dir": str(options.data_dir)}
-
-    def bound(self, *, batch_size: int, rank: int, world_size: int) -> _FactoryBatches:
-        """The same split for another replica or batch size."""
-        copy = _FactoryBatches.__new__(_FactoryBatches)
-        copy._task, copy.split, copy._epoch = self._task, self.split, 0
-        copy._values = {**self._values, "batch_size": batch_size, "rank": rank,
-                        "world_size": world_size}
-        return copy
-
-    def __iter__(self) -> Iterator[Any]:
-        batches = self._task.call_data_factory({**self._values, "epoch": self._epoch})
-        self._epoch += 1
-        return iter(batches)
-
-
 class UserTask(Task):
     """A model and data of the user's own, from factories named ``package.module:name``.
 
@@ -196,6 +179,8 @@ class UserTask(Task):
         self.name, self.data, self.loss, self.seed = model, data, loss, seed
         self.optimizer_flags = tuple(optimizer_flags)
         self._criterion: Callable[[Any, Any], torch.Tensor] | None = None
+        self._kind: str | None = None  # what the loss says the outputs are (user_metrics)
+        self._metrics: dict[str, Callable[[Any, Any], Any]] = {}
         self._optimizer: Any = None
         self._data_factory: Callable[..., Any] | None = None
 
@@ -222,9 +207,10 @@ class UserTask(Task):
                 raise InvalidArgumentError(
                     f"--model {self.name} returned a mapping with keys {sorted(map(str, built))}"
                     f"; return an nn.Module, or a mapping with 'model' and optionally "
-                    "'loss_fn' and 'optimizer'.")
+                    "'loss_fn', 'optimizer' and 'metrics'.")
             model, criterion, optimizer = built["model"], built.get("loss_fn"), \
                 built.get("optimizer")
+            self._metrics = check_metrics(built.get("metrics"), self.name)
         else:
             model, criterion, optimizer = built, None, None
         if not isinstance(model, nn.Module):
@@ -244,6 +230,7 @@ class UserTask(Task):
                 f"--model {self.name} gives no loss; pass --loss ({', '.join(LOSSES)}), or "
                 "return {'model': model, 'loss_fn': criterion} from the factory.")
         self._criterion, self._optimizer = criterion, optimizer
+        self._kind = kind_of_loss(criterion, self.loss)
         return model
 
     def _checked_optimizer(self, optimizer: Any, model: nn.Module) -> Any:
@@ -274,17 +261,27 @@ class UserTask(Task):
                 f"--data {self.data} yielded a {type(batch).__name__} batch; yield "
                 "(inputs, targets) pairs.")
         inputs, targets = batch
+        return self._loss(_forward(model, inputs), targets)
+
+    def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         if self._criterion is None:
             raise InvalidArgumentError(f"The {self.name} task's loss is unknown until its "
                                        "model is built; call build_model() first.")
-        return self._criterion(_forward(model, inputs), targets)
+        return self._criterion(outputs, targets)
 
     # -- the data ----------------------------------------------------------------------
-    def call_data_factory(self, values: Mapping[str, Any]) -> Iterable[Any]:
-        """The data factory called with the keywords it names among ``values``."""
+    def names_keyword(self, name: str) -> bool:
+        """Whether the data factory names the keyword ``name`` (``skip``: it can resume)."""
+        return name in inspect.signature(self._factory()).parameters
+
+    def _factory(self) -> Callable[..., Any]:
         if self._data_factory is None:
             self._data_factory = load_factory(self.data, "--data")
-        factory = self._data_factory
+        return self._data_factory
+
+    def call_data_factory(self, values: Mapping[str, Any]) -> Iterable[Any]:
+        """The data factory called with the keywords it names among ``values``."""
+        factory = self._factory()
         params = inspect.signature(factory).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             kwargs = dict(values)
@@ -303,9 +300,10 @@ class UserTask(Task):
                 "list, a generator or a DataLoader.")
         return batches
 
-    def load(self, split: str, options: DataOptions) -> _FactoryBatches:
-        return _FactoryBatches(self, split, options, batch_size=128, rank=0, world_size=1,
-                               seed=self.seed)
+    def load(self, split: str, options: DataOptions) -> FactoryBatches:
+        return FactoryBatches(self, {"split": split, "batch_size": 128, "rank": 0,
+                                     "world_size": 1, "seed": self.seed,
+                                     "data_dir": str(options.data_dir)})
 
     def replica_data(self, data: Any, *, rank: int, world_size: int, batch_size: int) -> Any:
         return data.bound(batch_size=batch_size, rank=rank, world_size=world_size)
@@ -313,21 +311,36 @@ class UserTask(Task):
     @torch.no_grad()
     def scores(self, model: nn.Module, data: Any, *, device: torch.device,
                batch_size: int) -> dict[str, float]:
-        """The mean loss per example of the test split."""
+        """The mean loss per example of the test split, and the metrics of its outputs."""
         from towerflow.training.pipeline import to_device
 
         model.eval()
         total, count = 0.0, 0
+        keep = self._kind is not None or bool(self._metrics)
+        outputs_seen: list[torch.Tensor] = []
+        targets_seen: list[torch.Tensor] = []
         for batch in data.bound(batch_size=batch_size, rank=0, world_size=1):
+            if not isinstance(batch, tuple | list) or len(batch) != 2:
+                self.loss_fn(model, batch)  # says what a batch must be
             inputs, targets = to_device(batch, device)
+            outputs = _forward(model, inputs)
             n = int(targets.shape[0]) if targets.dim() else 1
-            total += float(self.loss_fn(model, (inputs, targets))) * n
+            total += float(self._loss(outputs, targets)) * n
             count += n
+            if keep and isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor):
+                outputs_seen.append(outputs.detach().float().cpu())
+                targets_seen.append(targets.detach().cpu())
+            else:
+                keep = False
         if count == 0:
             raise InvalidArgumentError(f"--data {self.data} yielded no test batch; return the "
                                        "test split's batches for split='test'.")
         self._test_examples = count
-        return {self.metric: total / count}
+        scores = {self.metric: total / count}
+        if keep:
+            scores.update(split_metrics(self._kind, self._metrics, torch.cat(outputs_seen),
+                                        torch.cat(targets_seen)))
+        return scores
 
     def score(self, model: nn.Module, data: Any, *, device: torch.device,
               batch_size: int) -> float:
