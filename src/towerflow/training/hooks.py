@@ -354,7 +354,25 @@ class Hook:
         """Called once when the loop stops (``error`` is what stopped it, if anything)."""
 
 
-class StepLogHook(Hook):
+class _PeriodicHook(Hook):
+    """A hook that acts on the loss every ``self._period`` steps (:class:`StepPeriod`)."""
+
+    _period: StepPeriod
+
+    def wants_loss(self, step: int) -> bool:
+        return self._period.due(step)
+
+    def after_step(self, ctx: StepContext) -> None:
+        if ctx.loss is None or not self._period.due(ctx.step):
+            return
+        self._period.fired(ctx.step)
+        self._report(ctx)
+
+    def _report(self, ctx: StepContext) -> None:
+        """Act at ``ctx`` (a due step whose loss was read)."""
+
+
+class StepLogHook(_PeriodicHook):
     """Print ``<time>: step N, loss = ...`` every ``every`` steps (chief only)."""
 
     def __init__(self, every: int = 10, stream: TextIO | None = None) -> None:
@@ -371,13 +389,7 @@ class StepLogHook(Hook):
         self._chief = trainer.strategy.is_chief
         self._batches = trainer.strategy.batches_per_step
 
-    def wants_loss(self, step: int) -> bool:
-        return self._period.due(step)
-
-    def after_step(self, ctx: StepContext) -> None:
-        if ctx.loss is None or not self._period.due(ctx.step):
-            return
-        self._period.fired(ctx.step)
+    def _report(self, ctx: StepContext) -> None:
         examples_per_sec, sec_per_batch = self._rate.read(ctx.step, ctx.global_batch,
                                                           self._batches)
         if self._chief:
@@ -385,7 +397,7 @@ class StepLogHook(Hook):
             print(line, file=self.stream or sys.stdout, flush=True)
 
 
-class SummaryHook(Hook):
+class SummaryHook(_PeriodicHook):
     """TensorBoard scalars and histograms every ``every`` steps (chief only).
 
     With ps tasks (a ``ParameterServer`` strategy) the scalars include the
@@ -412,13 +424,7 @@ class SummaryHook(Hook):
             self._writer = self._factory()
             self._cluster = ChiefClusterScalars()
 
-    def wants_loss(self, step: int) -> bool:
-        return self._period.due(step)
-
-    def after_step(self, ctx: StepContext) -> None:
-        if ctx.loss is None or not self._period.due(ctx.step):
-            return
-        self._period.fired(ctx.step)
+    def _report(self, ctx: StepContext) -> None:
         examples_per_sec, _ = self._rate.read(ctx.step, ctx.global_batch)
         if self._writer is None or self._trainer is None:
             return

@@ -340,11 +340,16 @@ def _check_tensors(table: str, shard: int, part: int, n: int, tensors: Mapping[s
     if int(ids[0]) <= after or (n > 1 and not bool((ids[1:] > ids[:-1]).all())):
         raise CheckpointError(f"{where}: its ids do not rise strictly from the shard's earlier "
                               f"parts (an id is repeated or out of order); {_RESTORE}.")
+    _check_owned(where, ids, partitioner, shard)
+    return int(ids[-1])
+
+
+def _check_owned(where: str, ids: torch.Tensor, partitioner: Partitioner, shard: int) -> None:
+    """Every id of a part belongs to its shard (else the checkpoint is damaged)."""
     try:
         partitioner.local_index(ids, shard)
     except InvalidArgumentError as exc:
         raise CheckpointError(f"{where}: {exc} {_RESTORE}.") from None
-    return int(ids[-1])
 
 
 def _check_counters(where: str, tensors: Mapping[str, Any], partitioner: Partitioner,
@@ -358,10 +363,7 @@ def _check_counters(where: str, tensors: Mapping[str, Any], partitioner: Partiti
             (counts.numel() and int(counts.min()) < 0):
         raise CheckpointError(f"{where}: its admission counters are not as many int64 ids "
                               f"and counts >= 0; {_RESTORE}.")
-    try:
-        partitioner.local_index(ids, shard)
-    except InvalidArgumentError as exc:
-        raise CheckpointError(f"{where}: {exc} {_RESTORE}.") from None
+    _check_owned(where, ids, partitioner, shard)
 
 
 def checked_parts(reader: ChunkedReader | None, saved: Any
