@@ -31,9 +31,22 @@ features, MLP 200-200-200, batches of 512 with Zipf(1.2) ids per field:
   so that the dense path can run at all;
 - ``twotables``: the same model with its fields fused into two tables by hand
   (ids offset per field), what a many-table model must cost about as much as;
+- ``rows``: ``whole_table_bytes=None`` (every table's rows on the ps, small ones too);
 
 against the same model in one process with one thread (``torch.optim.Adagrad``
 over its sparse and dense gradients).
+
+``movielens`` (``--workload movielens``): the MovieLens-100k-shaped DeepFM of
+``towerflow train movielens`` (7 fields: users 944, movies 1,683, age 8, gender 3,
+occupation 22, zip 1,001 and a bag of 3 of 23 genres; 14 tables of 16 and of 1
+values, 3 to 1,683 rows), batches of 512, Adagrad, written two ways:
+
+- ``sparse``: ``DeepFM(..., sparse=True)`` (its ``nn.Embedding(sparse=True)``);
+- ``plain``: ``DeepFM(..., sparse=False)`` (plain ``nn.Embedding``);
+- ``rows``: ``sparse=True`` with ``whole_table_bytes=None`` (every table's rows on the
+  ps, the path ``sparse=True`` took before small tables travelled whole);
+
+against the plain model in one process with one thread.
 
 Each round runs every variant and the baselines one after the other; the
 figures are the medians over rounds. Commands::
@@ -41,6 +54,7 @@ figures are the medians over rounds. Commands::
     python benchmarks/recsys_launch.py --workload click --tf-python /tmp/tfvenv/bin/python --repeats 3
     python benchmarks/recsys_launch.py --workload deepfm --repeats 3        # default, twotables
     python benchmarks/recsys_launch.py --workload deepfm --variants default,dense --dense-rows-cap 20000
+    python benchmarks/recsys_launch.py --workload movielens --variants sparse,plain,rows --repeats 3
 """
 
 from __future__ import annotations
@@ -136,6 +150,30 @@ class TwoTableDeepFM(nn.Module):
         return self.bias + first + second + self.dense(dense).squeeze(1) + self.mlp(deep).squeeze(1)
 
 
+#: the MovieLens-100k fields' rows (users, movies, age, gender, occupation, zip, genres)
+MOVIELENS_ROWS = [944, 1683, 8, 3, 22, 1001, 23]
+
+
+def movielens_batches(count: int, seed: int) -> list:
+    """Batches of the MovieLens-shaped DeepFM: one id per field, a bag of 3 genres."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        fields = [torch.from_numpy(rng.integers(1, n, size=DEEPFM_BATCH))
+                  for n in MOVIELENS_ROWS[:-1]]
+        fields.append(torch.from_numpy(rng.integers(1, MOVIELENS_ROWS[-1],
+                                                    size=(DEEPFM_BATCH, 3))))
+        out.append((fields, None, ((fields[0] + fields[1]) % 2).float()))
+    return out
+
+
+def movielens_model(variant: str) -> nn.Module:
+    from towerflow.models.deepfm import DeepFM
+
+    torch.manual_seed(0)
+    return DeepFM(MOVIELENS_ROWS, DEEPFM_DIM, sparse=variant == "sparse")
+
+
 def deepfm_loss(model: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
     fields, dense, labels = batch
     return F.binary_cross_entropy_with_logits(model(fields, dense), labels)
@@ -152,13 +190,18 @@ def task(args: argparse.Namespace) -> None:
     if info.job_name == "ps":
         towerflow.Server(cluster, job_name="ps", task_index=info.task_index).join()
         return
-    options = {"sparse_threshold_bytes": None} if args.variant == "dense" else {}
+    options = {"dense": {"sparse_threshold_bytes": None},
+               "rows": {"whole_table_bytes": None}}.get(args.variant, {})
     strategy = ParameterServer(cluster, info, **options)
     if args.workload == "click":
         model = click_model(args.variant, args.rows)
         batches: list = zipf_batches(args.rows, 50, info.task_index)
         loss = click_loss
         examples = 512
+    elif args.workload == "movielens":
+        model = movielens_model("plain" if args.variant == "plain" else "sparse")
+        batches = movielens_batches(20, info.task_index)
+        loss, examples = deepfm_loss, DEEPFM_BATCH
     else:
         rows = deepfm_rows(args.dense_rows_cap)
         model = TwoTableDeepFM(rows) if args.variant == "twotables" else deepfm_model(rows)
@@ -208,10 +251,12 @@ def launch(args: argparse.Namespace, variant: str) -> dict:
 def deepfm_ceiling(args: argparse.Namespace) -> float:
     """Examples/s of the same DeepFM in one process, one thread, plain PyTorch."""
     torch.set_num_threads(1)
-    rows = deepfm_rows(args.dense_rows_cap)
-    model = deepfm_model(rows)
+    if args.workload == "movielens":  # the plain model: the faster one in one process
+        model, batches = movielens_model("plain"), movielens_batches(20, 0)
+    else:
+        rows = deepfm_rows(args.dense_rows_cap)
+        model, batches = deepfm_model(rows), deepfm_batches(rows, 20, 0)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05, initial_accumulator_value=0.1)
-    batches = deepfm_batches(rows, 20, 0)
     for batch in batches[:3]:
         optimizer.zero_grad()
         deepfm_loss(model, batch).backward()
@@ -239,7 +284,7 @@ def baseline(args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("click", "deepfm"), default="click")
+    parser.add_argument("--workload", choices=("click", "deepfm", "movielens"), default="click")
     parser.add_argument("--variants", default=None,
                         help="comma-separated (click: sparse,plain,sharded; deepfm: default,twotables,dense)")
     parser.add_argument("--rows", type=int, default=1_000_000, help="click: the table's rows")
@@ -259,8 +304,8 @@ def main() -> None:
         print(ceiling(args.rows, args.seconds) if args.workload == "click"
               else deepfm_ceiling(args))
         return
-    variants = (args.variants or ("sparse,plain,sharded" if args.workload == "click"
-                                  else "default,twotables")).split(",")
+    variants = (args.variants or {"click": "sparse,plain,sharded", "movielens": "sparse,plain"}
+                .get(args.workload, "default,twotables")).split(",")
     figures: dict[str, list[float]] = {v: [] for v in [*variants, "one process", "tensorflow"]}
     threads: dict[str, set] = {v: set() for v in variants}
     for index in range(args.repeats):

@@ -51,6 +51,9 @@ def _ps_strategy(*flags: str):  # noqa: ANN202
     (["--sparse-threshold", "1MiB"], lambda s: s._sparse_threshold, 1048576),
     (["--sparse-threshold", "off"], lambda s: s._sparse_threshold, None),
     ([], lambda s: s._sparse_threshold, 64 << 20),
+    (["--whole-tables", "64KiB"], lambda s: s._whole_below, 65536),
+    (["--whole-tables", "off"], lambda s: s._whole_below, None),
+    ([], lambda s: s._whole_below, 256 << 10),
     (["--table-part-bytes", "4KiB"], lambda s: s._table_part_bytes, 4096),
 ])
 def test_each_ps_flag_reaches_the_parameter_server_strategy(flags, read, expected) -> None:
@@ -213,5 +216,7 @@ def test_a_settings_file_turns_the_sparse_tables_off_with_a_bare_off(tmp_path) -
     parser = add_train_arguments(argparse.ArgumentParser())
     settings = yaml.safe_load("sparse_threshold: off\n")  # YAML 1.1: false
     assert convert_settings(parser, settings, "run.yaml")["sparse_threshold"] == "off"
+    whole = yaml.safe_load("whole_tables: off\n")
+    assert convert_settings(parser, whole, "run.yaml")["whole_tables"] == "off"
     with pytest.raises(InvalidArgumentError, match=r"'lots' is not a valid byte_count_or_off"):
         convert_settings(parser, {"sparse_threshold": "lots"}, "run.yaml")

@@ -75,7 +75,7 @@ def trained(tmp_path_factory):
     manager = CheckpointManager(root / "train", max_to_keep=None)
     stages = []
     with ps_tasks(SECRET) as spec:
-        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET,
                                    device="cpu", server=False, table_part_bytes=256)
         try:
             model = Click()
@@ -259,7 +259,7 @@ def test_the_click_example_trained_on_the_ps_exports_through_torch_export(tmp_pa
 
     manager = CheckpointManager(tmp_path / "train")
     with ps_tasks(SECRET) as spec:
-        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET,
                                    device="cpu", server=False)
         try:
             model = ClickNet(400, 8, sparse_gradients=True)  # its table swapped for the ps's

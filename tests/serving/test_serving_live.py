@@ -66,7 +66,7 @@ def _save(strategy: ParameterServer, manager: CheckpointManager):
 def job(tmp_path):
     """A running job: (cluster JSON file, secret file, train dir, strategy, model)."""
     with ps_tasks(CREDENTIALS) as spec:
-        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=CREDENTIALS,
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=CREDENTIALS,
                                    device="cpu", server=False, table_part_bytes=256)
         try:
             model = Model()
@@ -185,7 +185,7 @@ def raw_batch(seed: int):
 
 def test_a_live_export_of_a_dynamic_table_equals_a_checkpoints(tmp_path) -> None:
     with ps_tasks(CREDENTIALS) as spec:
-        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=CREDENTIALS,
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=CREDENTIALS,
                                    device="cpu", server=False)
         try:
             strategy.prepare(Raw(), OptimizerConfig("adagrad", lr=0.3))

@@ -66,7 +66,7 @@ def labelled(seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def strategy_for(spec: Any, rank: int = 0) -> ParameterServer:
-    return ParameterServer(spec, TaskInfo("worker", rank), credentials=SECRET, device="cpu",
+    return ParameterServer(spec, TaskInfo("worker", rank), whole_table_bytes=None, credentials=SECRET, device="cpu",
                            server=False)
 
 

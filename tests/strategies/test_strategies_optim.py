@@ -136,7 +136,7 @@ def test_ps_table_rows_and_dense_variables_take_their_groups_rates(start_ps_task
     expected = plain_pytorch()
     spec = start_ps_tasks(SECRET)
     m = model()
-    strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+    strategy = ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET, device="cpu",
                                server=False, mode="sync")
     try:
         strategy.prepare(m, adagrad(m))
@@ -157,7 +157,7 @@ def test_ps_table_rows_and_dense_variables_take_their_groups_rates(start_ps_task
 
 
 def _ps_prepare(spec, m: nn.Module, optimizer) -> None:
-    strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+    strategy = ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET, device="cpu",
                                server=False)
     try:
         strategy.prepare(m, optimizer)

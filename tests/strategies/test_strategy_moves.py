@@ -42,7 +42,7 @@ def batch(seed: int):
 
 
 def _ps(spec) -> ParameterServer:
-    return ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+    return ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET, device="cpu",
                            server=False)
 
 

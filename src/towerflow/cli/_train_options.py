@@ -38,6 +38,7 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "ps_prefetch": ("ps", "prefetch"), "dense_with_rows": ("ps", "dense_with_rows"),
     "bind": ("ps", "bind_host"),
     "sparse_threshold": ("ps", "sparse_threshold_bytes"),
+    "whole_tables": ("ps", "whole_table_bytes"),
     "table_part_bytes": ("ps", "table_part_bytes"),
     "join": ("ps", "join"), "max_elastic_workers": ("ps", "max_elastic_workers"),
     "backend": ("mirrored", "backend"), "collective_timeout": ("mirrored", "timeout_s"),
@@ -214,6 +215,11 @@ def _add_ps_arguments(group: Any) -> None:
                        help="make every nn.Embedding / nn.EmbeddingBag declared sparse=True or "
                        "of this many bytes or more a sparse table sharded over the ps tasks "
                        "(only a batch's rows travel; e.g. 16MiB); 'off': none; default: 64MiB")
+    group.add_argument("--whole-tables", type=byte_count_or_off, default=None,
+                       metavar="BYTES|off",
+                       help="a sparse=True embedding smaller than this travels whole with the "
+                       "dense variables when its optimizer updates it alike (sgd, adagrad), "
+                       "faster than as rows; 'off': every one as rows; default: 256KiB")
     group.add_argument("--table-part-bytes", type=byte_count, default=None, metavar="BYTES",
                        help="bytes of a sparse table's rows and slots per checkpoint file "
                        "(what saving or restoring a table holds at once); default: 64MiB")
@@ -313,9 +319,10 @@ def byte_count_or_off(text: str) -> int | str:
 def _keyword_value(dest: str, value: Any) -> tuple[bool, Any]:
     """Whether the strategy takes ``dest``'s keyword, and its value there.
 
-    ``--sparse-threshold`` not given: the strategy's default; ``off``: None (none).
+    ``--sparse-threshold`` / ``--whole-tables`` not given: the strategy's default; ``off``:
+    None (none).
     """
-    if dest == "sparse_threshold":
+    if dest in ("sparse_threshold", "whole_tables"):
         return value is not None, None if value == "off" else value
     return True, value
 

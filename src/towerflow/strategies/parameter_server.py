@@ -64,7 +64,7 @@ from towerflow.ps.worker.dense.variables import (
     dense_restore,
 )
 from towerflow.ps.worker.tables.prefetch import host_copies
-from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD
+from towerflow.ps.worker.tables.swap import DEFAULT_SPARSE_THRESHOLD, SMALL_TABLE_BYTES
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strategy
 from towerflow.strategies.ps_carry import DenseCarrier
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
@@ -102,18 +102,14 @@ class ParameterServer(Strategy):
             ``device_setter`` given instead places them by its own rule.
         partition_threshold_bytes: variables above this are split across ps tasks.
         timeout: deadline of each call to a ps task, seconds.
-        step_timeout: how long a sync / ssp push may wait for the other workers,
-            seconds; None: for ever (the push is sent again after each call
-            deadline, and a line is logged every few attempts).
+        step_timeout: how long a sync / ssp push may wait for the other workers, seconds;
+            None: for ever (sent again after each call deadline, logged every few tries).
         init_timeout: how long a non-chief waits for the chief to initialise.
         on_bad_gradient: ``raise`` or ``skip`` a NaN / inf gradient.
-        prefetch: push and pull in the background while the loop prepares the
-            next batch (the reported global step then lags by one push).
+        prefetch: push and pull in the background while the loop prepares the next batch.
         is_chief: override the cluster's rule (the ``chief`` task, else worker 0).
-        device_setter: a :func:`towerflow.replica_device_setter` result; its
-            placement and worker device are used. Not needed for a model built
-            inside ``towerflow.device(replica_device_setter(...))``: its
-            parameters stay on the ps tasks the setter gave them.
+        device_setter: a :func:`towerflow.replica_device_setter` result (its placement and
+            worker device; a model built under it keeps the ps tasks it was given).
         server: this task's running ``Server`` (used, not stopped); True
             (default): start one in :meth:`prepare` and stop it in
             :meth:`shutdown` — if it cannot listen (the port is taken, or a
@@ -131,10 +127,11 @@ class ParameterServer(Strategy):
             from the module's own values, announced by one line each; None:
             none (only explicit ``ShardedEmbedding`` modules). One module stays
             dense with ``towerflow.ps.keep_dense(module)``.
+        whole_table_bytes: a ``sparse=True`` embedding under this (256 KiB) travels whole with
+            the dense variables when its optimizer updates it alike (faster); None: rows.
         table_part_bytes: bytes of a sparse table's rows and slots per checkpoint
             file (default 64 MiB): saving or restoring a table holds one such part.
-        join: join a running async job as an elastic worker (see above); ``task``
-            must then be None.
+        join: join a running async job as an elastic worker (see above; ``task`` None).
         max_elastic_workers: (the chief) how many elastic workers each ps task
             admits at once (async mode; 0: none).
         dense_with_rows: async, a model with tables and small dense shards (a click
@@ -156,6 +153,7 @@ class ParameterServer(Strategy):
                  device_setter: Any = None, server: Any = True,
                  bind_host: str | None = None,
                  sparse_threshold_bytes: int | None = DEFAULT_SPARSE_THRESHOLD,
+                 whole_table_bytes: int | None = SMALL_TABLE_BYTES,
                  table_part_bytes: int | None = None, join: bool = False,
                  max_elastic_workers: int = DEFAULT_MAX_ELASTIC,
                  dense_with_rows: bool = True) -> None:
@@ -216,6 +214,7 @@ class ParameterServer(Strategy):
         self._restore: DenseRestore | None = None
         self._step, self._meta = 0, {}
         self._sparse_threshold, self._tables = sparse_threshold_bytes, None
+        self._whole_below = whole_table_bytes
         self._table_part_bytes, self._table_restore = table_part_bytes, None
 
     # -- facts ---------------------------------------------------------------------------
@@ -282,6 +281,7 @@ class ParameterServer(Strategy):
         optimizer = as_optimizer_config(optimizer, model)  # names before tables are swapped in
         self._tables = attach_tables(  # sparse tables: rows on the ps
             model, optimizer, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
+            whole_below=self._whole_below,
             chief=self._chief, credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
             aggregation=self.aggregation)
         if self._elastic and self._tables:

@@ -33,7 +33,7 @@ from towerflow.ps.worker.tables.checkpoint import (
     import_tables,
 )
 from towerflow.ps.worker.tables.embedding import SparseTables
-from towerflow.ps.worker.tables.swap import describe_swap, swap_embeddings
+from towerflow.ps.worker.tables.swap import describe_swap, keep_small_tables, swap_embeddings
 
 __all__ = ["attach_tables", "start_tables", "table_groups", "table_weights", "tables_from_weights",
            "tables_to_restore"]
@@ -42,7 +42,7 @@ log = logging.getLogger("towerflow.ps")
 
 
 def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
-                  sparse_threshold: int | None, chief: bool,
+                  sparse_threshold: int | None, chief: bool, whole_below: int | None = None,
                   **client_options: Any) -> SparseTables:
     """Swap ``sparse=True`` and large embeddings and bind the model's tables.
 
@@ -57,6 +57,8 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
         cluster: the ``ClusterSpec``; the tables are sharded over its ps tasks.
         sparse_threshold: see ``ParameterServer(sparse_threshold_bytes=)``; None:
             only explicit ``ShardedEmbedding`` modules.
+        whole_below: see ``ParameterServer(whole_table_bytes=)``; None: no
+            ``sparse=True`` module travels whole.
         chief: this worker initialises the tables.
         **client_options: the :class:`~towerflow.ps.worker.tables.client.TableClient`'s.
 
@@ -67,6 +69,8 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
         InvalidArgumentError: a parameter built on the meta device (no values)
             stays dense: only a table on the ps may start without values.
     """
+    for _, line in keep_small_tables(model, optimizer, sparse_threshold, whole_below):
+        log.warning("%s", line)
     swapped = swap_embeddings(model, sparse_threshold)
     _check_no_meta(model, sparse_threshold)
     addresses = [cluster.task_address("ps", i) for i in range(cluster.num_tasks("ps"))]

@@ -59,7 +59,7 @@ def click_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def worker(spec, **options) -> ParameterServer:
-    return ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+    return ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET, device="cpu",
                            server=False, **options)
 
 

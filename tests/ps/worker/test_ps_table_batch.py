@@ -59,7 +59,7 @@ def loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def strategy_for(spec, **options) -> ParameterServer:
-    return ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+    return ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET, device="cpu",
                            server=False, **options)
 
 

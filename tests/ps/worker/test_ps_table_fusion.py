@@ -80,7 +80,7 @@ def batches(count: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def train(spec, model: nn.Module, steps: list[torch.Tensor]) -> ParameterServer:
-    strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+    strategy = ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET, device="cpu",
                                server=False, table_part_bytes=256)
     strategy.prepare(model, OptimizerConfig("adagrad", lr=0.3))
     for ids in steps:
@@ -126,7 +126,8 @@ def test_a_checkpoint_holds_each_table_by_name_and_restores_into_another_layout(
     infos = read_checkpoint(path).chunked[TABLES_GROUP].infos
     assert {i["table"] for i in infos} == {"user", "item", "genre"}
     # built in another order: the fused table's layout (every offset) differs
-    strategy = ParameterServer(start_ps_tasks(SECRET), TaskInfo("worker", 0), credentials=SECRET,
+    strategy = ParameterServer(start_ps_tasks(SECRET), TaskInfo("worker", 0), whole_table_bytes=None,
+                               credentials=SECRET,
                                device="cpu", server=False)
     strategy.prepare(Fields(order=("genre", "item", "user")), OptimizerConfig("adagrad", lr=0.3))
     try:

@@ -54,7 +54,7 @@ def batch(num_rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def strategy_for(spec, **options) -> ParameterServer:
-    return ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET, device="cpu",
+    return ParameterServer(spec, TaskInfo("worker", 0), whole_table_bytes=None, credentials=SECRET, device="cpu",
                            server=False, **options)
 
 

@@ -20,8 +20,15 @@ of the same shape that starts from the module's own values:
   ``requires_grad=False``) is served and never updated;
 - the ``padding_idx`` row keeps its value and takes no update.
 
-A module that should stay dense says so with :func:`keep_dense`; the
-strategy's ``sparse_threshold_bytes=None`` swaps none. ``max_norm``,
+A ``sparse=True`` module whose weight is small (under
+:data:`SMALL_TABLE_BYTES`, 256 KiB, or the strategy's threshold when that is
+lower) is kept whole instead (:func:`keep_small_tables`): its weight travels
+with the dense variables in the step's one dense push and pull, which costs
+less than the rows' share of a row request (``benchmarks/sparse_default_threshold.py``:
+a 64 KiB bag 1.55x and a 256 KiB one 1.72x faster whole than as rows), as
+long as the optimizer updates it alike either way (sgd without momentum,
+adagrad; no weight decay). A module that should stay dense says so with
+:func:`keep_dense`; the strategy's ``sparse_threshold_bytes=None`` swaps none. ``max_norm``,
 ``scale_grad_by_freq`` and ``include_last_offset`` have no row-wise form and
 are refused with the way out.
 
@@ -33,7 +40,7 @@ logger (seen with Python's default logging, and by ``towerflow train``), e.g.
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,7 +48,8 @@ from torch import nn
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 
-__all__ = ["DEFAULT_SPARSE_THRESHOLD", "DENSE_ATTRIBUTE", "INITIALIZER_ATTRIBUTE", "keep_dense", "swap_embeddings",
+__all__ = ["DEFAULT_SPARSE_THRESHOLD", "DENSE_ATTRIBUTE", "INITIALIZER_ATTRIBUTE",
+           "SMALL_TABLE_BYTES", "keep_dense", "keep_small_tables", "swap_embeddings",
            "describe_swap"]
 
 log = logging.getLogger("towerflow.ps")
@@ -50,6 +58,13 @@ log = logging.getLogger("towerflow.ps")
 #: from about the bytes of the rows one batch touches (1 MiB for 8,192 ids of 128-byte rows,
 #: benchmarks/sparse_default_threshold.py); this keeps a factor of 64 above that
 DEFAULT_SPARSE_THRESHOLD = 64 << 20
+#: a ``sparse=True`` weight below this many bytes travels whole with the dense variables:
+#: below the crossover of benchmarks/sparse_default_threshold.py (about 1 MiB for a batch of
+#: 8,192 ids; 0.25 MiB whole is 1.72x faster than as rows), where a table's fixed share of a
+#: row request costs more than moving all its rows
+SMALL_TABLE_BYTES = 256 << 10
+#: the optimizers whose dense update leaves a row with a zero gradient as the row-wise one does
+_ALIKE = ("sgd", "adagrad")
 #: the attribute :func:`keep_dense` sets on a module
 DENSE_ATTRIBUTE = "towerflow_dense"
 #: the attribute naming a meta-built module's row initializer
@@ -79,6 +94,43 @@ def _should_swap(module: nn.Module, threshold_bytes: int | None) -> bool:
         return False
     weight = module.weight
     return bool(module.sparse) or weight.numel() * weight.element_size() >= threshold_bytes
+
+
+def keep_small_tables(model: nn.Module, optimizer: Any, threshold_bytes: int | None,
+                      whole_below: int | None = SMALL_TABLE_BYTES) -> list[tuple[str, str]]:
+    """Keep each small ``sparse=True`` embedding whole (a dense parameter; its ``sparse``
+    turned off) when its weight's optimizer updates it alike either way.
+
+    Small: under ``whole_below`` (default :data:`SMALL_TABLE_BYTES`) and under
+    ``threshold_bytes``. Returns the kept modules' paths with the line that announces each.
+    """
+    if threshold_bytes is None or not whole_below:
+        return []
+    small = min(whole_below, threshold_bytes)
+    names = {id(p): n for n, p in model.named_parameters()}
+    kept = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Embedding | nn.EmbeddingBag) or not module.sparse \
+                or getattr(module, DENSE_ATTRIBUTE, False):
+            continue
+        weight = module.weight
+        nbytes = weight.numel() * weight.element_size()
+        if nbytes >= small or weight.is_meta or not _updated_alike(optimizer,
+                                                                    names.get(id(weight))):
+            continue
+        module.sparse = False  # its gradient a dense one, as the flat gradient buffer holds
+        kept.append((path, f"{path!r} {module.num_embeddings:,} x {module.embedding_dim} "
+                           f"({_size(nbytes)}) -> whole with the dense variables: sparse=True, "
+                           f"but under {_size(small)} its rows cost less moved whole than as "
+                           "a row request (towerflow.ps.ShardedEmbedding keeps it rows)"))
+    return kept
+
+
+def _updated_alike(optimizer: Any, param: str | None) -> bool:
+    """Whether ``optimizer`` updates ``param``'s untouched rows as a row-wise one does (not)."""
+    settings = optimizer.settings_of(param) if param is not None else {}
+    return getattr(optimizer, "name", None) in _ALIKE and not settings.get("momentum") \
+        and not settings.get("weight_decay")
 
 
 def _refuse_options(path: str, module: nn.Module) -> None:
