@@ -76,7 +76,7 @@ def test_an_unknown_setting_names_the_closest_and_every_known_one(tmp_path, caps
     err = capsys.readouterr().err
     assert re.match(rf"towerflow train: error: --config {re.escape(config)}: unknown setting "
                     r"'replica_to_aggregate'; did you mean 'replicas_to_aggregate'\? known "
-                    r"settings: adam_beta1, adam_beta2, backend, batch_size, .*, weight_decay\.$",
+                    r"settings: adam_beta1, adam_beta2, backend, batch_size, .*, weight_decay, whole_tables\.$",
                     err), err
     assert "config," not in err  # a config file cannot name another one
 
