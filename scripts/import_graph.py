@@ -1,68 +1,43 @@
 #!/usr/bin/env python3
 """The package-level import graph of towerflow: for each package, the packages it imports.
 
-A package is ``towerflow.X`` (and ``towerflow.ps.Y`` / ``towerflow.ps.Y.Z`` inside the ps wing);
-a module at a package's root counts as that package. Reads the source as text (ast), runs nothing.
+A package is ``towerflow.X``, and inside the ps wing ``towerflow.ps.Y`` (``spec``, ``wire``,
+``server``, ``worker``) and ``towerflow.ps.server.Z`` / ``towerflow.ps.worker.Z``; a module
+at a package's root counts as that package. The graph is import-linter's own (grimp), built
+from the installed source without running it.
 
-Usage: python scripts/import_graph.py [src]
+Usage: python scripts/import_graph.py
 """
 
 from __future__ import annotations
 
-import ast
-import sys
 from collections import defaultdict
-from pathlib import Path
+
+import grimp
 
 
-def package_of(module: str) -> str:
-    """The package ``module`` (a dotted name; ``pkg.__init__`` for a package's own file) counts in."""
+def package_of(module: str, packages: set[str]) -> str:
+    """The deepest package of the picture that holds ``module``."""
     parts = module.split(".")
-    if parts[-1] == "__init__":
-        parts = parts[:-1] + ["__init__"] if len(parts) > 2 else parts[:-1]
-    if parts[:2] == ["towerflow", "ps"]:
-        # towerflow.ps.server.dense.shard -> towerflow.ps.server.dense
-        depth = 4 if len(parts) > 4 and parts[2] in ("server", "worker") else 3
-        return ".".join(parts[:depth]) if len(parts) > depth else ".".join(parts[:-1]) or module
-    return ".".join(parts[:2]) if len(parts) > 2 else ".".join(parts)
+    depth = 4 if parts[:2] == ["towerflow", "ps"] and parts[2:3] in (["server"], ["worker"]) \
+        else 3 if parts[:2] == ["towerflow", "ps"] else 2
+    for cut in range(min(depth, len(parts)), 2, -1):
+        if ".".join(parts[:cut]) in packages:
+            return ".".join(parts[:cut])
+    return ".".join(parts[:2])  # a top-level package or module (towerflow.errors)
 
 
-def main(src: str = "src") -> None:
-    root = Path(src)
-    modules = {}
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root).with_suffix("")
-        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        modules[name] = path
+def main() -> None:
+    graph = grimp.build_graph("towerflow")
+    packages = {m for m in graph.modules if graph.find_children(m)}
     edges: dict[str, set[str]] = defaultdict(set)
-    for name, path in modules.items():
-        is_pkg = path.name == "__init__.py"
-        here = package_of(name + ".__init__") if is_pkg else package_of(name)
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    pkg = name if is_pkg else name.rpartition(".")[0]
-                    for _ in range(node.level - 1):
-                        pkg = pkg.rpartition(".")[0]
-                    base = f"{pkg}.{base}" if base else pkg
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                           for a in node.names]
-            for target in targets:
-                if not target.startswith("towerflow"):
-                    continue
-                while target not in modules and "." in target:
-                    target = target.rpartition(".")[0]
-                there = (package_of(target + ".__init__")
-                         if modules.get(target, Path()).name == "__init__.py" else package_of(target))
-                if there != here:
-                    edges[here].add(there)
-    for package in sorted({package_of(m) for m in modules} | set(edges)):
-        print(f"{package} -> {', '.join(sorted(edges.get(package, ()))) or '(nothing)'}")
+    for module in graph.modules:
+        here = package_of(module, packages)
+        edges[here] |= {package_of(m, packages)
+                        for m in graph.find_modules_directly_imported_by(module)} - {here}
+    for package in sorted(edges):
+        print(f"{package} -> {', '.join(sorted(edges[package])) or '(nothing)'}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()

@@ -35,6 +35,7 @@ from towerflow.ps.partition import check_ids
 from towerflow.ps.server.tables.stores import row_store_from_dict
 from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.tables import describe_table_spec, table_spec
 from towerflow.ps.worker.tables.dynamic import DynamicEmbedding as _ClusterDynamicEmbedding
 
 __all__ = ["DynamicEmbedding", "LocalTableClient"]
@@ -54,13 +55,8 @@ class LocalTableClient:
 
     def __init__(self, config: TableConfig) -> None:
         self.config = config
-        description = {"kind": "dynamic", "partitioner": config.partitioner.to_dict(),
-                       "dim": config.dim, "dtype": str(config.dtype).removeprefix("torch."),
-                       "optimizer": dict(config.optimizer),
-                       "initializer": dict(config.initializer),
-                       "options": {k: v for k, v in (config.store or {}).items()
-                                   if k != "kind"}}
-        self.stores = [row_store_from_dict({**description, "shard": shard})
+        # each shard's store as a ps task builds it from the table's TableSpec message
+        self.stores = [row_store_from_dict(describe_table_spec(table_spec(config, shard)))
                        for shard in range(config.partitioner.num_shards)]
 
     def pull(self, config: TableConfig, ids: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,8 @@ def test_the_ps_defaults_are_the_strategy_defaults() -> None:
     built = _ps_strategy()
     plain = ParameterServer(*resolve_cluster(env=PS_ENV), server=False)
     for name in ("aggregation", "_ps_strategy", "_threshold", "_timeout", "_init_timeout",
-                 "_policy", "_prefetch", "_sparse_threshold", "_table_part_bytes"):
+                 "_policy", "_prefetch", "_sparse_threshold", "_table_part_bytes", "_whole_below",
+                 "_dense_with_rows"):
         ours, theirs = getattr(built, name), getattr(plain, name)
         assert ours == theirs, name
 

@@ -214,3 +214,13 @@ def test_closing_the_log_writes_every_open_count_and_leaves_no_timer(caplog):
         "refused call to /a: no credentials (and 4 more in the last 3600 s)"]
     assert not [t for t in threading.enumerate()
                 if isinstance(t, threading.Timer) and t.function == log._close]
+
+
+def test_a_warning_after_close_is_written_at_once_with_no_timer(caplog):
+    log = RateLimitedLog(logging.getLogger("towerflow.cluster"), interval=3600)
+    log.close()
+    with caplog.at_level(logging.WARNING, logger="towerflow.cluster"):
+        log.warning("late", "refused call to %s: no credentials", "/late")
+    assert [r.getMessage() for r in caplog.records] == ["refused call to /late: no credentials"]
+    assert not [t for t in threading.enumerate()
+                if isinstance(t, threading.Timer) and t.function == log._close]

@@ -20,11 +20,12 @@ from towerflow.training.tasks import get_task
 AUC = re.compile(r"^AUC = (\d\.\d{3})$", re.MULTILINE)
 
 
-def _towerflow(python: str, env: dict[str, str], *args: str, timeout: float = 240) -> str:
+def _towerflow(python: str, env: dict[str, str], *args: str, timeout: float = 240
+               ) -> tuple[str, str]:
     proc = subprocess.run([python, "-m", "towerflow", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return proc.stdout, proc.stderr
 
 
 @torch.no_grad()
@@ -41,11 +42,17 @@ def _predictions(model: torch.nn.Module, test) -> torch.Tensor:  # type: ignore[
 def test_the_movielens_day_train_eval_export_serve(tmp_path, subprocess_env, python) -> None:
     data, run, export = tmp_path / "data", tmp_path / "run", tmp_path / "export"
     write_ml100k(data / "ml-100k")  # u.data, u.user, u.item: even users like even movies
-    _towerflow(python, subprocess_env, "train", "movielens", "--ps", "2", "--workers", "2",
-               "--data-dir", str(data), "--train-dir", str(run), "--max-steps", "60",
-               "--batch-size", "64", "--summary-every", "0", "--no-progress")
+    said = "".join(_towerflow(python, subprocess_env, "train", "movielens", "--ps", "2",
+                              "--workers", "2", "--data-dir", str(data), "--train-dir", str(run),
+                              "--max-steps", "60", "--batch-size", "64", "--summary-every", "0",
+                              "--no-progress"))
+    # the model's sparse=True tables are small: each travels whole, and says so
+    for table in ("embeddings.0", "embeddings.1"):
+        assert re.search(rf"\[worker:0\] .*'{re.escape(table)}' [\d,]+ x \d+ \(.+\) -> whole "
+                         rf"with the dense variables: sparse=True, but under", said), said[-3000:]
+    assert "-> rows on" not in said, said[-3000:]
     printed = AUC.search(_towerflow(python, subprocess_env, "eval", "--train-dir", str(run),
-                                    "--device", "/cpu:0"))
+                                    "--device", "/cpu:0")[0])
     assert printed is not None and float(printed.group(1)) > 0.75
     _towerflow(python, subprocess_env, "export", "--train-dir", str(run), "--out", str(export))
 

@@ -74,6 +74,24 @@ def rows_on_ps(module: Any, count: int) -> torch.Tensor:
     return module.client.pull(module.config, torch.arange(count))
 
 
+def test_the_chiefs_model_deep_copies_and_its_small_tables_serve_a_forward_whole() -> None:
+    """The default path (these tables are small: whole with the dense variables)."""
+    with ps_tasks(SECRET) as spec:
+        model = ThreeTables()
+        local = copy.deepcopy(model)
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+                                   device="cpu", server=False)
+        try:
+            strategy.prepare(model, OptimizerConfig("adagrad", lr=0.1))
+            twin = copy.deepcopy(model)  # the chief's Init hook holds no strategy to copy
+            with torch.no_grad():
+                torch.testing.assert_close(model(*inputs(1)), local(*inputs(1)))
+                torch.testing.assert_close(twin(*inputs(1)), local(*inputs(1)))
+            assert strategy.global_step == 0
+        finally:
+            strategy.shutdown()
+
+
 @pytest.mark.parametrize("num_ps", [1, 2])
 def test_tables_hold_the_modules_own_rows_when_prepare_returns(num_ps: int) -> None:
     with ps_tasks(SECRET, num_ps) as spec:

@@ -100,8 +100,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         metavar="real|synthetic|MODULE:FACTORY",
                         help="'synthetic': random CIFAR-10-shaped images, for speed runs "
                         "or with no network; MODULE:FACTORY: your own model's data, a function "
-                        "of (split, batch_size, rank, world_size, seed, epoch, data_dir: those "
-                        "it names) returning an iterable of (inputs, targets) batches")
+                        "of (split, batch_size, rank, world_size, seed, epoch, data_dir, skip: "
+                        "those it names) returning an iterable of (inputs, targets) batches")
     parser.add_argument("--loss", choices=LOSS_NAMES, default=None,
                         help="the loss of your own model (--model MODULE:FACTORY); default: "
                         "the loss_fn its factory returns")

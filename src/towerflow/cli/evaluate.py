@@ -12,7 +12,8 @@ examples (a sparse table the ps tasks held is read from the checkpoint's
 parts); for movielens and criteo, ``AUC = 0.781`` and ``logloss = 0.5312``
 on the test split (the latest ratings or lines); for your own model
 (``--model MODULE:FACTORY``), ``loss = 0.4123``, the mean loss of its data
-factory's test split. Exits non-zero with a message naming the directory when it holds no
+factory's test split, with ``AUC`` and ``logloss`` for a binary cross entropy,
+``accuracy`` for a cross entropy and the metrics the model factory names. Exits non-zero with a message naming the directory when it holds no
 checkpoint.
 
 The model and the test split come from the run's record: ``towerflow

@@ -142,6 +142,7 @@ class RateLimitedLog:
         self.interval = interval
         self._windows: dict[str, list[Any]] = {}  # kind -> [message, args, suppressed, timer]
         self._lock = threading.Lock()
+        self._closed = False  # after close(): every warning written at once, no timer
 
     def warning(self, kind: str, msg: str, *args: Any) -> None:
         """Warn ``msg % args`` unless ``kind`` was warned within the window (then count it)."""
@@ -149,6 +150,9 @@ class RateLimitedLog:
             window = self._windows.get(kind)
             if window is not None:
                 window[2] += 1
+                return
+            if self._closed:
+                self._log.warning(msg, *args)
                 return
             timer = threading.Timer(self.interval, self._close, (kind,))
             timer.daemon = True
@@ -168,12 +172,14 @@ class RateLimitedLog:
         """End every open window now: its count is written and its timer thread ends (the
         server that owns this log calls it when it stops)."""
         with self._lock:
+            self._closed = True
             kinds = list(self._windows)
         for kind in kinds:
             window = self._windows.get(kind)
             if window is not None:
                 window[3].cancel()
-                window[3].join()  # a timer that fired already has written its line
+                if window[3] is not threading.current_thread():
+                    window[3].join(timeout=5.0)  # a timer that fired has written its line
             self._close(kind)
 
 

@@ -37,7 +37,7 @@ Example (a ps task, as the article's ``server.join()``)::
 
 from __future__ import annotations
 
-from towerflow._lazy import lazy_getattr
+from towerflow._lazy import lazy_dir, lazy_getattr
 from towerflow.ps.placement import (
     DeviceSetter,
     Placement,
@@ -92,3 +92,4 @@ _LAZY = {
 }
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
+__dir__ = lazy_dir(globals(), __all__)

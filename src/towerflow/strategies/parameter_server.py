@@ -72,6 +72,7 @@ from towerflow.strategies.ps_peers import task_server, wait_for_workers
 from towerflow.strategies.ps_placement import plan_variables
 from towerflow.strategies.ps_tables import (
     attach_tables,
+    check_whole_tables,
     start_tables,
     table_groups,
     tables_from_weights,
@@ -322,7 +323,9 @@ class ParameterServer(Strategy):
         if self._chief:  # tables now; the dense Init after a possible restore (load_state)
             if self._tables:
                 start_tables(self._tables, None)
-            self._hooks.append(model.register_forward_pre_hook(self._initialise, prepend=True))
+            def _initialise(*_: Any) -> None:  # the first forward inits, before the tables' pulls
+                self._ensure_initialized()  # (a closure, so that deepcopy(model) works)
+            self._hooks.append(model.register_forward_pre_hook(_initialise, prepend=True))
             self._needs_init = True
         else:
             self._step = self._client.wait_until_initialized(self._init_timeout)
@@ -334,10 +337,8 @@ class ParameterServer(Strategy):
     def _push_timeout(self) -> float:
         """Deadline of one attempt of a push: the step timeout and a call's deadline (with
         ``step_timeout=None`` a call's; the same push is sent again, applied once)."""
-        wait = self.aggregation.timeout
-        if wait is None or self._elastic:  # an elastic worker's async pushes never wait
-            return self._timeout
-        return wait + self._timeout
+        wait = self.aggregation.timeout  # (an elastic worker's async pushes never wait)
+        return self._timeout if wait is None or self._elastic else wait + self._timeout
 
     @property
     def server(self) -> Any:
@@ -351,16 +352,13 @@ class ParameterServer(Strategy):
                                        self._bind_host)
             self._owns_server = self._server is not None
 
-    def _initialise(self, *_: Any) -> None:  # the chief's first forward, before the tables' pulls
-        self._ensure_initialized()
-
     def _ensure_initialized(self) -> None:
         if not self._needs_init:
             return
         buffers = self._buffers
         restore = self._restore or DenseRestore(buffers.host_params(), [], 0, 0, [])
-        if self._tables:  # before the dense Init the other workers wait for
-            pending, self._table_restore = self._table_restore, None
+        pending, self._table_restore = self._table_restore, None  # tables: made at prepare,
+        if self._tables and (pending or self._tables.holds_starts()):  # restored here if need be
             start_tables(self._tables, pending, again=True)
         self.client.initialize(restore.params, optimizer=self._opt, aggregation=self.aggregation,
                                step=restore.step, slots=restore.slots,
@@ -519,6 +517,7 @@ class ParameterServer(Strategy):
             raise InvalidArgumentError(
                 f"The checkpoint has no 'model' group (groups: {sorted(groups)})."
             )
+        check_whole_tables(self._model, metadata)
         rest = tables_from_weights(self._tables, groups, model_group, chief=self._chief)
         load_into_module(self._model, rest)  # checks names, shapes, dtypes
         if not self._chief:

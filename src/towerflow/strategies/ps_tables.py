@@ -33,7 +33,13 @@ from towerflow.ps.worker.tables.checkpoint import (
     import_tables,
 )
 from towerflow.ps.worker.tables.embedding import SparseTables
-from towerflow.ps.worker.tables.swap import describe_swap, keep_small_tables, swap_embeddings
+from towerflow.ps.worker.tables.swap import (
+    SMALL_TABLE_BYTES,
+    WHOLE_ATTRIBUTE,
+    describe_swap,
+    keep_small_tables,
+    swap_embeddings,
+)
 
 __all__ = ["attach_tables", "start_tables", "table_groups", "table_weights", "tables_from_weights",
            "tables_to_restore"]
@@ -42,7 +48,8 @@ log = logging.getLogger("towerflow.ps")
 
 
 def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
-                  sparse_threshold: int | None, chief: bool, whole_below: int | None = None,
+                  sparse_threshold: int | None, chief: bool,
+                  whole_below: int | None = SMALL_TABLE_BYTES,
                   **client_options: Any) -> SparseTables:
     """Swap ``sparse=True`` and large embeddings and bind the model's tables.
 
@@ -69,7 +76,9 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
         InvalidArgumentError: a parameter built on the meta device (no values)
             stays dense: only a table on the ps may start without values.
     """
-    for _, line in keep_small_tables(model, optimizer, sparse_threshold, whole_below):
+    aggregation = client_options.get("aggregation")
+    for line in keep_small_tables(model, optimizer, sparse_threshold, whole_below,
+                                  mode=getattr(aggregation, "mode", "async")):
         log.warning("%s", line)
     swapped = swap_embeddings(model, sparse_threshold)
     _check_no_meta(model, sparse_threshold)
@@ -101,6 +110,22 @@ def _check_no_meta(model: nn.Module, sparse_threshold: int | None) -> None:
         f"stay{'s' if len(meta) == 1 else ''} on the worker as dense parameters ({threshold}): "
         "only an embedding that becomes a sparse table on the ps tasks may be built on meta. "
         f"{way_out}, or build it with values.")
+
+
+def check_whole_tables(model: nn.Module, metadata: Mapping[str, Any] | None) -> None:
+    """Refuse a checkpoint that holds as rows a table this run keeps whole.
+
+    Raises:
+        InvalidArgumentError: such a table, named with the way to resume it.
+    """
+    saved = (metadata or {}).get(TABLES_KEY) or {}
+    whole = [path for path, module in model.named_modules()
+             if getattr(module, WHOLE_ATTRIBUTE, False) and path in saved]
+    if whole:
+        raise InvalidArgumentError(
+            f"The checkpoint holds {', '.join(map(repr, whole))} as rows on the ps tasks, and "
+            "this run keeps them whole with the dense variables (small sparse=True tables); "
+            "resume it with whole_table_bytes=None (--whole-tables off) to keep them rows.")
 
 
 def start_tables(tables: SparseTables, restore: tuple[Any, Any] | None, *,

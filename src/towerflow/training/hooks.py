@@ -357,7 +357,15 @@ class Hook:
 class _PeriodicHook(Hook):
     """A hook that acts on the loss every ``self._period`` steps (:class:`StepPeriod`)."""
 
-    _period: StepPeriod
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._rate = _Rate(0)
+        self._period = StepPeriod(every)
+
+    def begin(self, trainer: TrainerView) -> None:
+        """Count from the step the loop starts at."""
+        self._rate = _Rate(trainer.global_step)
+        self._period = StepPeriod(self.every, trainer.global_step)
 
     def wants_loss(self, step: int) -> bool:
         return self._period.due(step)
@@ -376,16 +384,13 @@ class StepLogHook(_PeriodicHook):
     """Print ``<time>: step N, loss = ...`` every ``every`` steps (chief only)."""
 
     def __init__(self, every: int = 10, stream: TextIO | None = None) -> None:
-        self.every = every
+        super().__init__(every)
         self.stream = stream
-        self._rate = _Rate(0)
-        self._period = StepPeriod(every)
         self._chief = True
         self._batches = 1
 
     def begin(self, trainer: TrainerView) -> None:
-        self._rate = _Rate(trainer.global_step)
-        self._period = StepPeriod(self.every, trainer.global_step)
+        super().begin(trainer)
         self._chief = trainer.strategy.is_chief
         self._batches = trainer.strategy.batches_per_step
 
@@ -406,18 +411,15 @@ class SummaryHook(_PeriodicHook):
     """
 
     def __init__(self, writer_factory: Any, every: int = 100) -> None:
-        self.every = every
+        super().__init__(every)
         self._factory = writer_factory
         self._writer: SummaryWriter | None = None
         self._trainer: TrainerView | None = None
-        self._rate = _Rate(0)
-        self._period = StepPeriod(every)
         self._cluster: Any = None
 
     def begin(self, trainer: TrainerView) -> None:
+        super().begin(trainer)
         self._trainer = trainer
-        self._rate = _Rate(trainer.global_step)
-        self._period = StepPeriod(self.every, trainer.global_step)
         if trainer.strategy.is_chief:
             from towerflow.ps.worker.observe import ChiefClusterScalars
 

@@ -285,7 +285,7 @@ class _FieldTask(Task):
     def scores(self, model: nn.Module, data: Any, *, device: torch.device,
                batch_size: int) -> dict[str, float]:
         """AUC and logloss (scikit-learn's) of the predicted click probabilities."""
-        from sklearn.metrics import log_loss, roc_auc_score
+        from towerflow.training.user_metrics import binary_scores
 
         model.eval()
         probs = []
@@ -293,12 +293,8 @@ class _FieldTask(Task):
             fields, dense, _ = data.batch(slice(start, start + batch_size))
             logits = model([f.to(device) for f in fields], dense.to(device))
             probs.append(torch.sigmoid(logits).double().cpu())
-        labels, p = data.labels.numpy(), torch.cat(probs).numpy()
-        if labels.min() == labels.max():
-            raise InvalidArgumentError(f"The {self.name} test split holds one class only "
-                                       f"({int(labels[0])}); AUC needs both: test on more data.")
-        return {"AUC": float(roc_auc_score(labels, p)),
-                "logloss": float(log_loss(labels, p, labels=[0, 1]))}
+        return binary_scores(data.labels, torch.cat(probs), one_class="raise",
+                             what=f"the {self.name} test split")
 
     def score(self, model: nn.Module, data: Any, *, device: torch.device,
               batch_size: int) -> float:

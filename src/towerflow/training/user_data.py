@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -113,23 +114,24 @@ class FactoryBatches:
         resume, self._resume = self._resume, None
         skip = int(resume["batch"]) if resume else 0
         values = {**self._values, "epoch": self._epoch}
-        skipped_by_factory = bool(skip) and self._task.names_keyword("skip")
+        # the iterable's own state places it, else the factory's skip, else reading and dropping
+        own_state = resume is not None and "iterable" in resume
+        skipped_by_factory = bool(skip) and not own_state and self._task.names_keyword("skip")
         if skipped_by_factory:
             values["skip"] = skip
         batches = self._task.call_data_factory(values)
         own = _json_state(batches, self._task.data)  # refused before the first batch
         self._now, self._current = {"epoch": self._epoch, "batch": skip}, batches
         self._epoch += 1
-        if resume is not None and "iterable" in resume:
+        if own_state:
             if own is None:
                 raise InvalidArgumentError(
                     f"The checkpoint holds the state_dict() of --data {self._task.data}'s "
                     f"iterable, and the {type(batches).__name__} it returns now has no "
                     "load_state_dict(); return the same kind of iterable as when it was "
                     "trained.")
-            batches.load_state_dict(resume["iterable"])
-            skip = 0
-        return self._counted(iter(batches), 0 if skipped_by_factory else skip)
+            batches.load_state_dict(resume["iterable"])  # type: ignore[index]
+        return self._counted(iter(batches), 0 if own_state or skipped_by_factory else skip)
 
     def _counted(self, batches: Iterator[Any], skip: int) -> Iterator[Any]:
         if skip:
@@ -137,12 +139,7 @@ class FactoryBatches:
                         "the batches before it (name a 'skip' keyword in the factory, or give "
                         "its iterable state_dict() / load_state_dict(), to start there at "
                         "once)", self._task.data, skip, self._now["epoch"])
-            for _ in range(skip):
-                if next(batches, _END) is _END:
-                    return
-        for batch in batches:
+        for batch in itertools.islice(batches, skip, None):
             self._now["batch"] += 1
             yield batch
 
-
-_END = object()

@@ -28,8 +28,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.training.names import LOSS_KINDS
 
-__all__ = ["kind_of_loss", "check_metrics", "split_metrics"]
+__all__ = ["kind_of_loss", "check_metrics", "split_metrics", "binary_scores"]
 
 log = logging.getLogger("towerflow.training")
 
@@ -42,10 +43,11 @@ _CLASSES = (nn.CrossEntropyLoss, F.cross_entropy)
 def kind_of_loss(criterion: Any, name: str | None = None) -> str | None:
     """``"logits"``, ``"probs"`` or ``"classes"`` for a criterion whose metrics are known
     (``name``: the ``--loss`` it came from), else None (the loss alone is reported)."""
-    for kind, known, names in (("logits", _LOGITS, ("bce_with_logits",)), ("probs", _PROBS, ()),
-                               ("classes", _CLASSES, ("cross_entropy",))):
-        if name in names or criterion in known or isinstance(
-                criterion, tuple(k for k in known if isinstance(k, type))):
+    if name is not None:
+        return LOSS_KINDS.get(name)
+    for kind, known in (("logits", _LOGITS), ("probs", _PROBS), ("classes", _CLASSES)):
+        if criterion in known or isinstance(criterion, tuple(k for k in known
+                                                             if isinstance(k, type))):
             return kind
     return None
 
@@ -67,21 +69,36 @@ def check_metrics(metrics: Any, factory: str) -> dict[str, Callable[[Any, Any], 
     return dict(metrics)
 
 
-def _binary(kind: str, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+def binary_scores(labels: torch.Tensor, probs: torch.Tensor, *, one_class: str = "warn",
+                  what: str = "the test split") -> dict[str, float]:
+    """``AUC`` and ``logloss`` (scikit-learn's) of click probabilities ``probs`` against 0/1
+    ``labels``. A split of one class has no AUC: ``one_class="warn"`` says so in one line and
+    reports the logloss alone, ``"raise"`` refuses.
+
+    Raises:
+        InvalidArgumentError: one class only, with ``one_class="raise"``.
+    """
     from sklearn.metrics import log_loss, roc_auc_score
 
-    scores = outputs.double().reshape(-1)
-    p = torch.sigmoid(scores) if kind == "logits" else scores.clamp(0.0, 1.0)
-    labels = targets.double().reshape(-1)
-    if p.numel() != labels.numel():
-        return {}
-    out = {"logloss": float(log_loss(labels.numpy(), p.numpy(), labels=[0, 1]))}
-    if labels.min() == labels.max():
-        log.warning("the test split holds one class only (%d): no AUC; test on more data",
-                    int(labels[0]))
-    else:
-        out = {"AUC": float(roc_auc_score(labels.numpy(), p.numpy())), **out}
+    y, p = labels.double().reshape(-1).numpy(), probs.double().reshape(-1).numpy()
+    out = {"logloss": float(log_loss(y, p, labels=[0, 1]))}
+    if y.min() != y.max():
+        return {"AUC": float(roc_auc_score(y, p)), **out}
+    if one_class == "raise":
+        raise InvalidArgumentError(f"{what[:1].upper()}{what[1:]} holds one class only "
+                                   f"({int(y[0])}); AUC needs both: test on more data.")
+    log.warning("%s holds one class only (%d): no AUC; test on more data", what, int(y[0]))
     return out
+
+
+def _binary(kind: str, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    scores = outputs.double().reshape(-1)
+    if scores.numel() != targets.numel():
+        log.warning("the model's outputs %s and the targets %s differ in size: no AUC or "
+                    "logloss", tuple(outputs.shape), tuple(targets.shape))
+        return {}
+    return binary_scores(targets, torch.sigmoid(scores) if kind == "logits"
+                         else scores.clamp(0.0, 1.0))
 
 
 def _accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -89,6 +106,8 @@ def _accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     truth = targets.argmax(-1) if targets.is_floating_point() and targets.shape == outputs.shape \
         else targets
     if predicted.shape != truth.shape:
+        log.warning("the predicted classes %s and the targets %s differ in shape: no accuracy",
+                    tuple(predicted.shape), tuple(truth.shape))
         return {}
     return {"accuracy": float((predicted == truth).double().mean())}
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -62,6 +63,8 @@ from towerflow.training.user_data import FactoryBatches
 from towerflow.training.user_metrics import check_metrics, kind_of_loss, split_metrics
 
 __all__ = ["UserTask", "LOSSES", "DATA_KEYWORDS", "is_factory_spec", "load_factory"]
+
+log = logging.getLogger("towerflow.training")
 
 
 def _bce_with_logits(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -327,11 +330,16 @@ class UserTask(Task):
             n = int(targets.shape[0]) if targets.dim() else 1
             total += float(self._loss(outputs, targets)) * n
             count += n
-            if keep and isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor):
+            if not keep:
+                continue
+            if isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor):
                 outputs_seen.append(outputs.detach().float().cpu())
                 targets_seen.append(targets.detach().cpu())
             else:
                 keep = False
+                log.warning("--model %s returns a %s (targets: %s), not tensors: its test "
+                            "split's loss alone is reported", self.name,
+                            type(outputs).__name__, type(targets).__name__)
         if count == 0:
             raise InvalidArgumentError(f"--data {self.data} yielded no test batch; return the "
                                        "test split's batches for split='test'.")

@@ -83,10 +83,10 @@ def test_small_sparse_tables_travel_whole_and_say_so(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if "->" in r.getMessage()]
     assert lines[:2] == [
         f"'user' 943 x 16 (60.4 kB) -> whole with the dense variables: sparse=True, but under "
-        f"{SMALL_TABLE_BYTES / 1000:.3g} kB its rows cost less moved whole than as a row request "
+        f"{SMALL_TABLE_BYTES >> 10} KiB its rows cost less moved whole than as a row request "
         "(towerflow.ps.ShardedEmbedding keeps it rows)",
         "'item' 1,682 x 16 (108 kB) -> whole with the dense variables: sparse=True, but under "
-        "262 kB its rows cost less moved whole than as a row request "
+        "256 KiB its rows cost less moved whole than as a row request "
         "(towerflow.ps.ShardedEmbedding keeps it rows)"]
     assert lines[2] == "'tag' 8,192 x 16 (524 kB) -> rows on 2 ps tasks, row-wise adagrad"
 
@@ -98,6 +98,41 @@ def test_whole_and_rows_train_alike(name: str) -> None:
     _, rows = trained(optimizer, whole_table_bytes=None)
     for table in ("user", "item"):
         torch.testing.assert_close(whole[table], rows[table], rtol=1e-5, atol=1e-6)
+
+
+def test_sync_mode_keeps_the_row_path() -> None:
+    """A sync step averages a row over the replicas that pushed it, a dense variable over all."""
+    model, _ = trained(OptimizerConfig("adagrad", lr=0.1), steps=1, mode="sync")
+    assert isinstance(model.user, ShardedEmbedding) and isinstance(model.item, ShardedEmbedding)
+
+
+def test_a_checkpoint_of_these_tables_as_rows_is_refused_with_the_way_out(tmp_path) -> None:
+    from towerflow.checkpoint import CheckpointManager
+    from towerflow.errors import InvalidArgumentError
+    from towerflow.training.session import checkpoint_metadata, restore_latest
+
+    manager = CheckpointManager(tmp_path / "rows")
+    with ps_tasks(SECRET) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+                                   device="cpu", server=False, whole_table_bytes=None)
+        try:
+            strategy.prepare(Ratings(), OptimizerConfig("adagrad", lr=0.1))
+            strategy.run_step(loss_fn, batch(0))
+            groups = strategy.state_dict()
+            metadata = checkpoint_metadata(strategy)
+            manager.save(metadata["step"], groups, metadata)
+        finally:
+            strategy.shutdown()
+    with ps_tasks(SECRET) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
+                                   device="cpu", server=False)
+        try:
+            strategy.prepare(Ratings(), OptimizerConfig("adagrad", lr=0.1))
+            with pytest.raises(InvalidArgumentError, match=r"'user', 'item' as rows .*"
+                                                           r"--whole-tables off"):
+                restore_latest(manager, strategy)
+        finally:
+            strategy.shutdown()
 
 
 def test_an_optimizer_that_would_update_untouched_rows_keeps_the_row_path(caplog) -> None:

@@ -69,6 +69,7 @@ __all__ = [
     "make_sparse_optimizer",
     "sparse_optimizer_from_dict",
     "sparse_optimizer_for",
+    "updates_untouched_rows_alike",
     "ROW_COUNTERPARTS",
 ]
 
@@ -378,6 +379,26 @@ def sparse_optimizer_from_dict(data: Mapping[str, Any]) -> SparseOptimizer:
 ROW_COUNTERPARTS = {"sgd": "sgd", "momentum": "sgd", "adagrad": "adagrad", "adam": "lazy_adam"}
 
 
+#: the dense optimizers whose update leaves a row with a zero gradient as the row-wise one does
+_UNTOUCHED_ALIKE = ("sgd", "adagrad")
+
+
+def _group_of(config: Any, param: str | None) -> tuple[Any, dict[str, Any], Any, Any]:
+    """``config``'s name, ``param``'s group settings, its momentum and its weight decay."""
+    name = getattr(config, "name", None)
+    settings_of = getattr(config, "settings_of", None)
+    own = settings_of(param) if param is not None and settings_of is not None else {}
+    return (name, own, own.get("momentum", getattr(config, "momentum", 0.0)),
+            own.get("weight_decay", getattr(config, "weight_decay", 0.0)))
+
+
+def updates_untouched_rows_alike(config: Any, param: str | None = None) -> bool:
+    """Whether the dense ``config`` leaves the rows a batch did not touch as its row-wise
+    counterpart does (unchanged): sgd without momentum, adagrad; no weight decay."""
+    name, _, momentum, weight_decay = _group_of(config, param)
+    return name in _UNTOUCHED_ALIKE and not momentum and not weight_decay
+
+
 def sparse_optimizer_for(config: Any, param: str | None = None) -> dict[str, Any]:
     """The row-wise optimizer's description for a dense ``OptimizerConfig``.
 
@@ -390,11 +411,7 @@ def sparse_optimizer_for(config: Any, param: str | None = None) -> dict[str, Any
         InvalidArgumentError: momentum or weight decay, which TensorFlow's sparse
             updates do not have; give the table an optimizer of its own.
     """
-    name = getattr(config, "name", None)
-    settings_of = getattr(config, "settings_of", None)
-    own = settings_of(param) if param is not None and settings_of is not None else {}
-    momentum = own.get("momentum", getattr(config, "momentum", 0.0))
-    weight_decay = own.get("weight_decay", getattr(config, "weight_decay", 0.0))
+    name, own, momentum, weight_decay = _group_of(config, param)
     if weight_decay or momentum or name not in ROW_COUNTERPARTS:
         groups = getattr(config, "param_settings", {})
         which = f" (the parameter group of {param!r})" if param in groups else ""

@@ -10,7 +10,7 @@ this package; it imports neither of them (an import contract in
   :mod:`~towerflow.ps.wire.tables_pb2` (regenerate them with
   ``python -m grpc_tools.protoc -Isrc --python_out=src
   src/towerflow/ps/wire/ps.proto src/towerflow/ps/wire/tables.proto``;
-  ``tests/test_ps_wire_protos.py`` checks they match);
+  ``tests/ps/wire/test_ps_wire_protos.py`` checks they match);
 - :mod:`~towerflow.ps.wire.calls` — the service's name and methods, the call
   sequence by role, the status codes of a push, the aggregation modes and the
   elastic worker ids;
@@ -30,7 +30,7 @@ this package; it imports neither of them (an import contract in
   one encode (:func:`~towerflow.ps.wire.tensors.encode`, or its view
   :func:`~towerflow.ps.wire.tensors.raw_bytes`) and one decode
   (:func:`~towerflow.ps.wire.tensors.decode`) for the tables of both halves
-  (this module imports torch; the others do not);
+  (this module and :mod:`~towerflow.ps.wire.tables` import torch; the others do not);
 - :mod:`~towerflow.ps.wire.finite` — the NaN / inf scans of a push's float32
   payload, run by the sender (``PushRequest.finite``) and by the shard.
 

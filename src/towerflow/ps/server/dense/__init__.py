@@ -39,7 +39,7 @@ The path of one dense push, whatever carried its bytes:
    and registers the push with ``Admission.begin_push`` (``admission.py``: the
    push table; a retry gets its answer; the header is checked by
    ``checks.check_header``); ``_accept`` takes the payload chunk by chunk
-   (``buffers.receive_into``):
+   (:func:`~towerflow.ps.wire.framing.receive_into`):
 
    - async / ssp: each chunk under ``Admission.holding``, checked by
      ``DenseStore.scan`` and ``DenseStore.check_update``, applied by

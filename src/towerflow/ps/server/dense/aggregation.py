@@ -90,12 +90,11 @@ from towerflow.ps.server.dense import checks
 from towerflow.ps.server.dense.admission import Admission
 from towerflow.ps.server.dense.store import DenseStore
 from towerflow.ps.server.pushes import Pending
-from towerflow.ps.wire.calls import APPLIED, DEFAULT_TIMEOUT, MODES, REFUSED, STALE, VOIDED, bounded
+from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED, bounded
 from towerflow.ps.wire.framing import receive_into
 from towerflow.ps.wire.messages import AggregationConfig, PushHeader, PushOutcome
 
-__all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator", "MODES",
-           "DEFAULT_TIMEOUT", "STALL_SECONDS"]
+__all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator", "STALL_SECONDS"]
 
 #: sync: seconds an admitted push may send no chunk, part summed, while another replica waits
 #: to be admitted, before the step is voided

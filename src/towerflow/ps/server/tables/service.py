@@ -113,22 +113,23 @@ class TableService:
     Args:
         task_index: the ps task's index; an ``InitTable`` for another shard
             is refused. None: any shard (tests serving several in one process).
-        workers: the job's current workers, whose pushes the tables take and
-            keep records of (:class:`~towerflow.ps.server.tables.records.JobWorkers`;
-            :meth:`serve_beside` points it at the task's dense shard). None: any id.
-        dense: the task's dense shard service (:meth:`serve_beside`); None: none yet.
+
+    Attributes:
+        workers: the job's current workers, whose pushes the tables take and keep
+            records of (:class:`~towerflow.ps.server.tables.records.JobWorkers`: any id
+            until :meth:`serve_beside` points it at the task's dense shard).
     """
 
-    def __init__(self, task_index: int | None = None, workers: JobWorkers | None = None,
-                 dense: DenseNeighbour | None = None) -> None:
+    def __init__(self, task_index: int | None = None) -> None:
         self.task_index = task_index
-        self.workers = JobWorkers() if workers is None else workers
+        self.workers = JobWorkers()
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
-        #: the ps task's dense shard service; None where no dense shard is served
-        self.dense: DenseNeighbour | None = None
-        if dense is not None:
-            self.serve_beside(dense)
+
+    @property
+    def dense(self) -> DenseNeighbour | None:
+        """The ps task's dense shard service (:meth:`serve_beside`); None where none is served."""
+        return self.workers.ps  # type: ignore[return-value]
 
     def serve_beside(self, dense: DenseNeighbour) -> None:
         """Serve next to the ps task's dense shard service ``dense``: count the job's workers
@@ -137,7 +138,6 @@ class TableService:
         ``RowBatch`` carries (its ``push_pull_small``, the dense shard's small-message carrier).
         """
         self.workers.ps = dense
-        self.dense = dense
 
     def handlers(self) -> Any:
         """The ``towerflow.ps.Tables`` gRPC service."""

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from towerflow.cluster.transport import DEFAULT_MAX_MESSAGE_BYTES
+from towerflow.cluster.options import DEFAULT_MAX_MESSAGE_BYTES
 from towerflow.errors import (
     DeadlineExceededError,
     FailedPreconditionError,

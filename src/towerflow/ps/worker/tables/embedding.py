@@ -212,6 +212,11 @@ class ShardedEmbedding(nn.Module):
                                        f"{tuple(rows.shape)}, expected {want}.")
         self._start = (ids, rows)
 
+    @property
+    def holds_start(self) -> bool:
+        """Whether rows given by :meth:`start_from` wait to be shipped."""
+        return self._start is not None
+
     def take_start(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """The ``(ids, rows)`` of :meth:`start_from`, forgotten here (shipped or not needed)."""
         start, self._start = self._start, None
@@ -488,6 +493,10 @@ class SparseTables:
                 created = list(range(self.client.num_shards))  # type: ignore[union-attr]
             if start is not None and created:
                 ship_rows(self.client, module.config, *start, shards=created)  # type: ignore[arg-type]
+
+    def holds_starts(self) -> bool:
+        """Whether a table still holds rows to start from (given since the tables were made)."""
+        return any(module.holds_start for _, module in self.modules)
 
     def release(self) -> None:
         """Forget the rows the tables would start from (a worker that does not initialise)."""

@@ -46,10 +46,11 @@ import torch
 from torch import nn
 
 from towerflow.errors import InvalidArgumentError
+from towerflow.ps.spec.row_optimizers import updates_untouched_rows_alike
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 
 __all__ = ["DEFAULT_SPARSE_THRESHOLD", "DENSE_ATTRIBUTE", "INITIALIZER_ATTRIBUTE",
-           "SMALL_TABLE_BYTES", "keep_dense", "keep_small_tables", "swap_embeddings",
+           "SMALL_TABLE_BYTES", "WHOLE_ATTRIBUTE", "keep_dense", "keep_small_tables", "swap_embeddings",
            "describe_swap"]
 
 log = logging.getLogger("towerflow.ps")
@@ -63,8 +64,8 @@ DEFAULT_SPARSE_THRESHOLD = 64 << 20
 #: 8,192 ids; 0.25 MiB whole is 1.72x faster than as rows), where a table's fixed share of a
 #: row request costs more than moving all its rows
 SMALL_TABLE_BYTES = 256 << 10
-#: the optimizers whose dense update leaves a row with a zero gradient as the row-wise one does
-_ALIKE = ("sgd", "adagrad")
+#: the attribute :func:`keep_small_tables` sets on a module it keeps whole
+WHOLE_ATTRIBUTE = "towerflow_whole"
 #: the attribute :func:`keep_dense` sets on a module
 DENSE_ATTRIBUTE = "towerflow_dense"
 #: the attribute naming a meta-built module's row initializer
@@ -97,40 +98,37 @@ def _should_swap(module: nn.Module, threshold_bytes: int | None) -> bool:
 
 
 def keep_small_tables(model: nn.Module, optimizer: Any, threshold_bytes: int | None,
-                      whole_below: int | None = SMALL_TABLE_BYTES) -> list[tuple[str, str]]:
+                      whole_below: int | None = SMALL_TABLE_BYTES, mode: str = "async"
+                      ) -> list[str]:
     """Keep each small ``sparse=True`` embedding whole (a dense parameter; its ``sparse``
-    turned off) when its weight's optimizer updates it alike either way.
+    turned off, :data:`WHOLE_ATTRIBUTE` set) when its weight's optimizer updates it alike
+    either way; the lines that announce them.
 
     Small: under ``whole_below`` (default :data:`SMALL_TABLE_BYTES`) and under
-    ``threshold_bytes``. Returns the kept modules' paths with the line that announces each.
+    ``threshold_bytes``. Never in ``sync`` mode: there a row is averaged over the replicas
+    that pushed it, a dense variable over every replica of the step.
     """
-    if threshold_bytes is None or not whole_below:
+    if threshold_bytes is None or not whole_below or mode == "sync":
         return []
     small = min(whole_below, threshold_bytes)
     names = {id(p): n for n, p in model.named_parameters()}
-    kept = []
+    lines = []
     for path, module in model.named_modules():
         if not isinstance(module, nn.Embedding | nn.EmbeddingBag) or not module.sparse \
                 or getattr(module, DENSE_ATTRIBUTE, False):
             continue
         weight = module.weight
         nbytes = weight.numel() * weight.element_size()
-        if nbytes >= small or weight.is_meta or not _updated_alike(optimizer,
-                                                                    names.get(id(weight))):
+        if nbytes >= small or weight.is_meta or not updates_untouched_rows_alike(
+                optimizer, names.get(id(weight))):
             continue
         module.sparse = False  # its gradient a dense one, as the flat gradient buffer holds
-        kept.append((path, f"{path!r} {module.num_embeddings:,} x {module.embedding_dim} "
-                           f"({_size(nbytes)}) -> whole with the dense variables: sparse=True, "
-                           f"but under {_size(small)} its rows cost less moved whole than as "
-                           "a row request (towerflow.ps.ShardedEmbedding keeps it rows)"))
-    return kept
-
-
-def _updated_alike(optimizer: Any, param: str | None) -> bool:
-    """Whether ``optimizer`` updates ``param``'s untouched rows as a row-wise one does (not)."""
-    settings = optimizer.settings_of(param) if param is not None else {}
-    return getattr(optimizer, "name", None) in _ALIKE and not settings.get("momentum") \
-        and not settings.get("weight_decay")
+        setattr(module, WHOLE_ATTRIBUTE, True)
+        lines.append(f"{path!r} {module.num_embeddings:,} x {module.embedding_dim} "
+                     f"({_size(nbytes)}) -> whole with the dense variables: sparse=True, but "
+                     f"under {small / 1024:g} KiB its rows cost less moved whole than as a row "
+                     "request (towerflow.ps.ShardedEmbedding keeps it rows)")
+    return lines
 
 
 def _refuse_options(path: str, module: nn.Module) -> None:
