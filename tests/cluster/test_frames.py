@@ -180,6 +180,14 @@ def test_a_framed_request_over_the_servers_cap_is_refused_and_reaches_no_handler
     assert seen.calls == 2  # the handler and its first message; the second never came whole
 
 
+def test_a_streamed_first_message_over_the_cap_is_refused_before_its_handler(served, channel):
+    """The auth check holds a framed call's first message to check its digest: no more of it
+    than the cap, even from a peer with the secret."""
+    with pytest.raises(ResourceExhaustedError, match=r"call refused: /test.Frames/Digests: a "
+                                                     r"request message of more than 25,165,824"):
+        stream_unary(channel, "/test.Frames/Digests", iter([bytes(25 << 20)]), timeout=30)
+
+
 def test_a_framed_control_call_is_refused_unread_even_with_the_secret(free_ports):
     seen = Seen()
 

@@ -62,6 +62,7 @@ import grpc
 from towerflow.cluster.frames import frame_of
 from towerflow.cluster.health import UNAUTHENTICATED_METHODS
 from towerflow.cluster.limits import RateLimitedLog, handler_kind, make_handler
+from towerflow.cluster.options import DEFAULT_MAX_MESSAGE_BYTES
 from towerflow.errors import InvalidArgumentError, UnauthenticatedError
 
 __all__ = [
@@ -158,11 +159,15 @@ class AuthInterceptor(grpc.ServerInterceptor):
         task: the task this server is (bound into every token).
         incarnation: this run's id (default: 128 random bits).
         log: where refusals are reported (rate-limited).
+        max_message_bytes: the most bytes of a framed call's first message held while its
+            digest is checked (more: ``RESOURCE_EXHAUSTED`` before the next piece is kept).
     """
 
     def __init__(self, secret: bytes, freshness: float = 300.0, *, task: str = "",
-                 incarnation: str | None = None, log: RateLimitedLog | None = None) -> None:
+                 incarnation: str | None = None, log: RateLimitedLog | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self._secret = secret
+        self._max_message = max_message_bytes  # a framed first message held for its check
         self._freshness = freshness
         self.identity = ServerIdentity(task, incarnation or secrets.token_hex(16))
         self._seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
@@ -233,7 +238,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if verdict.reason is None:
             frame = _frame(handler_call_details.invocation_metadata)
-            return None if handler is None else _bound_to(handler, verdict.digest, method, frame)
+            return None if handler is None else _bound_to(handler, verdict.digest, method, frame,
+                                                          self._max_message)
         self._log.warning(verdict.reason.split(" (")[0], "refused call to %s: %s", method,
                           verdict.reason)
         return _refusal(handler, verdict.code, f"call refused: {method}: {verdict.reason}")
@@ -283,7 +289,8 @@ def _refusal(real: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
 
 
 def _bound_to(handler: grpc.RpcMethodHandler, digest: str, method: str,
-              frame: int | None = None) -> grpc.RpcMethodHandler:
+              frame: int | None = None, limit: int = DEFAULT_MAX_MESSAGE_BYTES
+              ) -> grpc.RpcMethodHandler:
     """``handler``, run only once its first request message matches the token's digest
     (``frame``: of a framed call, whose first message is its first pieces up to a short one)."""
     kind = handler_kind(handler)
@@ -296,9 +303,15 @@ def _bound_to(handler: grpc.RpcMethodHandler, digest: str, method: str,
                           f"call refused: {method}: the request is not the one its credentials "
                           "were issued for")  # fmt: skip
 
-    def first_pieces(requests: Iterator[bytes]) -> list[bytes]:
+    def first_pieces(requests: Iterator[bytes], context: grpc.ServicerContext) -> list[bytes]:
         head: list[bytes] = []
+        size = 0
         for piece in requests:
+            size += len(piece)
+            if size > limit:  # bounded as join_pieces bounds every later message
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"call refused: {method}: a request message of more than "
+                              f"{limit:,} bytes")
             head.append(piece)
             if len(piece) != frame:
                 break
@@ -315,7 +328,7 @@ def _bound_to(handler: grpc.RpcMethodHandler, digest: str, method: str,
 
         def checked(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
             if frame is not None:  # the first message's pieces, checked before any is passed on
-                head = first_pieces(requests)
+                head = first_pieces(requests, context)
                 check(head, context)
             else:
                 first = next(requests, None)

@@ -195,6 +195,7 @@ class Server:
                 self._auth = AuthInterceptor(
                     self.credentials.secret, self.options.auth_freshness,
                     task=self.task.device_name, log=warnings,
+                    max_message_bytes=self.options.channel.max_message_bytes,
                 )  # fmt: skip
                 interceptors.append(self._auth)
             self.streams = StreamLimiter(self.options.stream_cap(),
