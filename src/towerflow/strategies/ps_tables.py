@@ -32,7 +32,7 @@ from towerflow.ps.worker.tables.checkpoint import (
     export_tables,
     import_tables,
 )
-from towerflow.ps.worker.tables.embedding import SparseTables
+from towerflow.ps.worker.tables.sparse_tables import SparseTables
 from towerflow.ps.worker.tables.swap import (
     SMALL_TABLE_BYTES,
     WHOLE_ATTRIBUTE,

@@ -19,7 +19,7 @@ from towerflow.errors import InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, RangePartitioner
 from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.wire import tables_pb2 as tpb
-from towerflow.ps.worker.tables import embedding
+from towerflow.ps.worker.tables import sparse_tables
 from towerflow.ps.worker.tables.checkpoint import TABLES_GROUP
 from towerflow.ps.worker.tables.fusion import fuse_tables
 from towerflow.strategies import OptimizerConfig
@@ -97,7 +97,7 @@ def test_fused_tables_train_bit_exact_as_separate_ones(start_ps_tasks, monkeypat
     runs = []
     for fuse in (True, False):
         if not fuse:
-            monkeypatch.setattr(embedding, "fuse_tables", lambda configs, extras: ([], {}))
+            monkeypatch.setattr(sparse_tables, "fuse_tables", lambda configs, extras: ([], {}))
         strategy = train(start_ps_tasks(SECRET), Fields(), batches(5))
         try:
             assert len(strategy._tables.fused) == (1 if fuse else 0)

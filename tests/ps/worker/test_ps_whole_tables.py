@@ -26,16 +26,17 @@ USERS, ITEMS, DIM = 943, 1682, 16  # MovieLens-100k's users and movies: 60 kB an
 
 
 class Ratings(nn.Module):
-    """Users and movies the plain PyTorch way, ``sparse=True``, and a bigger table."""
+    """Users and movies the plain PyTorch way, ``sparse=True``, and a bigger table (of
+    another row width by default: rows of the users' width would join it, see below)."""
 
-    def __init__(self, big_rows: int = 8192) -> None:
+    def __init__(self, big_rows: int = 8192, tag_dim: int = 8) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(1)
         self.user = nn.Embedding(USERS, DIM, sparse=True)
         self.item = nn.Embedding.from_pretrained(torch.randn(ITEMS, DIM, generator=g) * 0.1,
                                                  freeze=False, sparse=True)
-        self.tag = nn.EmbeddingBag(big_rows, DIM, mode="sum", sparse=True)  # 512 kB: rows
-        self.out = nn.Linear(3 * DIM, 1)
+        self.tag = nn.EmbeddingBag(big_rows, tag_dim, mode="sum", sparse=True)  # 256 KiB: rows
+        self.out = nn.Linear(2 * DIM + tag_dim, 1)
 
     def forward(self, user, item, tags):  # type: ignore[no-untyped-def]
         x = torch.cat([self.user(user), self.item(item), self.tag(tags)], 1)
@@ -55,9 +56,10 @@ def loss_fn(model: nn.Module, b) -> torch.Tensor:  # type: ignore[no-untyped-def
     return nn.functional.binary_cross_entropy_with_logits(model(*x), labels)
 
 
-def trained(optimizer: OptimizerConfig, steps: int = 4, **options):  # type: ignore[no-untyped-def]
+def trained(optimizer: OptimizerConfig, steps: int = 4, tag_dim: int = 8,  # type: ignore[no-untyped-def]
+            **options):
     torch.manual_seed(0)
-    model = Ratings()
+    model = Ratings(tag_dim=tag_dim)
     with ps_tasks(SECRET) as spec:
         strategy = ParameterServer(spec, TaskInfo("worker", 0), credentials=SECRET,
                                    device="cpu", server=False, **options)
@@ -88,7 +90,25 @@ def test_small_sparse_tables_travel_whole_and_say_so(caplog) -> None:
         "'item' 1,682 x 16 (108 kB) -> whole with the dense variables: sparse=True, but under "
         "256 KiB its rows cost less moved whole than as a row request "
         "(towerflow.ps.ShardedEmbedding keeps it rows)"]
-    assert lines[2] == "'tag' 8,192 x 16 (524 kB) -> rows on 2 ps tasks, row-wise adagrad"
+    assert lines[2] == "'tag' 8,192 x 8 (262 kB) -> rows on 2 ps tasks, row-wise adagrad"
+
+
+def test_small_tables_of_the_kind_of_a_rows_table_join_its_rows_and_say_so(caplog) -> None:
+    """A table of the users' width is rows anyway: the users and movies are fused with it on
+    the ps and looked up with it as one, not moved whole."""
+    with caplog.at_level(logging.WARNING, logger="towerflow.ps"):
+        model, rows = trained(OptimizerConfig("adagrad", lr=0.1), steps=2, tag_dim=DIM)
+    assert all(isinstance(m, ShardedEmbedding) for m in (model.user, model.item, model.tag))
+    lines = [r.getMessage() for r in caplog.records if "->" in r.getMessage()]
+    assert lines[:2] == [
+        "'user' 943 x 16 (60.4 kB) -> rows: under 256 KiB, but looked up with 'tag', whose "
+        "rows are pulled each step anyway (one table on the ps, one lookup on the worker)",
+        "'item' 1,682 x 16 (108 kB) -> rows: under 256 KiB, but looked up with 'tag', whose "
+        "rows are pulled each step anyway (one table on the ps, one lookup on the worker)"]
+    _, whole = trained(OptimizerConfig("adagrad", lr=0.1), steps=2, tag_dim=DIM,
+                       whole_table_bytes=1 << 30)  # every small one whole: trained alike
+    for table in ("user", "item"):
+        torch.testing.assert_close(whole[table], rows[table], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])

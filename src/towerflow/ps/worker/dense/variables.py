@@ -131,11 +131,18 @@ class FlatBuffers:
                 param.grad.zero_()
 
     def nonfinite_gradient(self) -> str | None:
-        """Name of a parameter whose gradient holds NaN / inf, or None (one sync)."""
+        """Name of a parameter whose gradient holds NaN / inf, or None (one sync).
+
+        The sum of each flat gradient is finite when every value is (one reduction per
+        shard, no mask); only a sum that is not (a NaN, an inf, or finite values that
+        overflowed) is looked at value by value.
+        """
         self._gather_partitioned()
-        checks = [torch.isfinite(g).all() for g in self.grad if g.numel()]
-        if not checks or bool(torch.stack(checks).all()):
+        sums = [g.sum() for g in self.grad if g.numel()]
+        if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
             return None
+        if all(bool(torch.isfinite(g).all()) for g in self.grad):
+            return None  # finite values whose sum overflowed
         for name, param in self.params.items():
             if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
                 return name

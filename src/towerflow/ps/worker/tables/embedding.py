@@ -28,7 +28,7 @@ step and applies that once (a push returns when its step is applied);
 ``ssp`` applies on arrival but holds a worker more than ``staleness`` pushes
 ahead of the slowest. In sync and ssp every table pushes to every shard each
 step (empty where the step touched no row), and a finished worker says so
-(:meth:`SparseTables.done`) so that nobody waits for it.
+(:meth:`~towerflow.ps.worker.tables.sparse_tables.SparseTables.done`) so that nobody waits for it.
 
 Two ways in, and why both. TensorFlow 1 users write ``embedding_lookup`` on a
 partitioned variable: the table is declared as sharded. The PyTorch user's
@@ -66,14 +66,16 @@ from torch import nn
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
 from towerflow.ps.partition import ModPartitioner, Partitioner, RangePartitioner
-from towerflow.ps.spec.row_optimizers import sparse_optimizer_for
 from towerflow.ps.spec.tables import DEFAULT_INITIALIZER, TableConfig, describe
-from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.ps.worker.tables.fusion import fuse_tables
-from towerflow.ps.worker.tables.prefetch import Prefetcher, host_copy, pull_ahead, recording
+from towerflow.ps.worker.tables.groups import (
+    Pulled,
+    RowGroup,
+    grouped_lookup,
+)
+from towerflow.ps.worker.tables.prefetch import host_copy, recording
 
-__all__ = ["ShardedEmbedding", "SparseTables", "unique_ids",
+__all__ = ["ShardedEmbedding", "unique_ids",
            "seeded_initializer"]
 
 log = logging.getLogger("towerflow.ps")
@@ -191,9 +193,10 @@ class ShardedEmbedding(nn.Module):
         self._start: tuple[torch.Tensor | None, torch.Tensor] | None = None
         self._client: TableClient | None = None
         self.config: TableConfig | None = None
-        self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: rows pulled ahead for this forward's lookups: (ids, unique, inverse, rows) in order
-        self.prefetched: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._touched: list[tuple[torch.Tensor | None, torch.Tensor | tuple[RowGroup, int]]] = []
+        #: rows pulled ahead for this forward's lookups, in order: (ids, Pulled) or (ids,
+        #: (RowGroup, member)) for tables fused on the ps (:mod:`.groups`)
+        self.prefetched: list[tuple[torch.Tensor, Pulled | tuple[RowGroup, int]]] = []
         #: called when a lookup's ids were not those pulled ahead for it
         self.on_miss: Callable[[], None] | None = None
 
@@ -280,13 +283,14 @@ class ShardedEmbedding(nn.Module):
         recorder.table_output(out)
         return out
 
-    def _ahead(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # noqa: A002
-        """The (unique, inverse, rows) pulled ahead for this lookup, when its ids are those."""
+    def _ahead(self, input: torch.Tensor) -> Pulled | tuple[RowGroup, int] | None:  # noqa: A002
+        """The rows pulled ahead for this lookup, when its ids are those: a
+        :class:`~towerflow.ps.worker.tables.groups.Pulled`, or ``(RowGroup, member)``."""
         if not self.prefetched:
             return None
-        ids, unique, inverse, rows = self.prefetched.pop(0)
+        ids, rows = self.prefetched.pop(0)
         if ids is input or _same_ids(ids, input):
-            return unique, inverse, rows
+            return rows
         self.prefetched.clear()
         if self.on_miss is not None:
             self.on_miss()
@@ -295,6 +299,16 @@ class ShardedEmbedding(nn.Module):
     def _lookup(self, input: torch.Tensor, offsets: torch.Tensor | None,  # noqa: A002
                 per_sample_weights: torch.Tensor | None) -> torch.Tensor:
         ahead = self._ahead(input)
+        if isinstance(ahead, tuple) and not isinstance(ahead, Pulled):
+            group, member = ahead
+            picked = None if not self.trainable else grouped_lookup(
+                group, member, self.mode, self.dim, input, offsets, per_sample_weights,
+                _GATHER_LIMIT)
+            if picked is not None:
+                if torch.is_grad_enabled():
+                    self._touched.append((None, ahead))
+                return picked
+            ahead = group.apart(member)
         if ahead is None:  # the ids from the batch's host copy when there is one
             host = host_copy(input)
             ids = input if host is None else host
@@ -319,15 +333,28 @@ class ShardedEmbedding(nn.Module):
         return F.embedding_bag(index, rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights)
 
+    @property
+    def touched(self) -> list[tuple[torch.Tensor | None, torch.Tensor | tuple[RowGroup, int]]]:
+        """The lookups since the last :meth:`take_row_grads`: ``(unique ids, rows leaf)``, or
+        ``(None, (RowGroup, member))`` for one looked up with the tables fused with it."""
+        return self._touched
+
     def take_row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(ids, row gradients) of the lookups since the last call, on the CPU; forgets them.
 
         Ids repeat when several lookups touched the same row (the ps sums them).
         None when no lookup had a gradient.
         """
-        touched, self._touched = self._touched, []
-        parts = [(ids, rows.grad.detach().cpu()) for ids, rows in touched
-                 if rows.grad is not None]
+        touched = list(self._touched)
+        self._touched.clear()  # (no nn.Module attribute set: this runs per table and step)
+        parts = []
+        for ids, held in touched:
+            if isinstance(held, tuple):
+                ids, grad = held[0].ids_of(held[1]), held[0].grad_of(held[1])
+            else:
+                grad = held.grad
+            if grad is not None:
+                parts.append((ids, grad.detach().cpu()))
         if not parts:
             return None
         ids, grads = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]),
@@ -339,7 +366,7 @@ class ShardedEmbedding(nn.Module):
 
     def forget(self) -> None:
         """Drop the lookups not pushed yet (a step that is not pushed)."""
-        self._touched = []
+        self._touched.clear()
 
 
 def _same_ids(predicted: torch.Tensor, ids: torch.Tensor) -> bool:
@@ -363,203 +390,3 @@ def seeded_initializer(name: str) -> dict[str, Any]:
     """
     digest = hashlib.blake2b(name.encode(), digest_size=8).digest()
     return {**DEFAULT_INITIALIZER, "seed": int.from_bytes(digest, "little") >> 1}
-
-
-class SparseTables:
-    """The strategy's side of a model's sparse tables: bind, initialise, push.
-
-    Args:
-        model: the model; its :class:`ShardedEmbedding` modules are bound.
-        addresses: the ps tasks' addresses.
-        optimizer: the dense ``OptimizerConfig`` (tables without an optimizer
-            of their own take its counterpart, :func:`~towerflow.ps.spec.row_optimizers.sparse_optimizer_for`).
-        client_options: :class:`TableClient` keyword arguments (``aggregation``:
-            the job's mode; in sync and ssp every table pushes every step, an
-            empty push when a step looked nothing up in it).
-    """
-
-    def __init__(self, model: nn.Module, addresses: list[str], optimizer: Any,
-                 **client_options: Any) -> None:
-        self.modules = [(path, m) for path, m in model.named_modules()
-                        if isinstance(m, ShardedEmbedding)]
-        self.client: TableClient | None = None
-        self.fused: list[TableConfig] = []
-        self.views: dict[str, Any] = {}
-        self.prefetcher: Prefetcher | None = None
-        if not self.modules:
-            return
-        self.client = TableClient(addresses, **client_options)
-        names: dict[str, str] = {}
-        #: a table's learning rate over the pushed one (its weight's parameter group's)
-        self.lr_scales: dict[str, float] = {}
-        factor = getattr(optimizer, "lr_factor", lambda _: 1.0)
-        for path, module in self.modules:
-            weight = f"{path}.weight" if path else "weight"
-            config = module.make_config(path, len(addresses), module.optimizer
-                                        or sparse_optimizer_for(optimizer, weight))
-            if factor(weight) != 1.0:
-                self.lr_scales[config.name] = factor(weight)
-            if config.name in names:
-                raise InvalidArgumentError(
-                    f"Tables {names[config.name]!r} and {path!r} are both named {config.name!r}; "
-                    "give each ShardedEmbedding its own name=."
-                )
-            names[config.name] = path
-            module.bind(self.client, config)
-            module.on_miss = self._missed
-            if module.defer_push is None:  # async: with the next pull; sync / ssp: in the step
-                module.defer_push = not self.client.every_shard
-        configs = [m.config for _, m in self.modules]
-        #: tables laid end to end on the ps (:mod:`towerflow.ps.worker.tables.fusion`)
-        self.fused, self.views = fuse_tables(  # tables of one rate only
-            configs, [(m.defer_push, self.lr_scales.get(c.name, 1.0))
-                      for (_, m), c in zip(self.modules, configs, strict=True)])
-        self.client.fuse(self.views)
-        for table in self.fused:
-            members = [c.name for c in configs if self.views.get(c.name, (None,))[0] is table]
-            log.info("tables %s share one %d-row table %r on the ps tasks (one item per ps task "
-                     "and step for all of them)", ", ".join(map(repr, members)), table.num_rows,
-                     table.name)
-        #: pulls every table of a forward in one request per ps task (two tables and more)
-        self.prefetcher = Prefetcher(model, self._prefetch) if len(self.modules) > 1 else None
-        #: a dense push-and-pull per ps task for the next prefetched pull to carry, and who
-        #: takes its replies (:meth:`carry`)
-        self._carried: tuple[Mapping[int, bytes], Callable[[dict[int, bytes]], None]] | None = None
-
-    def pull_ahead_always(self, model: nn.Module) -> None:
-        """Pull the tables before each forward also for a single table (so that a dense push
-        can travel with the pull: :meth:`carry`)."""
-        if self.prefetcher is None and self.client is not None:
-            self.prefetcher = Prefetcher(model, self._prefetch, min_sites=1)
-
-    def carry(self, requests: Mapping[int, bytes],
-              answer: Callable[[dict[int, bytes]], None]) -> None:
-        """Have the next forward's prefetched pull carry ``requests[task]`` (a
-        ``PushPullSmall`` request) in its request to each ps task, and hand the replies by
-        task to ``answer`` before the forward's code runs. A forward that does not pull
-        ahead leaves them here (:meth:`take_carried`)."""
-        self._carried = (requests, answer)
-
-    def take_carried(self) -> tuple[Mapping[int, bytes], Callable[[dict[int, bytes]], None]] | None:
-        """The requests :meth:`carry` left that no pull has carried yet (then forgotten)."""
-        carried, self._carried = self._carried, None
-        return carried
-
-    def __bool__(self) -> bool:
-        return self.client is not None
-
-    def _missed(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.missed()
-
-    def _prefetch(self, lookups: list[tuple[nn.Module, torch.Tensor]]) -> None:
-        """Pull the rows of every lookup of a forward in one request per ps task."""
-        for _, module in self.modules:
-            module.prefetched.clear()
-        wanted = [(module, ids) for module, ids in lookups
-                  if isinstance(module, ShardedEmbedding) and isinstance(ids, torch.Tensor)
-                  and ids.dtype in (torch.int64, torch.int32)]  # else the lookup refuses
-        carried = self.take_carried()
-        if not wanted and carried is None:
-            return
-        try:
-            replies = pull_ahead(self.client, self.views, wanted, unique_ids,
-                                 None if carried is None else carried[0])
-        except BaseException:
-            self._carried = carried  # left to be sent again (a push applies once)
-            raise
-        if carried is not None:
-            carried[1](replies)
-
-    def initialize(self, *, everywhere: bool = False) -> None:
-        """Create every table on every ps task (the chief; idempotent).
-
-        A table that starts from given rows (a module's weight) ships them to
-        the shards this call created (a shard that existed keeps its rows;
-        ``everywhere``: to every shard, rows given after the tables were made),
-        then forgets them.
-        """
-        fused = {t.name: [s for s, reply in enumerate(self.client.init_table(t))  # type: ignore[union-attr]
-                          if reply.created] for t in self.fused}
-        for _, module in self.modules:
-            view = self.views.get(module.config.name)  # type: ignore[union-attr]
-            if view is None:
-                replies = self.client.init_table(module.config)  # type: ignore[union-attr, arg-type]
-                created = [s for s, reply in enumerate(replies) if reply.created]
-            else:
-                created = fused[view.table.name]
-            start = module.take_start()
-            if start is not None and everywhere:
-                created = list(range(self.client.num_shards))  # type: ignore[union-attr]
-            if start is not None and created:
-                ship_rows(self.client, module.config, *start, shards=created)  # type: ignore[arg-type]
-
-    def holds_starts(self) -> bool:
-        """Whether a table still holds rows to start from (given since the tables were made)."""
-        return any(module.holds_start for _, module in self.modules)
-
-    def release(self) -> None:
-        """Forget the rows the tables would start from (a worker that does not initialise)."""
-        for _, module in self.modules:
-            module.take_start()
-
-    def forget(self) -> None:
-        """Drop lookups not pushed (start of a step)."""
-        for _, module in self.modules:
-            module.forget()
-
-    def take(self) -> list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]]:
-        """The row gradients of this step, per table (sync / ssp: every table, maybe empty)."""
-        out = []
-        every = self.client is not None and self.client.every_shard
-        for _, module in self.modules:
-            grads = module.take_row_grads()
-            if grads is None and every:
-                grads = (torch.empty(0, dtype=torch.int64),
-                         torch.empty((0, module.dim), dtype=module.dtype))
-            if grads is not None:
-                out.append((module, *grads))
-        return out
-
-    @staticmethod
-    def nonfinite(taken: list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]]) -> str | None:
-        """The name of a table whose row gradient holds NaN / inf, or None."""
-        for module, _, grads in taken:
-            # the sum is finite when every value is (one reduction, no mask); a sum that
-            # overflowed is checked value by value
-            if grads.numel() and not bool(torch.isfinite(grads.sum())) \
-                    and not bool(torch.isfinite(grads).all()):
-                return f"{module.config.name} (sparse table)"  # type: ignore[union-attr]
-        return None
-
-    def push(self, taken: list[tuple[ShardedEmbedding, torch.Tensor, torch.Tensor]], *,
-             lr: float, step: int) -> None:
-        """Push every table's row gradients: one request per owning ps task, in parallel.
-
-        A table built with ``defer_push=True`` keeps them for its next pull.
-        """
-        self.client.push_many(  # type: ignore[union-attr]
-            [(module.config, ids, grads, module.defer_push) for module, ids, grads in taken],
-            lr=lr, step=step, scales=self.lr_scales)
-
-    def flush(self) -> None:
-        """Send the deferred pushes of every table (before the strategy says it is done)."""
-        if self.client is not None:
-            self.client.flush()
-
-    def done(self) -> None:
-        """Send the deferred pushes and tell the ps tasks this worker finished.
-
-        Sync steps and the ssp bound stop waiting for it. A worker that stopped
-        on an error does not say it (:meth:`flush` only): they go on waiting.
-        """
-        if self.client is not None:
-            self.client.done()
-
-    def close(self) -> None:
-        """Send the deferred pushes, close the client's channels and take the prefetcher's
-        hooks off the model (a model prepared again gets its own)."""
-        if self.prefetcher is not None:
-            self.prefetcher.remove()
-        if self.client is not None:
-            self.client.close()

@@ -41,6 +41,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from towerflow.ps.worker.tables.groups import Pulled, RowGroup
+
 __all__ = ["Prefetcher", "MAX_RECORDINGS", "pull_ahead", "recording", "host_copies", "host_copy"]
 
 log = logging.getLogger("towerflow.ps")
@@ -317,7 +319,9 @@ def pull_ahead(client: Any, views: Mapping[str, Any],
                unique: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                dense: Mapping[int, bytes] | None = None) -> dict[int, bytes]:
     """Pull the rows of every ``(table module, ids)`` in one request per ps task and leave
-    each table its ``(ids, unique ids, inverse, rows)`` in ``module.prefetched``; each
+    each table ``(ids, rows)`` in ``module.prefetched`` (``rows``: a
+    :class:`~towerflow.ps.worker.tables.groups.Pulled`, or ``(RowGroup, member)`` for
+    tables fused on the ps, looked up together); each
     task's request also carries ``dense[task]`` (a dense push-and-pull): their replies.
 
     The lookups of tables fused on the ps (``views``: their offsets) are made
@@ -341,30 +345,29 @@ def pull_ahead(client: Any, views: Mapping[str, Any],
                 ids_unique, inverse = unique(flat)
                 pulls.append((module.config, ids_unique))
                 plans.append(lambda rows, m=module, i=ids, u=ids_unique, v=inverse:
-                             m.prefetched.append((i, u, v, rows)))
+                             m.prefetched.append((i, Pulled(u, v, rows))))
             continue
         shifted = torch.cat([flat + offset for (_, _, flat), offset in
                              zip(members, offsets, strict=True)])
         together, inverse = unique(shifted)
         pulls.append((view.table, together))
-        plans.append(lambda rows, ms=members, os=offsets, u=together, v=inverse:
-                     _share(ms, os, u, v, rows))
+        plans.append(lambda rows, t=view.table, ms=members, os=offsets, u=together, v=inverse:
+                     _share(t, ms, os, u, v, rows))
     pulled, replies = client.pull_with_dense(pulls, dense or {})
     for plan, rows in zip(plans, pulled, strict=True):
         plan(rows)
     return replies
 
 
-def _share(members: Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]],
+def _share(table: Any, members: Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]],
            offsets: Sequence[int], together: torch.Tensor, inverse: torch.Tensor,
            rows: torch.Tensor) -> None:
-    """Hand each fused table its part of the rows pulled for all of them together."""
+    """Hand each fused table its part of the rows pulled for all of them together: the
+    :class:`~towerflow.ps.worker.tables.groups.RowGroup` that looks them all up as one."""
     bounds = torch.tensor([[o, o + m.config.num_rows] for (m, _, _), o in
                            zip(members, offsets, strict=True)], dtype=torch.int64)
-    starts, stops = torch.searchsorted(together, bounds).unbind(1)
-    done = 0
-    for (module, ids, flat), offset, first, last in zip(members, offsets, starts.tolist(),
-                                                        stops.tolist(), strict=True):
-        mine = inverse[done:done + flat.numel()] - first
-        done += flat.numel()
-        module.prefetched.append((ids, together[first:last] - offset, mine, rows[first:last]))
+    starts, stops = (b.tolist() for b in torch.searchsorted(together, bounds).unbind(1))
+    group = RowGroup(table, together, rows, inverse, [flat.numel() for _, _, flat in members],
+                     list(zip(starts, stops, strict=True)), offsets)
+    for member, (module, ids, _) in enumerate(members):
+        module.prefetched.append((ids, (group, member)))

@@ -27,7 +27,10 @@ with the dense variables in the step's one dense push and pull, which costs
 less than the rows' share of a row request (``benchmarks/sparse_default_threshold.py``:
 a 64 KiB bag 1.55x and a 256 KiB one 1.72x faster whole than as rows), as
 long as the optimizer updates it alike either way (sgd without momentum,
-adagrad; no weight decay). A module that should stay dense says so with
+adagrad; no weight decay), and no table of its row width and optimizer is
+pulled as rows anyway: there it joins that table on the ps and is looked up
+with it as one (:mod:`towerflow.ps.worker.tables.groups`), cheaper than its
+weight moved whole. A module that should stay dense says so with
 :func:`keep_dense`; the strategy's ``sparse_threshold_bytes=None`` swaps none. ``max_norm``,
 ``scale_grad_by_freq`` and ``include_last_offset`` have no row-wise form and
 are refused with the way out.
@@ -39,14 +42,16 @@ logger (seen with Python's default logging, and by ``towerflow train``), e.g.
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Hashable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.spec.row_optimizers import updates_untouched_rows_alike
+from towerflow.ps.spec.row_optimizers import sparse_optimizer_for, updates_untouched_rows_alike
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding
 
 __all__ = ["DEFAULT_SPARSE_THRESHOLD", "DENSE_ATTRIBUTE", "INITIALIZER_ATTRIBUTE",
@@ -97,36 +102,71 @@ def _should_swap(module: nn.Module, threshold_bytes: int | None) -> bool:
     return bool(module.sparse) or weight.numel() * weight.element_size() >= threshold_bytes
 
 
+def _rows_kind(optimizer: Any, weight: str | None, dim: int, dtype: torch.dtype,
+               own: Any = None) -> Hashable | None:
+    """What a table must share with another to be looked up with it as one on the worker
+    (:mod:`towerflow.ps.worker.tables.fusion`'s rule, as far as it is known before the
+    tables are made); None: not known (no row-wise counterpart of the optimizer)."""
+    try:
+        rows = own or sparse_optimizer_for(optimizer, weight)
+    except InvalidArgumentError:
+        return None
+    factor = getattr(optimizer, "lr_factor", lambda _: 1.0)(weight) if weight else 1.0
+    return (dim, str(dtype), json.dumps(rows, sort_keys=True, default=str), factor)
+
+
 def keep_small_tables(model: nn.Module, optimizer: Any, threshold_bytes: int | None,
                       whole_below: int | None = SMALL_TABLE_BYTES, mode: str = "async"
                       ) -> list[str]:
     """Keep each small ``sparse=True`` embedding whole (a dense parameter; its ``sparse``
     turned off, :data:`WHOLE_ATTRIBUTE` set) when its weight's optimizer updates it alike
-    either way; the lines that announce them.
+    either way and no table of its kind is pulled as rows anyway; the lines that say which
+    path each small table took.
 
     Small: under ``whole_below`` (default :data:`SMALL_TABLE_BYTES`) and under
-    ``threshold_bytes``. Never in ``sync`` mode: there a row is averaged over the replicas
-    that pushed it, a dense variable over every replica of the step.
+    ``threshold_bytes``. A small table of the same row width, dtype and row optimizer as a
+    table that is rows in any case (a large one, a ``ShardedEmbedding``) stays rows: it is
+    fused with that table on the ps and looked up with it as one on the worker
+    (:mod:`towerflow.ps.worker.tables.groups`), which costs less than its weight moved
+    whole each step (``benchmarks/recsys_launch.py --workload deepfm``). Never in ``sync``
+    mode: there a row is averaged over the replicas that pushed it, a dense variable over
+    every replica of the step.
     """
     if threshold_bytes is None or not whole_below or mode == "sync":
         return []
     small = min(whole_below, threshold_bytes)
     names = {id(p): n for n, p in model.named_parameters()}
-    lines = []
+    candidates, rows_kinds = [], {}
     for path, module in model.named_modules():
-        if not isinstance(module, nn.Embedding | nn.EmbeddingBag) or not module.sparse \
+        if isinstance(module, ShardedEmbedding):
+            kind = _rows_kind(optimizer, None, module.dim, module.dtype, module.optimizer)
+            rows_kinds.setdefault(kind, path)
+            continue
+        if not isinstance(module, nn.Embedding | nn.EmbeddingBag) \
                 or getattr(module, DENSE_ATTRIBUTE, False):
             continue
         weight = module.weight
         nbytes = weight.numel() * weight.element_size()
-        if nbytes >= small or weight.is_meta or not updates_untouched_rows_alike(
-                optimizer, names.get(id(weight))):
+        if not module.sparse and nbytes < threshold_bytes:
+            continue  # stays a dense parameter
+        name = names.get(id(weight))
+        kind = _rows_kind(optimizer, name, module.embedding_dim, weight.dtype)
+        if nbytes >= small or weight.is_meta or not updates_untouched_rows_alike(optimizer, name):
+            rows_kinds.setdefault(kind, path)  # rows whatever its size
+        else:
+            candidates.append((path, module, nbytes, kind))
+    lines = []
+    for path, module, nbytes, kind in candidates:
+        size = f"{path!r} {module.num_embeddings:,} x {module.embedding_dim} ({_size(nbytes)})"
+        if kind is not None and kind in rows_kinds:
+            lines.append(f"{size} -> rows: under {small / 1024:g} KiB, but looked up with "
+                         f"{rows_kinds[kind]!r}, whose rows are pulled each step anyway (one "
+                         "table on the ps, one lookup on the worker)")
             continue
         module.sparse = False  # its gradient a dense one, as the flat gradient buffer holds
         setattr(module, WHOLE_ATTRIBUTE, True)
-        lines.append(f"{path!r} {module.num_embeddings:,} x {module.embedding_dim} "
-                     f"({_size(nbytes)}) -> whole with the dense variables: sparse=True, but "
-                     f"under {small / 1024:g} KiB its rows cost less moved whole than as a row "
+        lines.append(f"{size} -> whole with the dense variables: sparse=True, but under "
+                     f"{small / 1024:g} KiB its rows cost less moved whole than as a row "
                      "request (towerflow.ps.ShardedEmbedding keeps it rows)")
     return lines
 

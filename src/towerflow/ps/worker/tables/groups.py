@@ -1,0 +1,189 @@
+"""The lookups of tables fused on the ps, done as one lookup on the worker.
+
+A model with a table per field looks each one up apart: per table and step a
+gather, a leaf that requires grad, its gradient in the backward, its ids taken
+apart from the others' and put back together for the push. That per-table cost
+is what separates a 52-table DeepFM from the same model with its fields fused
+by hand into two tables (TorchRec's batched tables remove it the same way).
+
+The rows of tables fused on the ps (:mod:`~towerflow.ps.worker.tables.fusion`)
+arrive together already (:func:`~towerflow.ps.worker.tables.prefetch.pull_ahead`).
+A :class:`RowGroup` keeps them together: one leaf holds every member's rows,
+one ``index_select`` gathers every member's lookup at once, cut per member, so
+that the backward has the same three nodes whatever the number of tables; the
+step's push is the leaf's gradient against the fused ids as they were pulled
+(:func:`take_groups`), one item per fused table.
+
+A member whose lookup is not a plain gather (a ``max`` bag, offsets, weights),
+whose ids were not the predicted ones, or that runs on another device or grad
+mode than the group was made in looks up its own rows (:meth:`RowGroup.apart`),
+as a table alone does; the group then pushes member by member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Pulled", "RowGroup", "GroupPush", "take_groups"]
+
+
+class Pulled(NamedTuple):
+    """The rows pulled for one lookup: the unique ids, each id's place among them, the rows."""
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    rows: torch.Tensor
+
+
+class RowGroup:
+    """The rows pulled for several tables fused on the ps, looked up as one.
+
+    Made when the rows arrive; its leaf at the first member's lookup, on that
+    lookup's device and in its grad mode.
+
+    Args:
+        table: the fused table on the ps (a ``TableConfig``).
+        together: the fused ids pulled, sorted and unique (``rows``' ids).
+        rows: ``(len(together), dim)``.
+        inverse: each looked-up id's row, the members' ids one after the other.
+        sizes: how many ids each member looks up.
+        bounds: each member's ``(first, last)`` row of ``rows``.
+        offsets: each member's first id in the fused table.
+    """
+
+    def __init__(self, table: Any, together: torch.Tensor, rows: torch.Tensor,
+                 inverse: torch.Tensor, sizes: list[int], bounds: list[tuple[int, int]],
+                 offsets: Sequence[int]) -> None:
+        self.table, self.together, self.rows, self.inverse = table, together, rows, inverse
+        self.sizes, self.bounds, self.offsets = sizes, bounds, list(offsets)
+        self.starts = [0]
+        for size in sizes[:-1]:
+            self.starts.append(self.starts[-1] + size)
+        #: the rows on the lookups' device (requiring grad when made with grad)
+        self.leaf: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+        self._grad = False
+        #: how many times each member took its part of the gather
+        self.taken = [0] * len(sizes)
+
+    def part(self, member: int, device: torch.device) -> torch.Tensor | None:
+        """Member ``member``'s gathered rows ``(its ids, dim)``, or None (another device or
+        grad mode than the group's).
+
+        The parts are cut with ``unsafe_split_with_sizes``: a part may be changed
+        in place like the output of any lookup.
+        """
+        grad = torch.is_grad_enabled()
+        if self.leaf is None:  # its own tensor: a member's lookup apart slices ``rows``
+            leaf = self.rows.to(device)
+            if leaf is self.rows:
+                leaf = leaf.detach()
+            self.leaf = leaf.requires_grad_(True) if grad else leaf
+            self._grad = grad
+            self._parts = torch.unsafe_split_with_sizes(
+                self.leaf.index_select(0, self.inverse.to(device)), self.sizes)
+        if self.leaf.device != device or self._grad != grad:
+            return None
+        self.taken[member] += 1
+        return self._parts[member]
+
+    def apart(self, member: int) -> Pulled:
+        """Member ``member``'s own unique ids, inverse and rows, for a lookup of its own."""
+        first, last = self.bounds[member]
+        start = self.starts[member]
+        return Pulled(self.together[first:last] - self.offsets[member],
+                      self.inverse[start:start + self.sizes[member]] - first,
+                      self.rows[first:last])
+
+    def ids_of(self, member: int) -> torch.Tensor:
+        """Member ``member``'s ids of the rows it pulled (its own numbering)."""
+        first, last = self.bounds[member]
+        return self.together[first:last] - self.offsets[member]
+
+    def grad_of(self, member: int) -> torch.Tensor | None:
+        """The gradient of member ``member``'s rows (None: no backward reached them)."""
+        if self.leaf is None or self.leaf.grad is None:
+            return None
+        first, last = self.bounds[member]
+        return self.leaf.grad[first:last]
+
+
+def grouped_lookup(group: RowGroup, member: int, mode: str | None, dim: int,
+                   input: torch.Tensor, offsets: torch.Tensor | None,  # noqa: A002
+                   per_sample_weights: torch.Tensor | None, limit: int) -> torch.Tensor | None:
+    """A lookup's output from its group's gather, or None where it is not a plain gather
+    (``max`` bags, offsets, weights, more than ``limit`` values), on a device other than a
+    CPU or GPU, or the group was made on another device or grad mode."""
+    plain = mode is None or (mode in ("sum", "mean") and input.dim() == 2 and offsets is None
+                             and per_sample_weights is None)
+    if not plain or input.numel() * dim > limit or input.device.type not in ("cpu", "cuda"):
+        return None  # (another backend may have no strided views to cut the gather with)
+    part = group.part(member, input.device)
+    if part is None:
+        return None
+    picked = part.view(*input.shape, dim)
+    if mode is None:
+        return picked
+    return picked.sum(1) if mode == "sum" else picked.mean(1)
+
+
+class GroupPush:
+    """The push of a whole :class:`RowGroup`: its fused table, as one table's push.
+
+    Stands where :meth:`~towerflow.ps.worker.tables.sparse_tables.SparseTables.take` puts a table module (``config``,
+    ``defer_push``, ``dim``, ``dtype``).
+    """
+
+    def __init__(self, group: RowGroup, members: Sequence[Any]) -> None:
+        self.group, self.members = group, list(members)
+        self.config = group.table
+        self.defer_push = members[0].defer_push
+        self.dim, self.dtype = members[0].dim, members[0].dtype
+        #: which of the group's rows are pushed (None: all; a padding row is not)
+        self.kept: torch.Tensor | None = None
+
+    def name_of(self, grads: torch.Tensor) -> str:
+        """The member whose rows of the pushed ``grads`` hold NaN / inf (the fused table's
+        name if none)."""
+        done = 0
+        for module, (first, last) in zip(self.members, self.group.bounds, strict=True):
+            count = last - first if self.kept is None else int(self.kept[first:last].sum())
+            if not bool(torch.isfinite(grads[done:done + count]).all()):
+                return module.config.name
+            done += count
+        return self.config.name
+
+
+def take_groups(modules: Sequence[Any]) -> list[tuple[GroupPush, torch.Tensor, torch.Tensor]]:
+    """The pushes of the groups whose every member looked up its rows once through the
+    group and nothing else: one ``(GroupPush, fused ids, gradients)`` per group, against
+    the fused ids as pulled (a member's ``padding_idx`` row left out); those members'
+    lookups are taken. The other members push as tables alone."""
+    found: dict[int, tuple[RowGroup, dict[int, Any]]] = {}
+    for module in modules:
+        touched = module.touched
+        if len(touched) != 1 or not isinstance(touched[0][1], tuple):
+            continue
+        group, member = touched[0][1]
+        if group.taken[member] == 1:
+            found.setdefault(id(group), (group, {}))[1][member] = module
+    out = []
+    for group, members in found.values():
+        if len(members) != len(group.sizes) or group.leaf is None or group.leaf.grad is None:
+            continue
+        ordered = [members[k] for k in range(len(group.sizes))]
+        ids, grads = group.together, group.leaf.grad.detach().cpu()
+        pads = [offset + m.padding_idx for m, offset in zip(ordered, group.offsets, strict=True)
+                if m.padding_idx is not None]
+        push = GroupPush(group, ordered)
+        if pads:  # the padding rows take no update
+            keep = ~torch.isin(ids, torch.tensor(pads, dtype=ids.dtype))
+            ids, grads = ids[keep], grads[keep]
+            push.kept = keep
+        for module in ordered:
+            module.forget()
+        out.append((push, ids, grads))
+    return out
