@@ -84,6 +84,7 @@ def test_click_on_one_ps_and_two_workers_shards_its_table_and_reaches_the_truths
     assert re.search(r"\[ps:0\] table 'table' shard 0: 2000 rows x 8 \(128000 bytes with slots\)",
                      out), out[-5000:]
     ckpt = read_checkpoint(latest_checkpoint(run))
+    assert ckpt.step == 600  # two asynchronous workers, and not one push past the last step
     assert "table.weight" not in ckpt.groups["model"]  # the rows are the ps's, saved in parts
     assert sum(info["rows"] for info in ckpt.chunked["ps_tables"].infos) == 2000
     capsys.readouterr()

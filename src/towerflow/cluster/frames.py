@@ -60,7 +60,7 @@ MIN_FRAME_BYTES = 64 << 10
 #: the names of the control calls of towerflow's services (``<service>/<name>``): one small
 #: message each, never framed, so a caller (the secret's holder too) can make the server read
 #: no more than one frame for them
-CONTROL_CALLS = frozenset({"Status", "Join", "Done", "Ledger", "Ping", "TableStatus",
+CONTROL_CALLS = frozenset({"Status", "Join", "Done", "Ledger", "Reserve", "Ping", "TableStatus",
                            "TableStats", "Check", "Watch", "Hello"})
 
 

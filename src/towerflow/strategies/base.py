@@ -158,11 +158,15 @@ class StepResult:
             server in async mode, not consecutive between calls).
         applied: False when the update was dropped (a stale gradient in sync
             mode, a refused gradient with the ``skip`` policy).
+        stopped: the run's last steps (:meth:`Strategy.stop_at`) are all other
+            workers' pushes: this step was not pushed, and this worker's training
+            ends here.
     """
 
     loss: torch.Tensor
     global_step: int
     applied: bool = True
+    stopped: bool = False
 
 
 class Strategy(abc.ABC):
@@ -289,6 +293,11 @@ class Strategy(abc.ABC):
 
     #: replicas step together (all-reduce): a stop must be agreed (:meth:`agree_to_stop`)
     lockstep: bool = False
+
+    def stop_at(self, last_step: int | None) -> None:
+        """End training at global step ``last_step`` (None: no end): the training loop
+        says it before its first step. Synchronous strategies count one step per update
+        and stop there already; an asynchronous ps worker sends no push past it."""
 
     def agree_to_stop(self, requested: bool) -> bool:
         """Whether training stops after this step, ``requested`` being this replica's wish.

@@ -69,7 +69,7 @@ from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strat
 from towerflow.strategies.ps_carry import DenseCarrier
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
 from towerflow.strategies.ps_peers import task_server, wait_for_workers
-from towerflow.strategies.ps_placement import plan_variables
+from towerflow.strategies.ps_placement import check_trainable, plan_variables
 from towerflow.strategies.ps_tables import (
     attach_tables,
     check_whole_tables,
@@ -285,22 +285,11 @@ class ParameterServer(Strategy):
             whole_below=self._whole_below,
             chief=self._chief, credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
             aggregation=self.aggregation)
-        if self._elastic and self._tables:
-            raise InvalidArgumentError(
-                "An elastic worker (join=True) trains dense models only: this model has sparse "
-                "tables on the ps tasks, whose shards count the cluster's replicas alone. Add "
-                "the worker to the cluster as a task instead (or, in a job whose every "
-                "worker keeps its embeddings dense, pass sparse_threshold_bytes=None).")
-        model.to(self._device)
+        check_trainable(list(model.named_parameters()), elastic=self._elastic, tables=bool(self._tables))
+        model.to(self._device)  # (on another kind of device: new Parameter objects)
         self._hooks = [inputs_follow(model, self._device),  # a program's own model(x) too
                        model.register_state_dict_pre_hook(lambda *_: self.settle())]
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        wrong = [f"{n} ({p.dtype})" for n, p in params if p.dtype != torch.float32]
-        if wrong:
-            raise InvalidArgumentError(
-                f"The parameter server keeps float32 parameters; {', '.join(wrong)} are not. "
-                "Call model.float() first (use autocast for lower precision compute)."
-            )
         check_dense_groups(optimizer, [n for n, _ in params])
         placement = plan_variables(params, model, self.cluster.num_tasks("ps"),
                                    setter=self._setter, ps_strategy=self._ps_strategy,
@@ -404,6 +393,11 @@ class ParameterServer(Strategy):
                 raise InvalidArgumentError(message)
             log.warning("%s", message)
             return StepResult(loss=loss.detach(), global_step=self._step, applied=False)
+        if not self.client.reserve():  # the run's last steps are the other workers' pushes
+            log.info("worker %d stops before global step %d: the steps left are the other "
+                     "workers' pushes", self._rank, self.client.last_step)
+            return StepResult(loss=loss.detach(), global_step=self._step, applied=False,
+                              stopped=True)
         if rows:  # (unique ids, summed row gradients) to the owning shards
             self._tables.push(rows, lr=rate, step=self._step + 1)
         grads = buffers.grads_to_host()
@@ -531,6 +525,12 @@ class ParameterServer(Strategy):
         self._needs_init = True
 
     # -- lifetime ----------------------------------------------------------------------------
+    def stop_at(self, last_step: int | None) -> None:
+        """An asynchronous run ends at ``last_step`` exactly: no push is sent without a step
+        of it kept by ps task 0 (:mod:`towerflow.ps.server.dense.reservations`)."""
+        if self.aggregation.mode == "async" and self._client is not None:
+            self._client.stop_at(last_step)
+
     def wait_for_peers(self, timeout: float) -> bool:
         """The chief of an asynchronous job, before its final checkpoint: wait (at most
         ``timeout`` s) until every other worker said ``Done`` (or the ps's heartbeats find

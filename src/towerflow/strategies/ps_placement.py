@@ -4,9 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["plan_variables"]
+from towerflow.errors import InvalidArgumentError
+
+__all__ = ["check_trainable", "plan_variables"]
+
+
+def check_trainable(params: list[tuple[str, nn.Parameter]], *, elastic: bool,
+                    tables: bool) -> None:
+    """Refuse what the ps cannot hold: parameters other than float32, and sparse tables in
+    an elastic worker's model (their shards count the cluster's replicas alone)."""
+    if elastic and tables:
+        raise InvalidArgumentError(
+            "An elastic worker (join=True) trains dense models only: this model has sparse "
+            "tables on the ps tasks, whose shards count the cluster's replicas alone. Add "
+            "the worker to the cluster as a task instead (or, in a job whose every "
+            "worker keeps its embeddings dense, pass sparse_threshold_bytes=None).")
+    wrong = [f"{n} ({p.dtype})" for n, p in params if p.requires_grad and p.dtype != torch.float32]
+    if wrong:
+        raise InvalidArgumentError(
+            f"The parameter server keeps float32 parameters; {', '.join(wrong)} are not. "
+            "Call model.float() first (use autocast for lower precision compute).")
 
 
 def plan_variables(params: list[tuple[str, nn.Parameter]], model: nn.Module, num_ps: int, *,

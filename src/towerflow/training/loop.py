@@ -155,6 +155,7 @@ class Trainer:
         self._position: dict[str, Any] | None = None
         self._saver: CheckpointHook | None = None
         self._stop = StopSignals(deadline_s=None)  # installed by fit()
+        self._stopped_short = False  # the last steps were left to other workers (fit)
 
     # -- read-only facts for hooks --------------------------------------------------------
     @property
@@ -309,6 +310,8 @@ class Trainer:
                         "to train. Raise max_steps (--max-steps) or start another train_dir.",
                         repr(str(self.config.train_dir)) if self.config.train_dir else
                         "this run", self.global_step, self.config.max_steps)
+        self.strategy.stop_at(self.config.max_steps)
+        self._stopped_short = False
         hooks = self._hooks()
         for hook in hooks:
             hook.begin(self)
@@ -357,7 +360,8 @@ class Trainer:
         if ctx is None or self._stop.requested is not None or self._saver is None \
                 or not self.strategy.is_chief:
             return
-        if self.strategy.wait_for_peers(self.config.peers_wait):
+        # a chief that left the last steps to the others saves once they have pushed them
+        if self.strategy.wait_for_peers(self.config.peers_wait) or self._stopped_short:
             self._saver.save_current()
 
     def _steps(self, hooks: Sequence[Hook]) -> Iterator[StepContext]:
@@ -372,6 +376,9 @@ class Trainer:
             lr = self.schedule(step) if self.schedule is not None else None
             with self._placement_log(step):
                 result = strategy.run_step(self.loss_fn, batch, lr=lr)
+            if result.stopped:  # the steps left are other workers' (asynchronous ps)
+                self._stopped_short = True
+                return
             step = result.global_step
             if self.ema is not None:
                 strategy.settle()  # the average of the parameters with this step's update

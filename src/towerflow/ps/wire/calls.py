@@ -28,6 +28,9 @@ method                   kind             messages
                                           one long-lived call
 ``Done``                 unary            ``DoneRequest`` -> ``Empty``
 ``Ledger``               unary            ``LedgerRequest`` -> ``LedgerReply``
+``Reserve``              unary            ``ReserveRequest`` -> ``ReserveReply``
+                                          (ps task 0: a step of an async run's
+                                          end kept for a worker's next push)
 =======================  ===============  =====================================
 
 The call sequence by role:
@@ -98,7 +101,7 @@ __all__ = [
 SERVICE_NAME = "towerflow.ps.PS"
 #: the service's methods, in the order of the call sequence
 METHODS = ("Init", "Status", "Join", "Pull", "Push", "PushPull", "PushPullSmall",
-           "PushPullSmallStream", "Done", "Ledger")
+           "PushPullSmallStream", "Done", "Ledger", "Reserve")
 
 APPLIED = "applied"      # the gradient changed the parameters
 STALE = "stale"          # sync: computed on an older step; dropped and counted

@@ -76,6 +76,9 @@ class PushHeader:
         segments: ``(name, shape)`` of each variable part, in buffer order.
         finite: the sender checked that every value is finite (informative:
             the shard checks every value itself).
+        last_step: an asynchronous run's last global step (0: none): ps task 0
+            keeps a step of the run's end for the worker's next push
+            (:mod:`~towerflow.ps.server.dense.reservations`).
     """
 
     worker_id: int
@@ -87,6 +90,7 @@ class PushHeader:
     incarnation: int = 0
     segments: tuple[tuple[str, tuple[int, ...]], ...] = ()
     finite: bool = False
+    last_step: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +250,7 @@ def encode_push_header(header: PushHeader, *, want_params: bool = False,
     req = pb.PushRequest(
         worker_id=header.worker_id, incarnation=header.incarnation, seq=header.seq,
         token=header.token, lr=header.lr, dtype=header.dtype, numel=header.numel,
-        want_params=want_params, finite=header.finite)
+        want_params=want_params, finite=header.finite, last_step=header.last_step)
     if not signature:
         req.segments.extend(pb.SegmentSignature(name=n, shape=s) for n, s in header.segments)
     return signature + req.SerializeToString()
@@ -262,7 +266,8 @@ def decode_push_header(data: bytes) -> tuple[PushHeader, bool]:
     header = PushHeader(
         worker_id=req.worker_id, seq=req.seq, token=req.token, lr=req.lr, numel=req.numel,
         dtype=req.dtype or "float32", incarnation=req.incarnation,
-        segments=tuple((s.name, tuple(s.shape)) for s in req.segments), finite=req.finite)
+        segments=tuple((s.name, tuple(s.shape)) for s in req.segments), finite=req.finite,
+        last_step=max(0, req.last_step))
     return header, req.want_params
 
 

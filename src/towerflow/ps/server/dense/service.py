@@ -37,6 +37,7 @@ from towerflow.ps.memory import check_free_memory, release_free_memory, tune_mal
 from towerflow.ps.server.dense.admission import default_staging_limit
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.reservations import StepReservations
 from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.workerstats import WorkerTable
@@ -155,6 +156,8 @@ class PSService:
         self._lock = threading.Lock()
         self._shard: DenseShard | None = None
         self._generation = 0
+        #: ps task 0: the steps of an async run's end kept for workers' next pushes
+        self.reservations = StepReservations(lambda: self.shard.state.step)
 
     def handlers(self):  # noqa: ANN201 - grpc.GenericRpcHandler
         """The gRPC handlers of this service (to pass to ``Server``)."""
@@ -171,6 +174,7 @@ class PSService:
             "Pull": ("unary_stream", self.pull),
             "Done": ("unary_unary", self.done),
             "Ledger": ("unary_unary", self.ledger),
+            "Reserve": ("unary_unary", self.reserve),
         })
 
     @property
@@ -278,6 +282,9 @@ class PSService:
         self.workers.record(header.worker_id, header.token, outcome.step,
                             outcome.status == APPLIED)
         reply = outcome_to_reply(outcome)
+        if header.last_step and self.shard_index == 0:  # the next push's step, if one is left
+            reply.next_reserved = self.reservations.after_push(
+                header.worker_id, header.incarnation, header.last_step)
         if want_params and outcome.status != REFUSED:
             reply.numel = shard.layout.numel
         return reply, params
@@ -352,6 +359,19 @@ class PSService:
                             max_elastic_workers=config.max_elastic_workers,
                             ticket=member.ticket).SerializeToString()
 
+    def reserve(self, request: bytes) -> bytes:
+        """``Reserve`` (ps task 0): keep a step of an asynchronous run's end for a worker's
+        next push (:mod:`~towerflow.ps.server.dense.reservations`)."""
+        req = parse_message(pb.ReserveRequest, request, "ReserveRequest")
+        if self.shard_index != 0:
+            raise InvalidArgumentError(
+                f"Reserve was sent to ps task {self.shard_index}; the global step, and the "
+                "steps kept of a run's end, are ps task 0's.")
+        step = self.shard.state.step
+        granted = req.last_step > 0 and self.reservations.reserve(
+            req.worker_id, req.incarnation, req.last_step)
+        return pb.ReserveReply(granted=granted, step=step).SerializeToString()
+
     def done(self, request: bytes) -> bytes:
         """A worker has finished: the shard stops waiting for it (sync and ssp).
 
@@ -361,6 +381,7 @@ class PSService:
         """
         req = parse_message(pb.DoneRequest, request, "DoneRequest")
         if self.elastic.leave(req.worker_id, req.ticket):
+            self.reservations.release(req.worker_id)
             logger.info("ps shard %d: elastic worker %d left (%d elastic)", self.shard_index,
                         req.worker_id, len(self.elastic))
             return pb.Empty().SerializeToString()
@@ -369,6 +390,7 @@ class PSService:
                 f"Done from worker {req.worker_id} was refused: the cluster's replicas are "
                 f"0 .. {self.replicas - 1}."
             )
+        self.reservations.release(req.worker_id)
         current = self._shard
         if current is not None:
             current.worker_done(req.worker_id)

@@ -179,6 +179,10 @@ class PSClient:
             for i, layout in enumerate(placement.shards)
         ]
         self._seq = 0
+        #: an asynchronous run's last global step (0: none; :meth:`stop_at`) and whether ps
+        #: task 0 keeps a step of it for this worker's next push
+        self.last_step = 0
+        self.reserved = False
         self._pool = ThreadPoolExecutor(max(1, len(self.shards)),
                                         thread_name_prefix="towerflow-ps-client")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerflow-ps-prefetch")
@@ -302,12 +306,33 @@ class PSClient:
             for i, v in enumerate(versions) if v > low}
 
     def _next_push(self, lr: float) -> dict[str, Any]:
-        """The identity of this worker's next push (a new ``seq``) and its rate."""
+        """The identity of this worker's next push (a new ``seq``), its rate and the run's
+        last step."""
         self._seq += 1
         return {"worker_id": self.worker_id, "incarnation": self.incarnation, "seq": self._seq,
-                "lr": lr}
+                "lr": lr, "last_step": self.last_step}
+
+    # -- the run's last steps ------------------------------------------------------------
+    def stop_at(self, last_step: int | None) -> None:
+        """End an asynchronous run at global step ``last_step`` exactly (None or 0: no end):
+        each push is sent only with a step of the run kept for it by ps task 0
+        (:mod:`~towerflow.ps.server.dense.reservations`; :meth:`reserve`)."""
+        self.last_step = max(0, int(last_step or 0))
+        self.reserved = False
+
+    def reserve(self) -> bool:
+        """Whether this worker's next push may be sent: a step of the run is kept for it (in
+        the reply to its last push, else asked of ps task 0 now). Always True with no
+        :attr:`last_step`. False: the steps left are the other workers' pushes."""
+        if not self.last_step or self.reserved:
+            return True
+        reply = self.shards[0].reserve(self.worker_id, self.incarnation, self.last_step)
+        self.reserved = bool(reply.granted)
+        return self.reserved
 
     def _result(self, replies: Sequence[pb.PushReply]) -> PushResult:
+        if self.last_step:  # the push used its kept step; ps task 0 says if one is kept again
+            self.reserved = bool(replies[0].next_reserved)
         result = PushResult(int(replies[0].step), tuple(r.status for r in replies),
                             tuple(r.message for r in replies))
         if result.refused:

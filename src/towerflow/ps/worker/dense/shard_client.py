@@ -205,21 +205,22 @@ class ShardClient:
         return self.layout.nbytes <= self.chunk_bytes
 
     def _head(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
-              want_params: bool) -> tuple[PushHeader, bytes]:
+              want_params: bool, last_step: int = 0) -> tuple[PushHeader, bytes]:
         header = PushHeader(
             worker_id=worker_id, incarnation=incarnation, seq=seq, token=self.version, lr=lr,
             dtype="float32" if grad.dtype == np.float32 else str(grad.dtype), numel=grad.size,
             # informative: the ps checks every chunk itself
-            finite=not self.small and grad.dtype == np.float32 and all_finite(grad))
+            finite=not self.small and grad.dtype == np.float32 and all_finite(grad),
+            last_step=last_step)
         return header, encode_push_header(header, want_params=want_params,
                                           signature=self._signature)
 
     def encode_small(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int,
-                     lr: float, want_params: bool) -> bytes:
+                     lr: float, want_params: bool, last_step: int = 0) -> bytes:
         """A small push as one ``PushPullSmall`` request (header and gradient packed: a copy,
         so the gradient's buffer may be reused before it is sent)."""
         _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
-                             lr=lr, want_params=want_params)
+                             lr=lr, want_params=want_params, last_step=last_step)
         return pack(head, memoryview(np.ascontiguousarray(grad)).cast("B"))
 
     def start_push(self, request: bytes) -> bool:
@@ -282,15 +283,16 @@ class ShardClient:
                 f"step {self.version})")
 
     def push(self, grad: np.ndarray, *, worker_id: int, incarnation: int, seq: int, lr: float,
-             pull_into: np.ndarray | None = None) -> pb.PushReply:
+             pull_into: np.ndarray | None = None, last_step: int = 0) -> pb.PushReply:
         """Push ``grad``; with ``pull_into``, receive the fresh parameters in the same call."""
         what = self.push_name(worker_id, incarnation, seq)
         if self.small:  # one message each way
             return self.push_small(self.encode_small(
                 grad, worker_id=worker_id, incarnation=incarnation, seq=seq, lr=lr,
-                want_params=pull_into is not None), pull_into=pull_into, what=what)
+                want_params=pull_into is not None, last_step=last_step), pull_into=pull_into,
+                what=what)
         _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
-                             lr=lr, want_params=pull_into is not None)
+                             lr=lr, want_params=pull_into is not None, last_step=last_step)
 
         def messages() -> Iterator[bytes]:
             yield head
@@ -401,6 +403,14 @@ class ShardClient:
                                  checkpoint_step=checkpoint_step or 0, ticket=ticket,
                                  failure=failure_line(failure) if failure else "")
         unary(self.channel, method_path("Done"), request.SerializeToString(), timeout=self.timeout)
+
+    def reserve(self, worker_id: int, incarnation: int, last_step: int) -> pb.ReserveReply:
+        """``Reserve`` (ps task 0): keep a step of the run's end for this worker's next push."""
+        data = self._retrying(lambda: unary(
+            self.channel, method_path("Reserve"), pb.ReserveRequest(
+                worker_id=worker_id, incarnation=incarnation,
+                last_step=last_step).SerializeToString(), timeout=self.timeout), self.timeout)
+        return parse_message(pb.ReserveReply, data, "ReserveReply")
 
     def ledger(self, since: int = 0) -> pb.LedgerReply:
         """The pushes the shard applied, from ledger entry ``since`` on."""
