@@ -32,14 +32,25 @@ Candidates:
   handler yielding a reply per request; a dense round is one call (100 chunks pushed, then
   100 yielded), the form of a dense push-pull;
 * ``zmq``: pyzmq ROUTER server, DEALER clients, multipart frames, ``copy=False`` both ways;
+* ``zmq-curve``: ``zmq`` with ZeroMQ's CURVE on both sides (every message encrypted and
+  authenticated in libzmq's I/O thread, XSalsa20-Poly1305 under ephemeral session keys, so
+  replay-proof); the key pairs are derived from a cluster secret, and a ZAP handler admits
+  only the client key of that secret (a client with another key gets no answer);
+* ``zmq-hmac``: ``zmq`` with a header frame (the tag and a per-direction counter) and an
+  HMAC-SHA256 of that header alone, checked on each side: the header authenticated in
+  Python, the payload not;
+* ``zmq-hmac-body``: ``zmq-hmac`` with the HMAC over the header and every payload frame,
+  checked by the server before it answers and by the client for each reply: every byte
+  authenticated in Python (OpenSSL), nothing encrypted;
 * ``asyncio-uvloop``: ``asyncio.start_server`` streams on uvloop, the ``tcp`` frames (its
   clients are the ``tcp`` clients);
 * ``grpc-reuseport``: ``grpc-stream`` served by ``--reuseport-servers`` processes on one
   port (``grpc.so_reuseport``); the kernel spreads connections (not requests) over them.
 
-``zmq`` and ``asyncio-uvloop`` need pyzmq and uvloop (``pip install -e .[bench]``); without
-them they are skipped, and one line says so. The servers and clients are in
-``transport_peers.py``.
+The ``zmq`` candidates and ``asyncio-uvloop`` need pyzmq and uvloop (``pip install -e
+.[bench]``), ``zmq-curve`` a libzmq with CURVE (``zmq.has("curve")``); without them they are
+skipped, and one line says so. The servers and clients are in ``transport_peers.py``, the
+ZeroMQ ones in ``transport_zmq.py``.
 
 Per (kind, clients, candidate): requests/s, GB/s (request and reply bytes / wall, first send
 to last reply), the server's CPU per request (user + system of its process(es), psutil,
@@ -282,14 +293,25 @@ def run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def available(names: list[str],
-              find: Callable = importlib.util.find_spec) -> tuple[list[str], str]:
-    """The candidates whose packages are installed, and a line naming those skipped ("" if none)."""
-    missing = [name for name in names if name in NEEDS and find(NEEDS[name][0]) is None]
-    line = "" if not missing else (
-        "skipped: " + ", ".join(f"{name} ({NEEDS[name][1]} not installed)" for name in missing)
-        + "; pip install -e .[bench]")
-    return [name for name in names if name not in missing], line
+def has_curve() -> bool:
+    import zmq
+
+    return bool(zmq.has("curve"))
+
+
+def available(names: list[str], find: Callable = importlib.util.find_spec,
+              curve: Callable[[], bool] = has_curve) -> tuple[list[str], str]:
+    """The candidates whose packages are installed (``zmq-curve``: and whose libzmq has CURVE),
+    and a line naming those skipped ("" if none)."""
+    why = {name: f"{NEEDS[name][1]} not installed" for name in names
+           if name in NEEDS and find(NEEDS[name][0]) is None}
+    if "zmq-curve" in names and "zmq-curve" not in why and not curve():
+        why["zmq-curve"] = "pyzmq's libzmq has no CURVE"
+    line = "" if not why else (
+        "skipped: " + ", ".join(f"{name} ({reason})" for name, reason in why.items())
+        + ("; pip install -e .[bench]" if any(r.endswith("installed") for r in why.values())
+           else ""))
+    return [name for name in names if name not in why], line
 
 
 def main() -> None:

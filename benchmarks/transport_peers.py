@@ -10,7 +10,9 @@ answers every request with the kind's prepared reply (no work on the bytes) unti
 closes. A client connects, makes one small round trip and says ``ready``; then on stdin
 ``warm KIND`` (a few round trips; it says ``warm``) and ``go KIND SECONDS`` (round trips for
 that long; it says a JSON line: its rounds, requests, process CPU seconds, wall-clock start
-and end and each round's latency in microseconds); it ends when its stdin closes.
+and end and each round's latency in microseconds); it ends when its stdin closes. The ZeroMQ
+servers and clients (``zmq``, ``zmq-curve``, ``zmq-hmac``, ``zmq-hmac-body``) are in
+``transport_zmq.py``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import numpy as np
 
 SERVICE = "bench.Transport"
 KINDS = ("small", "row", "dense")
-CANDIDATES = ("tcp", "grpc-unary", "grpc-stream", "zmq", "asyncio-uvloop", "grpc-reuseport")
+CANDIDATES = ("tcp", "grpc-unary", "grpc-stream", "zmq", "zmq-curve", "zmq-hmac",
+              "zmq-hmac-body", "asyncio-uvloop", "grpc-reuseport")
+ZMQ = ("zmq", "zmq-curve", "zmq-hmac", "zmq-hmac-body")  # in transport_zmq.py
 #: candidate: (the module it needs that towerflow does not, its package: the bench extra)
-NEEDS = {"zmq": ("zmq", "pyzmq"), "asyncio-uvloop": ("uvloop", "uvloop")}
+NEEDS = {**{name: ("zmq", "pyzmq") for name in ZMQ}, "asyncio-uvloop": ("uvloop", "uvloop")}
 CODE = {kind: code for code, kind in enumerate(KINDS)}
 DENSE = CODE["dense"]
 HEADER = struct.Struct("<IBB")  # payload bytes, kind code, 1 on a dense round's last chunk
@@ -177,31 +181,6 @@ def serve_asyncio(replies: dict[str, bytes], args: argparse.Namespace,
     uvloop.run(main())
 
 
-def serve_zmq(replies: dict[str, bytes], args: argparse.Namespace,
-              ready: Callable[[int], None]) -> None:
-    import zmq
-
-    out = {CODE[kind]: reply for kind, reply in replies.items()}
-    context = zmq.Context()
-    sock = context.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    # stdin closed: end the context; the loop's recv raises ContextTerminated
-    threading.Thread(target=lambda: (sys.stdin.read(), context.term()), daemon=True).start()
-    ready(port)
-    rounds: dict[bytes, Rounds] = {}
-    try:
-        while True:
-            peer, tag, _payload = sock.recv_multipart(copy=False)
-            peer_id, (code, last) = peer.bytes, tag.bytes
-            for _ in range(rounds.setdefault(peer_id, Rounds()).replies(code, last)):
-                sock.send_multipart([peer_id, bytes((code, 0)), out[code]], copy=False)
-    except zmq.ContextTerminated:
-        pass
-    finally:
-        sock.close(0)
-
-
 def serve_grpc(candidate: str, replies: dict[str, bytes], args: argparse.Namespace,
                ready: Callable[[int], None]) -> None:
     from concurrent import futures
@@ -254,8 +233,10 @@ def serve(candidate: str, args: argparse.Namespace) -> None:
 
     if candidate in ("tcp", "asyncio-uvloop"):
         (serve_tcp if candidate == "tcp" else serve_asyncio)(replies, args, ready)
-    elif candidate == "zmq":
-        serve_zmq(replies, args, ready)
+    elif candidate in ZMQ:
+        from transport_zmq import serve_zmq  # the same directory
+
+        serve_zmq(candidate, replies, args, ready)
     else:
         serve_grpc(candidate, replies, args, ready)
 
@@ -288,36 +269,6 @@ class TcpClient:
 
     def close(self) -> None:
         self.sock.close()
-
-
-class ZmqClient:
-    """A DEALER socket; ``[tag, payload]`` out, ``[tag, reply]`` back, no copies."""
-
-    def __init__(self, port: int, sent: dict[str, tuple[bytes, bytes]]) -> None:
-        import zmq
-
-        self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
-        self.requests = {kind: request for kind, (request, _) in sent.items()}
-        self.tags = {kind: bytes((CODE[kind], 0)) for kind in KINDS}
-        self.last_tag = bytes((DENSE, 1))
-
-    def round(self, kind: str, chunks: int) -> None:
-        request = self.requests[kind]
-        for index in range(chunks):
-            tag = self.last_tag if kind == "dense" and index == chunks - 1 else self.tags[kind]
-            self.sock.send_multipart([tag, request], copy=False)
-        for _ in range(chunks):
-            self.sock.recv_multipart(copy=False)
-
-    def end_phase(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.context.term()
 
 
 class GrpcClient:
@@ -370,8 +321,10 @@ def client(candidate: str, port: int, args: argparse.Namespace) -> None:
     sent = messages(args)
     if candidate in ("tcp", "asyncio-uvloop"):
         conn = TcpClient(port, sent)
-    elif candidate == "zmq":
-        conn = ZmqClient(port, sent)
+    elif candidate in ZMQ:
+        from transport_zmq import zmq_client  # the same directory
+
+        conn = zmq_client(candidate, port, sent)
     else:
         conn = GrpcClient(port, sent, stream=candidate != "grpc-unary")
     conn.round("small", 1)  # the server has answered: connected
