@@ -158,7 +158,7 @@ class StepResult:
             server in async mode, not consecutive between calls).
         applied: False when the update was dropped (a stale gradient in sync
             mode, a refused gradient with the ``skip`` policy).
-        stopped: the run's last steps (:meth:`Strategy.stop_at`) are all other
+        stopped: the run's last steps (:meth:`Strategy.stop_at`) were other
             workers' pushes: this step was not pushed, and this worker's training
             ends here.
     """

@@ -394,8 +394,8 @@ class ParameterServer(Strategy):
             log.warning("%s", message)
             return StepResult(loss=loss.detach(), global_step=self._step, applied=False)
         if not self.client.reserve():  # the run's last steps are the other workers' pushes
-            log.info("worker %d stops before global step %d: the steps left are the other "
-                     "workers' pushes", self._rank, self.client.last_step)
+            log.info("worker %d stops: the other workers pushed the run's last steps (to "
+                     "global step %d)", self._rank, self.client.last_step)
             return StepResult(loss=loss.detach(), global_step=self._step, applied=False,
                               stopped=True)
         if rows:  # (unique ids, summed row gradients) to the owning shards

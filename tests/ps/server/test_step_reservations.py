@@ -38,6 +38,18 @@ def test_a_step_is_kept_while_the_run_has_room_and_released_by_done_and_restart(
     assert not kept.reserve(3, 1, last_step=0)  # no last step: nothing is kept
 
 
+def test_the_step_a_dead_worker_held_is_pushed_by_the_workers_left() -> None:
+    step = [8]
+    dead: set[int] = set()
+    kept = StepReservations(lambda: step[0], alive=lambda worker: worker not in dead)
+    assert kept.reserve(0, 1, last_step=10) and kept.reserve(1, 1, last_step=10)
+    step[0] = 9  # worker 0's push applied; worker 1 holds the last step, then dies
+    assert not kept.after_push(0, 1, last_step=10)
+    dead.add(1)  # the heartbeats declare it dead
+    assert kept.reserve(0, 1, last_step=10)  # its step is free: worker 0 pushes it
+    assert len(kept) == 1
+
+
 @pytest.mark.parametrize("workers,last_step", [(2, 30), (3, 17), (5, 9), (4, 1)])
 def test_any_interleaving_ends_at_the_last_step_exactly(workers: int, last_step: int) -> None:
     """Workers push only with a kept step; a push is applied, then answered (the answer
@@ -121,6 +133,48 @@ def test_two_async_workers_racing_for_the_last_steps_stop_there(last_step: int) 
                 assert client.global_step() == until
                 assert client.shards[0].ledger().total == until  # the pushes applied: no more
                 assert client.shards[1].ledger().total == until  # and the same on ps task 1
+        finally:
+            for strategy in strategies:
+                strategy.shutdown()
+
+
+def test_a_worker_left_no_step_waits_for_the_holder_to_push_it_or_to_leave() -> None:
+    """Worker 1 holds the run's last step: worker 0 waits until it is pushed (then stops);
+    with one more step, worker 1 leaving (Done) frees its step for worker 0."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 4), torch.randn(8))
+    with ps_tasks(SECRET, num_ps=2, num_workers=2) as spec:
+        strategies = [ParameterServer(spec, TaskInfo("worker", i), credentials=SECRET,
+                                      device="cpu", server=False) for i in range(2)]
+        try:
+            strategies[0].prepare(nn.Linear(4, 1), OptimizerConfig("sgd", lr=0.01))
+            strategies[0].run_step(_loss, batch)  # initialised, step 1
+            holder = threading.Thread(  # worker 1 prepares while worker 0 waits for the Init
+                target=strategies[1].prepare, args=(nn.Linear(4, 1),
+                                                    OptimizerConfig("sgd", lr=0.01)))
+            holder.start()
+            holder.join(timeout=60)
+            first, second = (s.client for s in strategies)
+            for client in (first, second):
+                client.stop_at(2)
+            assert second.reserve()  # the last step is worker 1's
+            answer: list[bool] = []
+            waiter = threading.Thread(target=lambda: answer.append(first.reserve(wait=30)))
+            waiter.start()
+            waiter.join(timeout=0.3)
+            assert waiter.is_alive() and not answer  # it waits: the step is held
+            assert not strategies[1].run_step(_loss, batch).stopped  # worker 1 pushes it
+            strategies[1].settle()
+            waiter.join(timeout=30)
+            assert answer == [False] and first.global_step() == 2  # the run is at its end
+            for client in (first, second):
+                client.stop_at(3)
+            assert second.reserve()
+            waiter = threading.Thread(target=lambda: answer.append(first.reserve(wait=30)))
+            waiter.start()
+            strategies[1].shutdown()  # worker 1 leaves holding step 3: Done frees it
+            waiter.join(timeout=30)
+            assert answer == [False, True]
         finally:
             for strategy in strategies:
                 strategy.shutdown()

@@ -23,6 +23,7 @@ from typing import Any
 from towerflow.cluster import Server, ServerOptions
 from towerflow.cluster.heartbeat import HeartbeatMonitor
 from towerflow.cluster.server import stop_on_signals_from_now
+from towerflow.errors import InvalidArgumentError
 from towerflow.ps.server.dense.service import PSService, _worker_describer, replica_task
 from towerflow.ps.server.elastic import confirm_with_task0
 from towerflow.ps.server.lifecycle import JobLifecycle, peer_describer
@@ -75,6 +76,8 @@ class ShardHost:
                                  confirm_join=None if server.task.task_index == 0 else
                                  confirm_with_task0(lambda: server.channel("ps", 0)))
         self.lifecycle = JobLifecycle(server, self.service, self.monitor)
+        if self.monitor is not None:  # a dead worker's kept step of the run's end is free
+            self.service.reservations.alive = self._worker_alive
 
     def _worker_done(self, replica: int) -> None:
         """A worker said it finished: stop its heartbeats so it is not reported dead."""
@@ -82,6 +85,15 @@ class ShardHost:
         if self.monitor is not None and task is not None:
             self.monitor.mark_finished(task.job_name, task.task_index)
         self.lifecycle.done(replica, self.service.finished.get(replica, ""))
+
+    def _worker_alive(self, replica: int) -> bool:
+        """False once the heartbeats declared replica ``replica`` dead (True for a worker
+        they do not watch: an elastic one)."""
+        task = replica_task(self.server.cluster, replica)
+        try:
+            return task is None or self.monitor.is_alive(task.job_name, task.task_index)  # type: ignore[union-attr]
+        except InvalidArgumentError:  # not watched
+            return True
 
     def ready(self) -> bool:
         """Whether the shard is initialised (the task's health probe says SERVING)."""

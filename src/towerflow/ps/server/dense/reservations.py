@@ -8,7 +8,8 @@ step kept for it: ps task 0 (which counts the global step) keeps a step of
 the run's end for a worker's *next* push in the reply to its current one
 (``PushReply.next_reserved``), or when the worker asks (``Reserve``, before
 its first push), while ``step + steps kept < last_step``. A worker refused
-one stops: the steps left are the other workers' pushes. Every push that is
+one asks again until the other workers have pushed the steps left (then it
+stops) or one is free again. Every push that is
 sent is applied on every ps task as before; none is refused for this, so the
 ps tasks agree on every update, and the run ends at its last step exactly.
 
@@ -16,9 +17,9 @@ The check is conservative: a push already counted in the step whose reply
 has not been written yet still holds its kept step for that moment, which can
 stop a worker one push early; the worker whose reply comes last sees no such
 overlap, so the run still reaches its last step. A kept step is released by
-the worker's next push (or retry), its ``Done``, and a new incarnation of the
-worker (a restarted worker); a worker that dies holding one and never comes
-back leaves the run one step short, which the chief's final line shows.
+the worker's next push (or retry), its ``Done``, a new incarnation of the
+worker (a restarted worker), and the ps task's heartbeats declaring the worker
+dead (``alive``): the workers left then push the step it held.
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ class StepReservations:
 
     Args:
         step: reads ps task 0's step (the updates applied so far).
+        alive: ``alive(worker_id)``: False once the ps task's heartbeats declared the
+            worker dead (its kept step is then free); None: every worker counts as alive.
     """
 
-    def __init__(self, step: Callable[[], int]) -> None:
+    def __init__(self, step: Callable[[], int],
+                 alive: Callable[[int], bool] | None = None) -> None:
         self._step = step
+        self.alive = alive
         self._lock = threading.Lock()
         #: worker id -> the incarnation a step is kept for
         self._held: dict[int, int] = {}
@@ -68,7 +73,12 @@ class StepReservations:
             self._held.pop(worker_id, None)
 
     def _grant(self, worker_id: int, incarnation: int, last_step: int) -> bool:
-        if last_step <= 0 or self._step() + len(self._held) >= last_step:
+        if last_step <= 0:
+            return False
+        if self._step() + len(self._held) >= last_step and self.alive is not None:
+            for dead in [w for w in self._held if w != worker_id and not self.alive(w)]:
+                del self._held[dead]  # a dead worker pushes no more: its step is free
+        if self._step() + len(self._held) >= last_step:
             return False
         self._held[worker_id] = incarnation
         return True

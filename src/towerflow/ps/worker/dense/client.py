@@ -320,15 +320,32 @@ class PSClient:
         self.last_step = max(0, int(last_step or 0))
         self.reserved = False
 
-    def reserve(self) -> bool:
+    def reserve(self, wait: float | None = None) -> bool:
         """Whether this worker's next push may be sent: a step of the run is kept for it (in
         the reply to its last push, else asked of ps task 0 now). Always True with no
-        :attr:`last_step`. False: the steps left are the other workers' pushes."""
+        :attr:`last_step`.
+
+        When every step left is kept for other workers, this waits until they have
+        pushed them (False: the run is at its last step), or a step is free again (True:
+        one of them stopped, or the ps tasks' heartbeats declared it dead), at most
+        ``wait`` seconds (default: a call's deadline; then False, in one line).
+        """
         if not self.last_step or self.reserved:
             return True
-        reply = self.shards[0].reserve(self.worker_id, self.incarnation, self.last_step)
-        self.reserved = bool(reply.granted)
-        return self.reserved
+        deadline = time.monotonic() + (self.shards[0].timeout if wait is None else wait)
+        delay = 0.01
+        while True:
+            reply = self.shards[0].reserve(self.worker_id, self.incarnation, self.last_step)
+            self.reserved = bool(reply.granted)
+            if self.reserved or reply.step >= self.last_step:
+                return self.reserved
+            if time.monotonic() >= deadline:
+                logger.warning("worker %d stops at global step %d of %d: the steps left are "
+                               "kept for other workers, which have not pushed them",
+                               self.worker_id, reply.step, self.last_step)
+                return False
+            time.sleep(delay)  # the other workers' last pushes, a few steps' time
+            delay = min(2 * delay, 0.25)
 
     def _result(self, replies: Sequence[pb.PushReply]) -> PushResult:
         if self.last_step:  # the push used its kept step; ps task 0 says if one is kept again
