@@ -1,4 +1,4 @@
-"""The ps data plane's carrier: gRPC's Python stream against raw TCP, gRPC unary, ZeroMQ, uvloop.
+"""The ps data plane's carrier: gRPC's Python stream against raw TCP, gRPC unary, ZeroMQ, uvloop, TLS.
 
 A ps task spends about 1.47 ms of CPU per row request, about 0.9 ms of it in gRPC's Python
 server (the hand-off of each stream message to a pool thread, the request iterator, the
@@ -24,6 +24,10 @@ Candidates:
 
 * ``tcp``: the floor: length-prefixed frames on a blocking socket, a server thread per
   connection reading into a reused buffer (``recv_into``);
+* ``tcp-tls``: ``tcp`` with both ends wrapped by Python's ``ssl`` (OpenSSL), TLS 1.3 only:
+  the server a ``PROTOCOL_TLS_SERVER`` context with the certificate, the clients a
+  ``PROTOCOL_TLS_CLIENT`` context trusting the CA alone and checking the host name
+  (127.0.0.1, the certificate's SAN IP); the cipher negotiated is said before the table;
 * ``grpc-unary``: ``grpc.server`` (a 256-thread pool, the ps task's server options: 2 MiB
   stream window, no BDP probing) with a generic unary bytes-in, bytes-out handler (no
   protobuf); a dense round is 100 calls, a chunk each way;
@@ -31,6 +35,8 @@ Candidates:
   call per client (towerflow's ``RequestStream``: requests queued to gRPC's thread) and a
   handler yielding a reply per request; a dense round is one call (100 chunks pushed, then
   100 yielded), the form of a dense push-pull;
+* ``grpc-stream-tls``: ``grpc-stream`` over gRPC's TLS (``grpc.ssl_server_credentials``,
+  ``grpc.ssl_channel_credentials`` trusting the CA; BoringSSL), as towerflow across machines;
 * ``zmq``: pyzmq ROUTER server, DEALER clients, multipart frames, ``copy=False`` both ways;
 * ``zmq-curve``: ``zmq`` with ZeroMQ's CURVE on both sides (every message encrypted and
   authenticated in libzmq's I/O thread, XSalsa20-Poly1305 under ephemeral session keys, so
@@ -44,13 +50,18 @@ Candidates:
   authenticated in Python (OpenSSL), nothing encrypted;
 * ``asyncio-uvloop``: ``asyncio.start_server`` streams on uvloop, the ``tcp`` frames (its
   clients are the ``tcp`` clients);
+* ``asyncio-uvloop-tls``: ``asyncio-uvloop`` with ``ssl=`` (the ``tcp-tls`` server context)
+  on ``start_server``; its clients are the ``tcp-tls`` clients;
 * ``grpc-reuseport``: ``grpc-stream`` served by ``--reuseport-servers`` processes on one
   port (``grpc.so_reuseport``); the kernel spreads connections (not requests) over them.
 
 The ``zmq`` candidates and ``asyncio-uvloop`` need pyzmq and uvloop (``pip install -e
 .[bench]``), ``zmq-curve`` a libzmq with CURVE (``zmq.has("curve")``); without them they are
-skipped, and one line says so. The servers and clients are in ``transport_peers.py``, the
-ZeroMQ ones in ``transport_zmq.py``.
+skipped, and one line says so. The TLS candidates' certificates (a throwaway CA, a server
+certificate for localhost and 127.0.0.1) are made by the ``openssl`` command line in a
+temporary directory, removed at the end; without ``openssl`` they are skipped in that line.
+The servers and clients are in ``transport_peers.py``, the ZeroMQ ones in
+``transport_zmq.py``, the TLS set-up in ``transport_tls.py``.
 
 Per (kind, clients, candidate): requests/s, GB/s (request and reply bytes / wall, first send
 to last reply), the server's CPU per request (user + system of its process(es), psutil,
@@ -81,12 +92,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from transport_peers import CANDIDATES, KINDS, NEEDS  # the same directory
+from transport_tls import TLS, has_openssl, make_certs  # the same directory
 
 PEERS = Path(__file__).resolve().with_name("transport_peers.py")
 BASELINE, FLOOR = "grpc-stream", "tcp"
@@ -104,7 +117,7 @@ class Child:
         self.proc = subprocess.Popen(
             [sys.executable, str(PEERS), *role, "--small-bytes", str(args.small_bytes),
              "--dense-chunks", str(args.dense_chunks), "--warmup-chunks",
-             str(args.warmup_chunks)],
+             str(args.warmup_chunks), *(["--certs", str(args.certs)] if getattr(args, "certs", None) else [])],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -160,7 +173,7 @@ class Candidate:
     """A candidate's server process(es) and its client processes, started once."""
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
-        self.name, self.clients = name, []
+        self.name, self.clients, self.note = name, [], ""
         if name == "grpc-reuseport":
             port = str(free_port())
             self.servers = [Child(args, "server", name, "--port", port)
@@ -179,9 +192,12 @@ class Candidate:
         self.clients = [Child(args, "client", self.name, port) for _ in range(count)]
 
     def wait_ready(self) -> None:
+        """Each client says ``ready`` (a TLS one: and its TLS version and cipher)."""
         for proc in self.clients:
-            if (line := proc.expect()) != "ready":
+            word, _, note = (line := proc.expect()).partition(" ")
+            if word != "ready":
                 raise RuntimeError(f"{proc.what}: {line!r} instead of ready")
+            self.note = note
 
     def server_cpu(self) -> float:
         return sum(server.cpu() for server in self.servers)
@@ -260,6 +276,16 @@ def report(lines: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    """Make the TLS candidates' certificates (if any) in a temporary directory, measure."""
+    args.certs = None
+    if not set(args.candidates) & set(TLS):
+        return measure_all(args)
+    with tempfile.TemporaryDirectory(prefix="transport-tls-") as directory:
+        args.certs = make_certs(Path(directory))
+        return measure_all(args)
+
+
+def measure_all(args: argparse.Namespace) -> list[dict]:
     """Start every candidate's server(s) and clients, measure, stop them all."""
     load = os.getloadavg()[0]  # before this run's processes start
     candidates: list[Candidate] = []
@@ -276,6 +302,9 @@ def run(args: argparse.Namespace) -> list[dict]:
               f"way; row: {request:,} B request + {reply:,} B reply = {request + reply:,} B; "
               f"dense: {args.dense_chunks} x {CHUNK:,} B each way per round; {args.seconds} s "
               f"windows, {args.rounds} round(s)", flush=True)
+        for candidate in candidates:
+            if candidate.note:
+                print(f"{candidate.name}: {candidate.note}", flush=True)
         for round_index in range(args.rounds):
             for kind in args.kinds:
                 for clients in args.clients:
@@ -300,13 +329,17 @@ def has_curve() -> bool:
 
 
 def available(names: list[str], find: Callable = importlib.util.find_spec,
-              curve: Callable[[], bool] = has_curve) -> tuple[list[str], str]:
-    """The candidates whose packages are installed (``zmq-curve``: and whose libzmq has CURVE),
-    and a line naming those skipped ("" if none)."""
+              curve: Callable[[], bool] = has_curve,
+              openssl: Callable[[], bool] = has_openssl) -> tuple[list[str], str]:
+    """The candidates whose packages are installed (``zmq-curve``: and whose libzmq has CURVE;
+    the TLS ones: and the ``openssl`` command), and a line naming those skipped ("" if none)."""
     why = {name: f"{NEEDS[name][1]} not installed" for name in names
            if name in NEEDS and find(NEEDS[name][0]) is None}
     if "zmq-curve" in names and "zmq-curve" not in why and not curve():
         why["zmq-curve"] = "pyzmq's libzmq has no CURVE"
+    tls = [name for name in names if name in TLS and name not in why]
+    if tls and not openssl():
+        why.update({name: "no openssl command for its certificates" for name in tls})
     line = "" if not why else (
         "skipped: " + ", ".join(f"{name} ({reason})" for name, reason in why.items())
         + ("; pip install -e .[bench]" if any(r.endswith("installed") for r in why.values())

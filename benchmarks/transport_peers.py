@@ -2,17 +2,19 @@
 
 Run by ``transport_compare.py``, one process per server and per client, all on 127.0.0.1:
 
-    python benchmarks/transport_peers.py server CANDIDATE [--port P]
-    python benchmarks/transport_peers.py client CANDIDATE PORT
+    python benchmarks/transport_peers.py server CANDIDATE [--port P] [--certs DIR]
+    python benchmarks/transport_peers.py client CANDIDATE PORT [--certs DIR]
 
 A server says ``{"port": ..., "sizes": ...}`` on its first stdout line once it listens, then
 answers every request with the kind's prepared reply (no work on the bytes) until its stdin
-closes. A client connects, makes one small round trip and says ``ready``; then on stdin
+closes. A client connects, makes one small round trip and says ``ready`` (a ``tcp-tls`` or
+``asyncio-uvloop-tls`` client: ``ready`` and the TLS version and cipher negotiated); then on stdin
 ``warm KIND`` (a few round trips; it says ``warm``) and ``go KIND SECONDS`` (round trips for
 that long; it says a JSON line: its rounds, requests, process CPU seconds, wall-clock start
 and end and each round's latency in microseconds); it ends when its stdin closes. The ZeroMQ
 servers and clients (``zmq``, ``zmq-curve``, ``zmq-hmac``, ``zmq-hmac-body``) are in
-``transport_zmq.py``.
+``transport_zmq.py``. The TLS candidates (``tcp-tls``, ``grpc-stream-tls``,
+``asyncio-uvloop-tls``) take their certificates from ``--certs`` (``transport_tls.py``).
 """
 
 from __future__ import annotations
@@ -25,16 +27,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 SERVICE = "bench.Transport"
 KINDS = ("small", "row", "dense")
-CANDIDATES = ("tcp", "grpc-unary", "grpc-stream", "zmq", "zmq-curve", "zmq-hmac",
-              "zmq-hmac-body", "asyncio-uvloop", "grpc-reuseport")
+CANDIDATES = ("tcp", "tcp-tls", "grpc-unary", "grpc-stream", "grpc-stream-tls", "zmq",
+              "zmq-curve", "zmq-hmac", "zmq-hmac-body", "asyncio-uvloop", "asyncio-uvloop-tls",
+              "grpc-reuseport")
 ZMQ = ("zmq", "zmq-curve", "zmq-hmac", "zmq-hmac-body")  # in transport_zmq.py
 #: candidate: (the module it needs that towerflow does not, its package: the bench extra)
-NEEDS = {**{name: ("zmq", "pyzmq") for name in ZMQ}, "asyncio-uvloop": ("uvloop", "uvloop")}
+NEEDS = {**{name: ("zmq", "pyzmq") for name in ZMQ},
+         **{name: ("uvloop", "uvloop") for name in ("asyncio-uvloop", "asyncio-uvloop-tls")}}
 CODE = {kind: code for code, kind in enumerate(KINDS)}
 DENSE = CODE["dense"]
 HEADER = struct.Struct("<IBB")  # payload bytes, kind code, 1 on a dense round's last chunk
@@ -114,7 +119,9 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 # ----------------------------------------------------------------------------- servers
 def serve_tcp(replies: dict[str, bytes], args: argparse.Namespace,
-              ready: Callable[[int], None]) -> None:
+              ready: Callable[[int], None], tls=None) -> None:  # noqa: ANN001 - SSLContext
+    """Threads on blocking sockets; with ``tls`` (an ``ssl.SSLContext``) each connection is
+    wrapped (the handshake in its thread)."""
     out = {CODE[kind]: framed(kind, reply) for kind, reply in replies.items()}
     listener = socket.create_server(("127.0.0.1", args.port))
 
@@ -123,6 +130,8 @@ def serve_tcp(replies: dict[str, bytes], args: argparse.Namespace,
         head, body = memoryview(bytearray(HEADER.size)), memoryview(bytearray(CHUNK))
         rounds = Rounds()
         try:
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_side=True)
             while True:
                 recv_exact(sock, head)
                 length, code, last = HEADER.unpack(head)
@@ -151,7 +160,8 @@ def serve_tcp(replies: dict[str, bytes], args: argparse.Namespace,
 
 
 def serve_asyncio(replies: dict[str, bytes], args: argparse.Namespace,
-                  ready: Callable[[int], None]) -> None:
+                  ready: Callable[[int], None], tls=None) -> None:  # noqa: ANN001 - SSLContext
+    """``asyncio.start_server`` on uvloop; with ``tls``, ``ssl=tls``."""
     import asyncio
 
     import uvloop
@@ -167,13 +177,14 @@ def serve_asyncio(replies: dict[str, bytes], args: argparse.Namespace,
                 for _ in range(rounds.replies(code, last)):
                     writer.write(out[code])
                     await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, OSError):  # OSError: ConnectionError, SSLError
             pass
         finally:
             writer.close()
 
     async def main() -> None:
-        server = await asyncio.start_server(connection, "127.0.0.1", args.port, limit=4 << 20)
+        server = await asyncio.start_server(connection, "127.0.0.1", args.port, limit=4 << 20,
+                                            ssl=tls)
         ready(server.sockets[0].getsockname()[1])
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         server.close()
@@ -215,7 +226,13 @@ def serve_grpc(candidate: str, replies: dict[str, bytes], args: argparse.Namespa
     server = grpc.server(futures.ThreadPoolExecutor(ServerOptions().max_workers),
                          handlers=[grpc.method_handlers_generic_handler(SERVICE, methods)],
                          options=options)
-    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+    if candidate == "grpc-stream-tls":
+        from transport_tls import grpc_server_credentials  # the same directory
+
+        port = server.add_secure_port(f"127.0.0.1:{args.port}",
+                                      grpc_server_credentials(args.certs))
+    else:
+        port = server.add_insecure_port(f"127.0.0.1:{args.port}")
     server.start()
     ready(port)
     sys.stdin.read()
@@ -231,8 +248,14 @@ def serve(candidate: str, args: argparse.Namespace) -> None:
     def ready(port: int) -> None:
         print(json.dumps({"port": port, "sizes": sizes}), flush=True)
 
-    if candidate in ("tcp", "asyncio-uvloop"):
-        (serve_tcp if candidate == "tcp" else serve_asyncio)(replies, args, ready)
+    if candidate in ("tcp", "tcp-tls", "asyncio-uvloop", "asyncio-uvloop-tls"):
+        tls = None
+        if candidate.endswith("-tls"):
+            from transport_tls import server_context  # the same directory
+
+            tls = server_context(args.certs)
+        loop = serve_tcp if candidate.startswith("tcp") else serve_asyncio
+        loop(replies, args, ready, tls)
     elif candidate in ZMQ:
         from transport_zmq import serve_zmq  # the same directory
 
@@ -243,11 +266,17 @@ def serve(candidate: str, args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- clients
 class TcpClient:
-    """``tcp`` frames on a blocking socket; replies read into a reused buffer."""
+    """``tcp`` frames on a blocking socket; replies read into a reused buffer. With ``tls``
+    (an ``ssl.SSLContext``), the socket is wrapped, the host name checked (127.0.0.1)."""
 
-    def __init__(self, port: int, sent: dict[str, tuple[bytes, bytes]]) -> None:
+    def __init__(self, port: int, sent: dict[str, tuple[bytes, bytes]],
+                 tls=None) -> None:  # noqa: ANN001 - SSLContext
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.note = ""
+        if tls is not None:
+            self.sock = tls.wrap_socket(self.sock, server_hostname="127.0.0.1")
+            self.note = f"{self.sock.version()} {self.sock.cipher()[0]}"
         self.requests = {kind: framed(kind, request) for kind, (request, _) in sent.items()}
         self.last_chunk = framed("dense", sent["dense"][0], last=True)
         largest = max(len(reply) for _, reply in sent.values())
@@ -274,15 +303,21 @@ class TcpClient:
 class GrpcClient:
     """A channel with the ps options; unary calls, or towerflow's ``RequestStream``."""
 
-    def __init__(self, port: int, sent: dict[str, tuple[bytes, bytes]], stream: bool) -> None:
+    def __init__(self, port: int, sent: dict[str, tuple[bytes, bytes]], stream: bool,
+                 tls=None) -> None:  # noqa: ANN001 - grpc.ChannelCredentials
         import grpc
 
         from towerflow.cluster.options import ChannelOptions
         from towerflow.cluster.transport import RequestStream
 
         self.open_stream = RequestStream
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}",
-                                             options=ChannelOptions().grpc_options())
+        if tls is None:
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}",
+                                                 options=ChannelOptions().grpc_options())
+        else:
+            self.channel = grpc.secure_channel(f"127.0.0.1:{port}", tls,
+                                               options=ChannelOptions().grpc_options())
+        self.note = ""
         grpc.channel_ready_future(self.channel).result(timeout=60)
         self.requests = {kind: request for kind, (request, _) in sent.items()}
         self.stream = stream
@@ -321,15 +356,23 @@ def client(candidate: str, port: int, args: argparse.Namespace) -> None:
     sent = messages(args)
     if candidate in ("tcp", "asyncio-uvloop"):
         conn = TcpClient(port, sent)
+    elif candidate in ("tcp-tls", "asyncio-uvloop-tls"):
+        from transport_tls import client_context  # the same directory
+
+        conn = TcpClient(port, sent, client_context(args.certs))
     elif candidate in ZMQ:
         from transport_zmq import zmq_client  # the same directory
 
         conn = zmq_client(candidate, port, sent)
+    elif candidate == "grpc-stream-tls":
+        from transport_tls import grpc_channel_credentials  # the same directory
+
+        conn = GrpcClient(port, sent, stream=True, tls=grpc_channel_credentials(args.certs))
     else:
         conn = GrpcClient(port, sent, stream=candidate != "grpc-unary")
     conn.round("small", 1)  # the server has answered: connected
     conn.end_phase()
-    print("ready", flush=True)
+    print(f"ready {getattr(conn, 'note', '')}".strip(), flush=True)
     for line in sys.stdin:
         command, kind, *rest = line.split()
         chunks = args.dense_chunks if kind == "dense" else 1
@@ -363,6 +406,7 @@ def main() -> None:
     parser.add_argument("--small-bytes", type=int, default=16 << 10)
     parser.add_argument("--dense-chunks", type=int, default=100)
     parser.add_argument("--warmup-chunks", type=int, default=10)
+    parser.add_argument("--certs", type=Path, help="the TLS candidates' certificates")
     args = parser.parse_args()
     if args.role == "server":
         serve(args.candidate, args)

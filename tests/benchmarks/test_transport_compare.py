@@ -22,7 +22,12 @@ def peers():  # noqa: ANN201 - the benchmark's process module
 
 
 @pytest.fixture(scope="module")
-def bench(peers):  # noqa: ANN201, ARG001 - the benchmark's module (it imports transport_peers)
+def tls(peers):  # noqa: ANN201, ARG001 - the TLS set-up's module
+    return load_file(HERE / "transport_tls.py", "transport_tls")
+
+
+@pytest.fixture(scope="module")
+def bench(peers, tls):  # noqa: ANN201, ARG001 - the benchmark's module (imports both)
     return load_file(BENCHMARK, "transport_compare")
 
 
@@ -88,6 +93,32 @@ def test_zmq_curve_is_skipped_in_that_line_without_curve_in_libzmq(bench):
     assert kept == [] and line == ("skipped: asyncio-uvloop (uvloop not installed), zmq-curve "
                                    "(pyzmq's libzmq has no CURVE); pip install -e .[bench]")
     assert bench.available(["zmq-curve"], find=found, curve=lambda: True) == (["zmq-curve"], "")
+
+
+def test_the_tls_candidates_are_skipped_in_that_line_without_openssl(bench):
+    names = ["tcp", "tcp-tls", "grpc-stream-tls", "asyncio-uvloop-tls"]
+    kept, line = bench.available(names, find=lambda module: None, openssl=lambda: False)
+    assert kept == ["tcp"]
+    assert line == ("skipped: asyncio-uvloop-tls (uvloop not installed), tcp-tls (no openssl "
+                    "command for its certificates), grpc-stream-tls (no openssl command for "
+                    "its certificates); pip install -e .[bench]")
+    kept, line = bench.available(names[:3], openssl=lambda: False)
+    assert kept == ["tcp"] and line.endswith("its certificates)")  # no pip line
+    assert bench.available(names[:3], openssl=lambda: True) == (names[:3], "")
+
+
+def test_the_tls_contexts_ask_tls_1_3_and_the_client_checks_the_ca_and_host(tls, tmp_path):
+    import ssl
+
+    if not tls.has_openssl():
+        pytest.skip("the openssl command is not installed")
+    certs = tls.make_certs(tmp_path)
+    server, client = tls.server_context(certs), tls.client_context(certs)
+    assert server.minimum_version == client.minimum_version == ssl.TLSVersion.TLSv1_3
+    assert client.check_hostname and client.verify_mode == ssl.CERT_REQUIRED
+    assert [ca["subject"] for ca in client.get_ca_certs()] == [((("commonName", "bench-ca"),),)]
+    san = ssl._ssl._test_decode_cert(str(certs / "server.pem"))["subjectAltName"]
+    assert ("IP Address", "127.0.0.1") in san and ("DNS", "localhost") in san
 
 
 def test_the_curve_and_hmac_keys_are_the_cluster_secrets(zmq_peers):
@@ -195,3 +226,26 @@ def test_the_quick_run_with_zmq_curve_prints_finite_positive_figures(bench, subp
         # req/s above zero; a rounded figure of a loaded machine may print as 0.000
         assert figures[0] > 0 and all(math.isfinite(x) and x >= 0 for x in figures), \
             (key, figures)
+
+
+@pytest.mark.slow
+def test_the_quick_run_with_the_tls_candidates_prints_finite_positive_figures(
+        bench, subprocess_env):
+    tls = ["tcp-tls", "grpc-stream-tls", "asyncio-uvloop-tls"]
+    candidates = installed(bench, "tcp", "grpc-stream", *tls)
+    if not set(tls) <= set(candidates):
+        pytest.skip(bench.available(tls)[1])
+    proc = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--candidates",
+                           *candidates], env=subprocess_env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = table(proc.stdout)
+    assert sorted(rows) == sorted((kind, clients, name) for kind in ("small", "row", "dense")
+                                  for clients in (1, 2) for name in candidates), proc.stdout
+    for key, figures in rows.items():
+        # req/s above zero; a rounded figure of a loaded machine may print as 0.000
+        assert figures[0] > 0 and all(math.isfinite(x) and x >= 0 for x in figures), \
+            (key, figures)
+    # the ssl clients say the TLS version and the cipher negotiated
+    for name in ("tcp-tls", "asyncio-uvloop-tls"):
+        assert f"\n{name}: TLSv1.3 TLS_" in proc.stdout, proc.stdout
