@@ -30,6 +30,10 @@ sums duplicates first, as TensorFlow does before a sparse apply). The rows are
 gathered with ``index_select``, updated in place with fused ops
 (``addcmul_``, ``addcdiv_``) and written back with ``index_copy_``: on CPU this
 is several times faster than ``torch.optim`` on a sparse gradient.
+:meth:`SparseOptimizer.apply` takes the rows and each slot as separate tensors;
+:meth:`SparseOptimizer.apply_cells` (the dense row store's) takes them side by
+side, each row followed by its slots in one tensor, and gathers and writes each
+touched row once.
 
 An optimizer is a small immutable description (name and hyper-parameters);
 :meth:`SparseOptimizer.to_dict` / :func:`sparse_optimizer_from_dict` carry it
@@ -90,6 +94,21 @@ def _number(cls_name: str, name: str, value: object, *, low: float | None = None
             f"{cls_name}: {name} must be a finite number in {span}, got {value!r}."
         )
     return float(value)
+
+
+def _copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)`` for rows of contiguous 2-D tensors, bit for bit.
+
+    On CPU ``index_copy_`` copies value by value (a scalar loop over strides);
+    numpy's assignment to rows chosen by an index array copies a row at a time,
+    about half the time for a row and its slots (a ps shard's update writes
+    ~1,000 such cells per request). ``index`` holds valid rows (checked).
+    """
+    if dst.is_contiguous() and src.is_contiguous() and dst.device.type == "cpu" \
+            and index.device.type == "cpu" and not dst.requires_grad:
+        dst.numpy()[index.numpy()] = src.numpy()
+    else:
+        dst.index_copy_(0, index, src)
 
 
 class SparseOptimizer(abc.ABC):
@@ -165,7 +184,57 @@ class SparseOptimizer(abc.ABC):
         lr, step = self.check_step(lr, step)
         if not index.numel():
             return
-        new = self._updated(var, slots, index, grads, lr, step)
+        new = self._updated(var.index_select(0, index),
+                            {k: slots[k].index_select(0, index) for k in self.slot_names},
+                            grads, lr, step)
+        self._check_finite(new, index, grads, lr)
+        for name, values in new.items():
+            (var if name == "var" else slots[name]).index_copy_(0, index, values)
+
+    def cell_views(self, cells: torch.Tensor, dim: int
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rows and the slots of ``cells``, as column views of it.
+
+        ``cells`` is ``(n, dim * (1 + len(slot_names)))``: each row's ``dim``
+        values, then its values of each slot in :attr:`slot_names`' order (the
+        layout :meth:`apply_cells` updates).
+        """
+        return cells[:, :dim], {name: cells[:, dim * (i + 1):dim * (i + 2)]
+                                for i, name in enumerate(self.slot_names)}
+
+    def apply_cells(self, cells: torch.Tensor, index: torch.Tensor, grads: torch.Tensor,
+                    lr: float, step: int) -> None:
+        """:meth:`apply` on storage whose rows and slots lie side by side (its "cells").
+
+        ``cells`` is ``(rows, dim * (1 + len(slot_names)))``, laid out as
+        :meth:`cell_views` says: one row's values and its optimizer state are
+        contiguous, so the update gathers each touched cell once
+        (``index_select``), computes the new row and slots in views of that
+        gathered block, and writes the cells back with one row scatter: one
+        random access per touched row each way, where separate tensors cost one
+        per tensor (the update is memory-bound on a large table). The
+        arithmetic is :meth:`apply`'s, bit for bit; as there, nothing is written
+        when a new value would be non-finite (the same error; one reduction
+        over the block finds that every value is finite).
+        """
+        lr, step = self.check_step(lr, step)
+        if not index.numel():
+            return
+        block = cells.index_select(0, index)
+        rows, slot_rows = self.cell_views(block, grads.shape[1])
+        new = self._updated(rows, slot_rows, grads, lr, step)
+        for name, values in new.items():  # the block is a copy: it may take them unchecked
+            view = rows if name == "var" else slot_rows[name]
+            if values is not view:
+                view.copy_(values)
+        if not bool(torch.isfinite(block.sum())):  # a NaN or inf spoils the sum
+            self._check_finite({name: rows if name == "var" else slot_rows[name]
+                                for name in new}, index, grads, lr)
+        _copy_rows(cells, index, block)
+
+    def _check_finite(self, new: Mapping[str, torch.Tensor], index: torch.Tensor,
+                      grads: torch.Tensor, lr: float) -> None:
+        """Raise if a value of ``new`` (:meth:`_updated`'s) is not finite."""
         for name, values in new.items():
             if not bool(torch.isfinite(values.sum())) and not bool(torch.isfinite(values).all()):
                 bad = int((~torch.isfinite(values)).any(dim=1).nonzero()[0, 0])
@@ -176,14 +245,16 @@ class SparseOptimizer(abc.ABC):
                     f"{float(grads.abs().max()):.3g}); it was refused and nothing was applied. "
                     "Lower the learning rate or clip the gradients."
                 )
-        for name, values in new.items():
-            (var if name == "var" else slots[name]).index_copy_(0, index, values)
 
     @abc.abstractmethod
-    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+    def _updated(self, rows: torch.Tensor, slot_rows: Mapping[str, torch.Tensor],
                  grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
-        """The new values of rows ``index``: ``{"var": rows, slot: values, ...}`` (copies;
-        ``index`` non-empty, ``lr`` and ``step`` checked)."""
+        """The new values of the touched rows: ``{"var": rows, slot: values, ...}``.
+
+        ``rows`` and ``slot_rows`` are the touched rows and their slots, gathered
+        (copies, possibly views of one gathered block of cells); the update may
+        change them in place and return them. ``lr`` and ``step`` are checked.
+        """
 
     def hyper(self) -> dict[str, float]:
         """The hyper-parameters by name."""
@@ -200,9 +271,9 @@ class SparseSGD(SparseOptimizer):
 
     name: ClassVar[str] = "sgd"
 
-    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+    def _updated(self, rows: torch.Tensor, slot_rows: Mapping[str, torch.Tensor],
                  grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
-        return {"var": var.index_select(0, index).add_(grads, alpha=-lr)}
+        return {"var": rows.add_(grads, alpha=-lr)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,12 +300,11 @@ class SparseAdagrad(SparseOptimizer):
         SparseOptimizer.slot_initial_value(self, slot)
         return float(self.initial_accumulator_value)
 
-    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+    def _updated(self, rows: torch.Tensor, slot_rows: Mapping[str, torch.Tensor],
                  grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
-        acc = slots["accumulator"].index_select(0, index).addcmul_(grads, grads)
+        acc = slot_rows["accumulator"].addcmul_(grads, grads)
         scale = acc.rsqrt() if not self.epsilon else acc.sqrt().add_(self.epsilon).reciprocal_()
-        rows = var.index_select(0, index).addcmul_(grads, scale, value=-lr)
-        return {"accumulator": acc, "var": rows}
+        return {"accumulator": acc, "var": rows.addcmul_(grads, scale, value=-lr)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,15 +329,14 @@ class SparseLazyAdam(SparseOptimizer):
                     high_open=True)
         _number("SparseLazyAdam", "epsilon", self.epsilon, low=0.0)
 
-    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+    def _updated(self, rows: torch.Tensor, slot_rows: Mapping[str, torch.Tensor],
                  grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
         b1, b2 = float(self.beta1), float(self.beta2)
         # beta1_power / beta2_power as TensorFlow's accumulators hold them on update `step`
         alpha = lr * math.sqrt(1.0 - b2 ** step) / (1.0 - b1 ** step)
-        m_all, v_all = slots["m"], slots["v"]
-        m = m_all.index_select(0, index).mul_(b1).add_(grads, alpha=1.0 - b1)
-        v = v_all.index_select(0, index).mul_(b2).addcmul_(grads, grads, value=1.0 - b2)
-        rows = var.index_select(0, index).addcdiv_(m, v.sqrt().add_(self.epsilon), value=-alpha)
+        m = slot_rows["m"].mul_(b1).add_(grads, alpha=1.0 - b1)
+        v = slot_rows["v"].mul_(b2).addcmul_(grads, grads, value=1.0 - b2)
+        rows = rows.addcdiv_(m, v.sqrt().add_(self.epsilon), value=-alpha)
         return {"m": m, "v": v, "var": rows}
 
 
@@ -304,22 +373,25 @@ class SparseFtrl(SparseOptimizer):
         return float(self.initial_accumulator_value) if slot == "accumulator" else 0.0
 
     def _scaled(self, accum: torch.Tensor) -> torch.Tensor:
-        """``accum ** -learning_rate_power`` (a square root for -0.5, as the kernel)."""
+        """``accum ** -learning_rate_power`` (a square root for -0.5, as the kernel).
+
+        ``pow``'s vectorised and scalar loops differ in the last bit, so it runs on
+        a contiguous tensor (a copy of a view of gathered cells): the same
+        elements take the same loop as on separately gathered rows.
+        """
         if self.learning_rate_power == -0.5:
             return accum.sqrt()
-        return accum.pow(-self.learning_rate_power)
+        return accum.contiguous().pow(-self.learning_rate_power)
 
-    def _updated(self, var: torch.Tensor, slots: Mapping[str, torch.Tensor], index: torch.Tensor,
+    def _updated(self, rows: torch.Tensor, slot_rows: Mapping[str, torch.Tensor],
                  grads: torch.Tensor, lr: float, step: int) -> dict[str, torch.Tensor]:
-        accum_all, linear_all = slots["accumulator"], slots["linear"]
         l1, l2 = self.l1_regularization_strength, self.l2_regularization_strength
         shrinkage = self.l2_shrinkage_regularization_strength
-        w = var.index_select(0, index)
-        accum = accum_all.index_select(0, index)
+        w, accum = rows, slot_rows["accumulator"]
         new_accum = torch.addcmul(accum, grads, grads)
         scaled_new = self._scaled(new_accum)
         sigma = scaled_new.sub(self._scaled(accum)).div_(lr)
-        linear = linear_all.index_select(0, index).add_(grads)
+        linear = slot_rows["linear"].add_(grads)
         if shrinkage:
             linear.add_(w, alpha=2.0 * shrinkage)
         linear.sub_(sigma.mul_(w))
