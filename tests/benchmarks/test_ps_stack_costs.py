@@ -16,8 +16,8 @@ BENCHMARK = HERE / "ps_stack_costs.py"
 
 @pytest.fixture(scope="module")
 def bench():  # noqa: ANN201 - the benchmark's module (it imports transport_compare's Child)
-    load_file(HERE / "transport_peers.py", "transport_peers")
-    load_file(HERE / "transport_compare.py", "transport_compare")
+    for name in ("transport_peers", "transport_tls", "transport_compare"):  # its imports
+        load_file(HERE / f"{name}.py", name)
     return load_file(BENCHMARK, "ps_stack_costs")
 
 
