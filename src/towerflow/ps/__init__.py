@@ -17,11 +17,12 @@ A file's path says which process runs it and what it is about::
                   what both halves compute alike: row partitioners, variable
                   placement (replica_device_setter), malloc tuning
       server/     runs inside a ps task: host.py (ShardHost, run_ps_task),
-                  dense/ (store, admission, aggregation, the PS service),
+                  dense/ (store, admission, aggregation, the steps kept of an
+                  async run's end, the PS service),
                   tables/ (row stores, the Tables service), lifecycle, elastic
       worker/     runs inside a worker: dense/ (PSClient), tables/ (TableClient,
-                  ShardedEmbedding, prefetch, table checkpoints), live export,
-                  observation
+                  ShardedEmbedding, SparseTables, prefetch, fused tables looked
+                  up as one, table checkpoints), live export, observation
 
 Arrows (import contracts in ``pyproject.toml``): ``spec`` imports neither half
 nor the wire; ``wire`` imports neither half; the halves never import each other,
