@@ -210,22 +210,27 @@ def test_the_smallest_run_prints_a_row_of_finite_positive_figures_per_candidate(
     assert rows["grpc-stream"][6:8] == [1.0, 1.0] and rows["tcp"][8:] == [1.0, 1.0]
 
 
-@pytest.mark.slow
-def test_the_quick_run_with_zmq_curve_prints_finite_positive_figures(bench, subprocess_env):
-    if installed(bench, "zmq-curve") != ["zmq-curve"]:
-        pytest.skip(bench.available(["zmq-curve"])[1])
-    candidates = ["tcp", "grpc-stream", "zmq-curve"]
+def _quick_run(candidates: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``--quick`` over ``candidates``: a row of finite figures per kind, client count and
+    candidate, req/s above zero (a rounded figure of a loaded machine may print as 0.000)."""
     proc = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--candidates",
-                           *candidates], env=subprocess_env, capture_output=True, text=True,
-                          timeout=240)
+                           *candidates], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = table(proc.stdout)
     assert sorted(rows) == sorted((kind, clients, name) for kind in ("small", "row", "dense")
                                   for clients in (1, 2) for name in candidates), proc.stdout
     for key, figures in rows.items():
-        # req/s above zero; a rounded figure of a loaded machine may print as 0.000
         assert figures[0] > 0 and all(math.isfinite(x) and x >= 0 for x in figures), \
             (key, figures)
+    return proc
+
+
+@pytest.mark.slow
+def test_the_quick_run_with_zmq_curve_prints_finite_positive_figures(bench, subprocess_env):
+    if installed(bench, "zmq-curve") != ["zmq-curve"]:
+        pytest.skip(bench.available(["zmq-curve"])[1])
+    candidates = ["tcp", "grpc-stream", "zmq-curve"]
+    _quick_run(candidates, subprocess_env)
 
 
 @pytest.mark.slow
@@ -235,17 +240,7 @@ def test_the_quick_run_with_the_tls_candidates_prints_finite_positive_figures(
     candidates = installed(bench, "tcp", "grpc-stream", *tls)
     if not set(tls) <= set(candidates):
         pytest.skip(bench.available(tls)[1])
-    proc = subprocess.run([sys.executable, str(BENCHMARK), "--quick", "--candidates",
-                           *candidates], env=subprocess_env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = table(proc.stdout)
-    assert sorted(rows) == sorted((kind, clients, name) for kind in ("small", "row", "dense")
-                                  for clients in (1, 2) for name in candidates), proc.stdout
-    for key, figures in rows.items():
-        # req/s above zero; a rounded figure of a loaded machine may print as 0.000
-        assert figures[0] > 0 and all(math.isfinite(x) and x >= 0 for x in figures), \
-            (key, figures)
+    proc = _quick_run(candidates, subprocess_env)
     # the ssl clients say the TLS version and the cipher negotiated
     for name in ("tcp-tls", "asyncio-uvloop-tls"):
         assert f"\n{name}: TLSv1.3 TLS_" in proc.stdout, proc.stdout

@@ -75,10 +75,11 @@ class StepReservations:
     def _grant(self, worker_id: int, incarnation: int, last_step: int) -> bool:
         if last_step <= 0:
             return False
-        if self._step() + len(self._held) >= last_step and self.alive is not None:
+        step = self._step()
+        if step + len(self._held) >= last_step and self.alive is not None:
             for dead in [w for w in self._held if w != worker_id and not self.alive(w)]:
                 del self._held[dead]  # a dead worker pushes no more: its step is free
-        if self._step() + len(self._held) >= last_step:
+        if step + len(self._held) >= last_step:
             return False
         self._held[worker_id] = incarnation
         return True

@@ -71,7 +71,9 @@ from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.groups import (
     Pulled,
     RowGroup,
+    bag_of,
     grouped_lookup,
+    plain_gather,
 )
 from towerflow.ps.worker.tables.prefetch import host_copy, recording
 
@@ -321,15 +323,12 @@ class ShardedEmbedding(nn.Module):
             rows.requires_grad_(True)
             self._touched.append((unique, rows))
         index = inverse.to(input.device).view(input.shape)
-        gather = index.numel() * self.dim <= _GATHER_LIMIT
-        if self.mode is None and gather:
-            return rows.index_select(0, index.reshape(-1)).view(*index.shape, self.dim)
+        if index.numel() * self.dim <= _GATHER_LIMIT \
+                and plain_gather(self.mode, index, offsets, per_sample_weights):
+            picked = rows.index_select(0, index.reshape(-1)).view(*index.shape, self.dim)
+            return bag_of(picked, self.mode)
         if self.mode is None:
             return F.embedding(index, rows)
-        if gather and self.mode in ("sum", "mean") and index.dim() == 2 and offsets is None \
-                and per_sample_weights is None:
-            picked = rows.index_select(0, index.reshape(-1)).view(*index.shape, self.dim)
-            return picked.sum(1) if self.mode == "sum" else picked.mean(1)
         return F.embedding_bag(index, rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights)
 

@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Pulled", "RowGroup", "GroupPush", "take_groups"]
+__all__ = ["Pulled", "RowGroup", "GroupPush", "bag_of", "grouped_lookup", "plain_gather",
+           "take_groups"]
 
 
 class Pulled(NamedTuple):
@@ -94,8 +95,7 @@ class RowGroup:
         """Member ``member``'s own unique ids, inverse and rows, for a lookup of its own."""
         first, last = self.bounds[member]
         start = self.starts[member]
-        return Pulled(self.together[first:last] - self.offsets[member],
-                      self.inverse[start:start + self.sizes[member]] - first,
+        return Pulled(self.ids_of(member), self.inverse[start:start + self.sizes[member]] - first,
                       self.rows[first:last])
 
     def ids_of(self, member: int) -> torch.Tensor:
@@ -111,23 +111,32 @@ class RowGroup:
         return self.leaf.grad[first:last]
 
 
+def plain_gather(mode: str | None, ids: torch.Tensor, offsets: torch.Tensor | None,
+                 per_sample_weights: torch.Tensor | None) -> bool:
+    """Whether a lookup of ``ids`` is rows gathered and, for a bag, summed or averaged over
+    its second dimension (:func:`bag_of`): no ``max`` bag, offsets or weights."""
+    return mode is None or (mode in ("sum", "mean") and ids.dim() == 2 and offsets is None
+                            and per_sample_weights is None)
+
+
+def bag_of(picked: torch.Tensor, mode: str | None) -> torch.Tensor:
+    """A plain gather's output from its gathered rows ``(*ids.shape, dim)``."""
+    if mode is None:
+        return picked
+    return picked.sum(1) if mode == "sum" else picked.mean(1)
+
+
 def grouped_lookup(group: RowGroup, member: int, mode: str | None, dim: int,
                    input: torch.Tensor, offsets: torch.Tensor | None,  # noqa: A002
                    per_sample_weights: torch.Tensor | None, limit: int) -> torch.Tensor | None:
     """A lookup's output from its group's gather, or None where it is not a plain gather
     (``max`` bags, offsets, weights, more than ``limit`` values), on a device other than a
     CPU or GPU, or the group was made on another device or grad mode."""
-    plain = mode is None or (mode in ("sum", "mean") and input.dim() == 2 and offsets is None
-                             and per_sample_weights is None)
-    if not plain or input.numel() * dim > limit or input.device.type not in ("cpu", "cuda"):
+    if not plain_gather(mode, input, offsets, per_sample_weights) \
+            or input.numel() * dim > limit or input.device.type not in ("cpu", "cuda"):
         return None  # (another backend may have no strided views to cut the gather with)
     part = group.part(member, input.device)
-    if part is None:
-        return None
-    picked = part.view(*input.shape, dim)
-    if mode is None:
-        return picked
-    return picked.sum(1) if mode == "sum" else picked.mean(1)
+    return None if part is None else bag_of(part.view(*input.shape, dim), mode)
 
 
 class GroupPush:
