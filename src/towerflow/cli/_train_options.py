@@ -41,6 +41,7 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "whole_tables": ("ps", "whole_table_bytes"),
     "table_part_bytes": ("ps", "table_part_bytes"),
     "join": ("ps", "join"), "max_elastic_workers": ("ps", "max_elastic_workers"),
+    "dense": ("ps", "dense"), "embedding_staleness": ("ps", "embedding_staleness"),
     "backend": ("mirrored", "backend"), "collective_timeout": ("mirrored", "timeout_s"),
 }
 #: keywords of the strategies that no flag sets: the cluster decides them (the chief by the
@@ -239,6 +240,13 @@ def _add_ps_arguments(group: Any) -> None:
                        help="async: push the dense layers in their own request each step "
                        "(default: dense_with_rows=True, with the next step's table pull: one "
                        "request per ps task and step)")
+    group.add_argument("--dense", choices=("ps", "allreduce"), default="ps",
+                       help="where the dense layers train: 'ps' (default) on the ps tasks with "
+                       "the tables; 'allreduce' (hybrid): replicated on the workers and "
+                       "averaged each step by all-reduce (Gloo / NCCL), the tables on the ps")
+    group.add_argument("--embedding-staleness", type=int, default=None, metavar="N",
+                       help="--dense allreduce: how many of a worker's own steps its pulled "
+                       "rows may lag its pushes (default 0: each push goes with the next pull)")
     group.add_argument("--bind", default=None, metavar="HOST",
                        help="the interface this task's server listens on (0.0.0.0 or :: for "
                        "all) instead of the host its cluster names, e.g. in a pod whose Service "

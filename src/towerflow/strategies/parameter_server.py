@@ -18,16 +18,10 @@ by :meth:`~ParameterServer.prepare` and stopped by :meth:`~ParameterServer.shutd
 one given as ``server=``), so the ps tasks' heartbeats reach it and a dead or suspended
 worker is named.
 
-An **elastic worker** (``join=True``; ``towerflow train --join``) is a process with the
-cluster (``cluster=`` or ``TF_CONFIG`` with no ``task``) and its credentials but no task of
-its own in it. It joins a running ``async`` job (:mod:`~towerflow.strategies.ps_elastic`:
-ps task 0 gives its worker id), trains from the current parameters, never initialises,
-restores or saves, runs no server, and leaves with ``Done`` when it shuts down (on an
-error and on SIGTERM too); it reads its data as a replica of its own (rank 0 of 1). Dense
-models only: a sparse table's shards count the cluster's replicas alone.
-
-A model's sparse tables are bound, created on the ps tasks, checkpointed and moved to and
-from one process by :mod:`~towerflow.strategies.ps_tables`.
+An **elastic worker** (``join=True``; ``towerflow train --join``) joins a running ``async``
+job with no task of its own (:mod:`~towerflow.strategies.ps_elastic`). A model's sparse
+tables are bound, created, checkpointed and moved by :mod:`~towerflow.strategies.ps_tables`;
+``dense="allreduce"`` keeps the dense layers on the workers (:mod:`~towerflow.strategies.hybrid`).
 
 Example (in a worker process of a cluster with a ps job)::
 
@@ -69,7 +63,12 @@ from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strat
 from towerflow.strategies.ps_carry import DenseCarrier
 from towerflow.strategies.ps_elastic import join_running_job, joining_cluster
 from towerflow.strategies.ps_peers import task_server, wait_for_workers
-from towerflow.strategies.ps_placement import check_trainable, plan_variables
+from towerflow.strategies.ps_placement import (
+    DenseModes,
+    check_dense_mode,
+    check_trainable,
+    plan_variables,
+)
 from towerflow.strategies.ps_tables import (
     attach_tables,
     check_whole_tables,
@@ -85,7 +84,7 @@ __all__ = ["ParameterServer"]
 log = logging.getLogger("towerflow.ps")
 
 
-class ParameterServer(Strategy):
+class ParameterServer(DenseModes, Strategy):
     """Train with parameters held by the cluster's ps tasks.
 
     Args:
@@ -140,6 +139,10 @@ class ParameterServer(Strategy):
             one request per ps task and step (``towerflow.strategies.ps_carry``;
             ``StepResult.global_step`` as with ``prefetch``; the model lags this step's
             dense update until then, :meth:`settle`). False: in its own.
+        dense: ``ps`` (default) or ``allreduce``: hybrid training, the tables on the ps
+            tasks and the dense layers all-reduced among the workers
+            (:mod:`towerflow.strategies.hybrid`, with ``embedding_staleness`` and
+            ``backend``).
     """
 
     name = "ps"
@@ -157,7 +160,8 @@ class ParameterServer(Strategy):
                  whole_table_bytes: int | None = SMALL_TABLE_BYTES,
                  table_part_bytes: int | None = None, join: bool = False,
                  max_elastic_workers: int = DEFAULT_MAX_ELASTIC,
-                 dense_with_rows: bool = True) -> None:
+                 dense_with_rows: bool = True, dense: str = "ps",
+                 embedding_staleness: int | None = None, backend: str | None = None) -> None:
         from towerflow.cluster import resolve_cluster
         from towerflow.ps.wire.messages import AggregationConfig
 
@@ -172,6 +176,7 @@ class ParameterServer(Strategy):
                 "pass cluster= and task=, or start the process with TF_CONFIG "
                 "(towerflow launch --ps 1 --workers 2 -- ...)."
             )
+        self._staleness, self._backend = check_dense_mode(dense, embedding_staleness, backend)
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'.")
         self.cluster, self.task, self._elastic = cluster, task, bool(join)
@@ -430,9 +435,7 @@ class ParameterServer(Strategy):
 
     def _outcome(self, push: Any) -> Any:
         """``push()``'s result; a push that failed for a missing peer leaves this worker
-        unfinished: at :meth:`shutdown` it then sends the ps tasks no ``Done``, so a sync
-        step it was counted in keeps waiting for the replicas instead of completing with
-        fewer gradients."""
+        unfinished: it sends no ``Done`` at :meth:`shutdown` (a sync step waits for it)."""
         try:
             return push()
         except UnavailableError as exc:
@@ -556,15 +559,9 @@ class ParameterServer(Strategy):
             self._failure = f"{type(error).__name__}: {error}"
 
     def shutdown(self) -> None:
-        """Finish a pending push, tell the ps tasks this worker is done, close channels.
-
-        A worker that stopped on an error (:meth:`end_training` said so, or its
-        push failed for a missing peer) did not finish: the ps tasks are not
-        told it is done (they go on counting it as a replica). The chief's
-        ``Done`` carries the step of its final checkpoint.
-
-        Then stop this task's server if :meth:`prepare` started it.
-        """
+        """Finish a pending push, tell the ps tasks this worker is done (not when it stopped
+        on an error: they go on counting it; the chief's ``Done`` carries its final
+        checkpoint's step), close channels, stop the server :meth:`prepare` started."""
         client = self._client
         try:
             if client is not None:  # the last step's push (in the background, or carried)

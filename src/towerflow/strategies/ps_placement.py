@@ -9,7 +9,54 @@ from torch import nn
 
 from towerflow.errors import InvalidArgumentError
 
-__all__ = ["check_trainable", "plan_variables"]
+__all__ = ["check_dense_mode", "check_trainable", "DenseModes", "plan_variables"]
+
+#: where a ParameterServer's dense layers train: the class that trains them there
+DENSE_MODES = {"ps": None, "allreduce": "towerflow.strategies.hybrid:HybridParameterServer"}
+
+
+def check_dense_mode(dense: str, staleness: int | None, backend: str | None
+                     ) -> tuple[int, str | None]:
+    """``(embedding_staleness, backend)`` of a ``ParameterServer`` whose dense layers train
+    on ``dense``; the hybrid options are refused with ``dense="ps"``.
+
+    Example:
+        >>> check_dense_mode("allreduce", None, None)
+        (0, None)
+    """
+    if dense not in DENSE_MODES:
+        raise InvalidArgumentError(
+            f"dense={dense!r}; use 'ps' (the dense layers on the ps tasks) or 'allreduce' "
+            "(hybrid: the tables on the ps tasks, the dense layers all-reduced among the "
+            "workers).")
+    if dense == "ps":
+        given = [f"{k}={v!r}" for k, v in (("embedding_staleness", staleness),
+                                           ("backend", backend)) if v is not None]
+        if given:
+            raise InvalidArgumentError(
+                f"{', '.join(given)} applies to hybrid training only; add dense='allreduce' "
+                "(--dense allreduce) or remove it.")
+        return 0, None
+    if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int)
+                                  or staleness < 0):
+        raise InvalidArgumentError(
+            f"embedding_staleness={staleness!r} must be a whole number >= 0: how many of a "
+            "worker's own steps its pulled rows may lag its pushes (0: none).")
+    return staleness or 0, backend
+
+
+class DenseModes:
+    """A ``ParameterServer(dense="allreduce")`` call makes the hybrid strategy, its subclass
+    (imported by name; the signature callers see stays ``ParameterServer.__init__``'s)."""
+
+    def __new__(cls, *args: Any, dense: str = "ps", **options: Any) -> Any:
+        import importlib
+
+        target = DENSE_MODES.get(dense) if isinstance(dense, str) else None
+        if target is not None and cls.__name__ == "ParameterServer":
+            module, _, name = target.partition(":")
+            cls = getattr(importlib.import_module(module), name)
+        return super().__new__(cls)
 
 
 def check_trainable(params: list[tuple[str, nn.Parameter]], *, elastic: bool,

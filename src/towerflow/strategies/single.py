@@ -263,6 +263,13 @@ def local_optimizer_slots(model: nn.Module, config: Any, groups: Mapping[str, An
         log.warning("the checkpoint's optimizer state does not fit this model's parameter groups "
                     "(%s): the ps tasks start the optimizer afresh", exc)
         return {}, 0
+    return optimizer_slots(optimizer, names)
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer, names: Mapping[int, str]
+                    ) -> tuple[dict[str, torch.Tensor], int]:
+    """``optimizer``'s per-parameter state in a parameter server's form,
+    ``{"<variable>/<slot>": tensor}`` (``names``: ``id(param) -> name``), and its step."""
     slots, step = {}, 0
     for param, state in optimizer.state.items():
         for kind, value in state.items():

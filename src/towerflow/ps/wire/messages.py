@@ -136,6 +136,9 @@ class AggregationConfig:
             finite positive number, or None to wait forever.
         max_elastic_workers: async: elastic workers (``Join``) a shard admits
             at once; 0: none.
+        rendezvous: hybrid training (dense layers all-reduced among the workers):
+            ``host:port`` of the store where the workers' process group meets, set
+            by the chief; empty otherwise.
     """
 
     mode: str = "async"
@@ -144,6 +147,7 @@ class AggregationConfig:
     staleness: int = 2
     timeout: float | None = DEFAULT_TIMEOUT
     max_elastic_workers: int = DEFAULT_MAX_ELASTIC
+    rendezvous: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -293,7 +297,7 @@ def aggregation_to_proto(config: AggregationConfig) -> pb.AggregationSpec:
         mode=config.mode, total_num_replicas=config.total_num_replicas,
         replicas_to_aggregate=config.replicas_to_aggregate or 0, staleness=config.staleness,
         timeout=config.timeout or 0.0, wait_forever=config.timeout is None,
-        max_elastic_workers=config.max_elastic_workers)
+        max_elastic_workers=config.max_elastic_workers, rendezvous=config.rendezvous)
 
 
 def optimizer_to_proto(config: Any, names: Iterable[str] = ()) -> pb.OptimizerSpec:

@@ -54,6 +54,8 @@ __all__ = ["InitPlan", "check_init", "MAX_ELEMENTS", "MAX_SEGMENTS", "MAX_DIMS",
 
 #: elements of one shard (and of any dimension or variable): 2**36 float32 = 256 GiB
 MAX_ELEMENTS = 1 << 36
+#: longest hybrid rendezvous address (host:port) an Init may carry
+MAX_RENDEZVOUS = 300
 #: variable parts one shard holds
 MAX_SEGMENTS = 1 << 20
 #: dimensions of one variable
@@ -208,9 +210,13 @@ def _aggregation(a: Any, replicas: int | None) -> AggregationConfig:
         timeout = a.timeout or DEFAULT_TIMEOUT
     elastic = (_count("aggregation.max_elastic_workers", a.max_elastic_workers, 0, 1 << 16)
                if a.HasField("max_elastic_workers") else DEFAULT_MAX_ELASTIC)
+    if len(a.rendezvous) > MAX_RENDEZVOUS or any(c.isspace() for c in a.rendezvous):
+        raise _fail("aggregation.rendezvous", a.rendezvous[:80],
+                    f"a host:port of at most {MAX_RENDEZVOUS} characters")
     return AggregationConfig(mode=a.mode, total_num_replicas=total,
                              replicas_to_aggregate=to_aggregate or None, staleness=staleness,
-                             timeout=timeout, max_elastic_workers=elastic)
+                             timeout=timeout, max_elastic_workers=elastic,
+                             rendezvous=a.rendezvous)
 
 
 def check_init(req: Any, shard_index: int, replicas: int | None = None) -> InitPlan:

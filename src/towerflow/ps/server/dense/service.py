@@ -257,7 +257,7 @@ class PSService:
             slots=list(state.optimizer.slots), optimizer_step=figures.optimizer_step,
             generation=self._generation, shard=self.shard_index, refusals=figures.refusals,
             staged_bytes=figures.staged, workers=workers, uptime=uptime,
-            pushes=push_records(figures.pushes),
+            pushes=push_records(figures.pushes), rendezvous=current.config.rendezvous,
             segments=layout_to_proto(state.layout) if req.with_layout else ())
         return reply.SerializeToString()
 

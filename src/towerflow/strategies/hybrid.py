@@ -1,0 +1,430 @@
+"""Hybrid training: the tables on the ps tasks, the dense layers all-reduced among the workers.
+
+``ParameterServer(cluster, task, dense="allreduce")`` (``towerflow train --ps 2
+--workers 4 --dense allreduce``), the split recommendation systems moved to
+(PERSIA's hybrid mode, HugeCTR, TorchRec):
+
+- the model's sparse tables live on the ps tasks as with ``dense="ps"``: a
+  batch's rows pulled in one request per ps task, each step's row gradients
+  pushed with the next step's pull, applied exactly once by the ps's
+  row-wise optimizers, asynchronously;
+- the dense layers are replicated on every worker: their gradients are
+  averaged each step by one ``torch.distributed`` all-reduce (NCCL on GPU
+  workers, Gloo on CPU workers) and the user's ``torch.optim`` optimizer runs
+  on every worker alike (:mod:`~towerflow.strategies.hybrid_dense`), so the
+  dense step is synchronous and its parameters equal on every worker;
+- ``embedding_staleness=N`` bounds the tables' lag: a worker's rows are
+  pulled with at most N of its own steps' pushes not yet applied (0, the
+  default: every push goes with the next pull, one request per ps task and
+  step; N >= 1: pushes leave in the background as the step ends and overlap
+  the all-reduce, and a step waits for those older than N steps).
+
+The workers form their process group from what started them: the chief (the
+``chief`` task, else worker 0: rank 0) serves a ``TCPStore`` on a free port of
+its host and tells the ps tasks where, in its ``Init``; the other workers read
+it from ps task 0 (the authenticated channel they already have) and join. So
+``towerflow launch``, torchrun, Slurm, Kubernetes and tasks started by hand all
+work without another port. The store and Gloo's connections themselves are not
+authenticated (as with ``Mirrored``): keep the workers' network private.
+
+A global step is one synchronous step of every worker (``batches_per_step`` is
+the number of workers). A checkpoint holds the dense layers and their optimizer
+state from the chief and the tables from the ps tasks; it moves between this
+mode, ``dense="ps"`` and one process. When a worker dies the all-reduce cannot
+go on: within ``step_timeout`` every worker stops with one sentence naming the
+worker that does not answer, and the job started again resumes from its last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from towerflow.devices.transfer import inputs_follow, move_to_device
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from towerflow.ps.worker.tables.prefetch import host_copies
+from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
+from towerflow.strategies.hybrid_dense import DenseReplica, group_endpoint
+from towerflow.strategies.mirrored import _first_line
+from towerflow.strategies.parameter_server import ParameterServer
+from towerflow.strategies.ps_placement import check_trainable
+from towerflow.strategies.ps_tables import (
+    attach_tables,
+    check_whole_tables,
+    start_tables,
+    table_groups,
+    tables_from_weights,
+    tables_to_restore,
+)
+from towerflow.strategies.single import _load_ps_slots, as_ps_optimizer_state, optimizer_slots
+
+__all__ = ["HybridParameterServer"]
+
+log = logging.getLogger("towerflow.ps")
+
+#: seconds a collective may wait for the other workers when no step timeout is set
+_NO_STEP_TIMEOUT_S = 1800.0
+
+
+class HybridParameterServer(ParameterServer):
+    """``ParameterServer(..., dense="allreduce")``: see the module's docstring.
+
+    Takes :class:`ParameterServer`'s arguments; ``mode`` must be ``async`` (the tables'),
+    ``join`` and ``prefetch`` are refused. ``embedding_staleness``: see above;
+    ``backend``: ``nccl`` or ``gloo`` (default: NCCL on a GPU worker, else Gloo).
+    """
+
+    lockstep = True
+
+    def __init__(self, cluster: Any = None, task: Any = None, mode: str = "async",
+                 **options: Any) -> None:
+        if mode != "async":
+            raise InvalidArgumentError(
+                f"dense='allreduce' with mode={mode!r}: the dense layers are already averaged "
+                "synchronously by all-reduce among the workers, and the tables are updated "
+                "asynchronously (bounded by embedding_staleness). Drop the mode (--mode "
+                f"{mode}), or train everything through the ps tasks with dense='ps' for "
+                f"{mode} tables.")
+        for name, why in (("join", "an elastic worker cannot join an all-reduce group"),
+                          ("prefetch", "the dense step is an all-reduce, not a push")):
+            if options.get(name):
+                raise InvalidArgumentError(
+                    f"dense='allreduce' with {name}=True: {why}. Remove it, or train with "
+                    "dense='ps'.")
+        super().__init__(cluster, task, mode, **options)
+        backend = self._backend or ("nccl" if self._device.type == "cuda" else "gloo")
+        if backend not in ("nccl", "gloo") or (backend == "nccl" and self._device.type != "cuda"):
+            raise InvalidArgumentError(
+                f"backend={backend!r} for a worker on {self._device}: use 'nccl' on a GPU "
+                "worker or 'gloo' (any worker).")
+        self._backend = backend
+        self._dense: DenseReplica | None = None
+        self._store: Any = None
+        self._owns_group = False
+        self._to_sync = True  # the first step gives every worker worker 0's parameters
+        self._stop_vote = self._stop_agreed = False
+        self._pushes: collections.deque[tuple[int, Future]] = collections.deque()
+        self._pusher: ThreadPoolExecutor | None = None
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def batches_per_step(self) -> int:
+        """Every worker's batch: one global step is one synchronous step of all of them."""
+        return self._world
+
+    @property
+    def embedding_staleness(self) -> int:
+        return self._staleness
+
+    @property
+    def failure_way_out(self) -> str:
+        return (" The workers' all-reduce group cannot go on without every worker: start "
+                "the job again (every worker; the run resumes from the chief's latest "
+                "checkpoint).")
+
+    # -- setup -----------------------------------------------------------------------------
+    def prepare(self, model: nn.Module,
+                optimizer: OptimizerConfig | torch.optim.Optimizer) -> nn.Module:
+        """Put the tables on the ps tasks, keep the dense layers here and join the workers'
+        process group (the chief serves its store; the others wait for its ``Init``)."""
+        from towerflow.ps.placement import plan_placement
+        from towerflow.ps.worker.dense.client import PSClient
+        from towerflow.strategies.optim import as_optimizer_config
+
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
+        config = as_optimizer_config(optimizer, model)
+        self._tables = attach_tables(
+            model, config, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
+            whole_below=self._whole_below, chief=self._chief, credentials=self._credentials,
+            worker_id=self._rank, timeout=self._timeout, aggregation=self.aggregation)
+        if not self._tables:
+            raise InvalidArgumentError(
+                f"dense='allreduce' (--dense allreduce) needs sparse tables on the ps tasks, and "
+                f"{type(model).__name__} has none (no ShardedEmbedding, no nn.Embedding declared "
+                "sparse=True or over sparse_threshold_bytes). A dense model trains faster by "
+                "all-reduce alone: towerflow train --replicas N (the Mirrored strategy).")
+        check_trainable(list(model.named_parameters()), elastic=False, tables=True)
+        model.to(self._device)
+        self._hooks = [inputs_follow(model, self._device),
+                       model.register_state_dict_pre_hook(lambda *_: self.settle())]
+        self._opt = config
+        self._dense = DenseReplica(model, config.build_named(model.named_parameters()),
+                                   config.lr, self._device)
+        self._start_server()
+        num_ps = self.cluster.num_tasks("ps")
+        self._client = PSClient(
+            self.cluster, plan_placement([], num_ps), worker_id=self._rank,
+            credentials=self._credentials, timeout=self._timeout, push_timeout=self._timeout,
+            on_bad_gradient=self._policy)
+        self._model = model
+        if self._staleness:
+            self._pusher = ThreadPoolExecutor(1, thread_name_prefix="towerflow-hybrid-push")
+        self._join_group()
+        return model
+
+    def _join_group(self) -> None:
+        """The chief: create the tables, serve the store, ``Init`` the ps tasks with its
+        address; the others: wait for that ``Init`` and join at the address it names."""
+        from dataclasses import replace
+
+        import numpy as np
+
+        from towerflow.cluster.spec import parse_address
+
+        timeout = self._collective_timeout()
+        if self._chief:
+            start_tables(self._tables, None)
+            job, index = self.task.job_name, self.task.task_index
+            host = parse_address(self.cluster.task_address(job, index))[0]
+            self._store = group_endpoint(host, self._world, timeout, master=True)
+            address = f"{host}:{self._store.port}"
+            self.client.initialize(
+                [np.empty(0, np.float32)] * self.cluster.num_tasks("ps"), optimizer=self._opt,
+                aggregation=replace(self.aggregation, rendezvous=address))
+            self._initialised = True
+        else:
+            self.client.wait_until_initialized(self._init_timeout)
+            address = self.client.shards[0].status(timeout=self._timeout).rendezvous
+            if not address:
+                raise FailedPreconditionError(
+                    "The ps tasks were initialised by a chief that trains the dense layers "
+                    "through the ps (dense='ps'), and this worker all-reduces them "
+                    "(dense='allreduce'). Start every worker with the same --dense.")
+            host, port = parse_address(address)
+            self._store = group_endpoint(host, self._world, timeout, port=port, master=False)
+        if dist.is_initialized():
+            raise FailedPreconditionError(
+                "A torch.distributed process group already exists in this process; hybrid "
+                "training makes its own among the workers. Destroy it first.")
+        try:
+            dist.init_process_group(self._backend, store=dist.PrefixStore("towerflow/hybrid",
+                                                                          self._store),
+                                    rank=self._rank, world_size=self._world,
+                                    timeout=_timedelta(timeout))
+        except RuntimeError as exc:
+            raise UnavailableError(
+                f"Worker {self._rank} of {self._world} could not join the workers' "
+                f"{self._backend} group at {address}: {_first_line(exc)}. Check that every "
+                "worker was started and that the workers reach each other (GLOO_SOCKET_IFNAME / "
+                "NCCL_SOCKET_IFNAME).") from exc
+        self._owns_group = True
+        log.info("worker %d joined the workers' %s all-reduce group (%d workers) at %s",
+                 self._rank, self._backend, self._world, address)
+
+    def _collective_timeout(self) -> float:
+        step = self.aggregation.timeout
+        return _NO_STEP_TIMEOUT_S if step is None else float(step) + self._timeout
+
+    def _start_tables(self) -> None:
+        """(The chief) a checkpoint's tables, or rows given since, onto the ps tasks."""
+        pending, self._table_restore = self._table_restore, None
+        if self._chief and (pending or self._tables.holds_starts()):
+            start_tables(self._tables, pending, again=True)
+
+    def _sync(self) -> None:
+        """Before the first step (every worker together): the restored tables on the ps,
+        then worker 0's parameters, buffers and step on every worker."""
+        if not self._to_sync:
+            return
+        self._start_tables()
+        try:
+            self._step = self._dense.broadcast(self._model, self._step, self._device)  # type: ignore[union-attr]
+        except RuntimeError as exc:
+            raise self._group_failure(exc, "the first step's broadcast") from None
+        self._to_sync = False
+
+    def broadcast_model(self) -> None:
+        if self._model is not None:
+            self._sync()
+
+    # -- steps ---------------------------------------------------------------------------------
+    def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
+        """Pull the batch's rows, compute, push the row gradients, all-reduce the dense ones
+        and apply them here with the local optimizer."""
+        if self._model is None or self._dense is None:
+            raise FailedPreconditionError("ParameterServer.run_step before prepare(model, optimizer).")
+        self._sync()
+        self._bound_staleness(self._step - self._staleness)
+        dense, tables = self._dense, self._tables
+        dense.zero_grads()
+        twins: dict[int, torch.Tensor] = {}
+        batch = move_to_device(batch, self._device, twins)
+        tables.forget()
+        with host_copies(twins):
+            loss = loss_fn(self._model, batch)
+        loss.backward()
+        rate = float(lr if lr is not None else self._opt.lr)
+        rows = tables.take()
+        bad = tables.nonfinite(rows) if rows else None
+        if bad is None and rows:
+            tables.push(rows, lr=rate, step=self._step + 1)
+            if self._pusher is not None:  # out now, overlapping the all-reduce
+                self._pushes.append((self._step + 1, self._pusher.submit(tables.flush)))
+        try:
+            reduced = dense.all_reduce(bad_tables=bad is not None, stop_vote=self._stop_vote,
+                                       world=self._world)
+        except RuntimeError as exc:
+            raise self._group_failure(exc, f"the dense all-reduce of step {self._step + 1}") \
+                from None
+        self._stop_agreed = reduced.stop_votes > 0
+        bad_dense = dense.nonfinite()
+        if reduced.bad_tables or bad_dense:
+            what = (f"the dense gradient of {bad_dense!r}" if bad_dense else
+                    f"the row gradients of {reduced.bad_tables} worker(s)'s tables"
+                    + (f" (here: {bad})" if bad else ""))
+            message = (f"Step {self._step + 1}: {what} contain NaN or inf; the dense layers "
+                       "are unchanged on every worker (and those rows were not pushed). Lower "
+                       "the learning rate or clip the gradients.")
+            if self._policy == "raise":
+                raise InvalidArgumentError(message)
+            log.warning("%s", message)
+            return StepResult(loss=loss.detach(), global_step=self._step, applied=False)
+        dense.step(lr)
+        self._step += 1
+        return StepResult(loss=loss.detach(), global_step=self._step)
+
+    def _bound_staleness(self, oldest: int) -> None:
+        """Wait for this worker's pushes of steps up to ``oldest`` (``embedding_staleness``)."""
+        pushes = self._pushes
+        while pushes and pushes[0][0] <= oldest:
+            self._outcome(pushes.popleft()[1].result)
+
+    def _group_failure(self, error: BaseException, what: str) -> UnavailableError:
+        """The sentence of a collective that failed: the workers that do not answer."""
+        self._unfinished = True
+        missing = self.missing_peers()
+        who = ("; ".join(missing) if missing else
+               "another worker stopped or stalled (no task server to ask which)")
+        return UnavailableError(
+            f"Worker {self._rank}: {what} failed ({_first_line(error)}): {who}. The workers' "
+            "all-reduce group cannot go on without it, so every worker stops here.")
+
+    def agree_to_stop(self, requested: bool) -> bool:
+        """Every worker stops at the same step: this step's wish travels in the next step's
+        all-reduce; the one read here is the wish of the step before."""
+        self._stop_vote = bool(requested)
+        agreed, self._stop_agreed = self._stop_agreed, False
+        return agreed
+
+    def stop_at(self, last_step: int | None) -> None:
+        """Nothing to keep: every worker counts the same steps (lockstep)."""
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().to(self._device, torch.float32).clone()
+        dist.all_reduce(total)
+        return total / self._world
+
+    def barrier(self) -> None:
+        if self._owns_group:
+            dist.barrier(device_ids=[self._device.index]) if self._backend == "nccl" \
+                else dist.barrier()
+
+    def restore_checkpoint(self, read: Any) -> Any:
+        """The chief reads the checkpoint; the others receive its dense part through the
+        process group (no shared file system), so that every worker's optimizer state is the
+        same; its tables (parts streamed from disk) go to the ps tasks from the chief."""
+        from dataclasses import replace
+
+        from towerflow.strategies.broadcast import share_read
+
+        whole: list[Any] = [None]
+
+        def dense_part() -> Any:
+            whole[0] = ckpt = read()
+            return None if ckpt is None else replace(ckpt, chunked={})
+
+        shared = share_read(dense_part, rank=self._rank, device=self._device)
+        return whole[0] if self._rank == 0 else shared
+
+    @property
+    def global_step(self) -> int:
+        return self._step
+
+    def settle(self) -> None:
+        """This worker's pushes in flight and its deferred ones applied on the ps tasks."""
+        if self._client is not None and self._tables:
+            self._bound_staleness(self._step)
+            self._tables.flush()
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The dense layers and their optimizer state (this worker's: every worker holds the
+        same), the state by variable as a ps writes it, and the tables streamed from the ps
+        tasks."""
+        model, dense = self.model, self._dense
+        self._start_tables()
+        self.settle()
+        slots, optimizer_step = optimizer_slots(  # a ps's form: every strategy restores it
+            dense.optimizer, {id(p): n for n, p in model.named_parameters()})  # type: ignore[union-attr]
+        groups: dict[str, Any] = {
+            "model": {n: t.detach().cpu() for n, t in model.state_dict().items()},
+            "optimizer": slots}
+        self._meta = {"global_step": self._step, "optimizer": self._opt.name,
+                      "optimizer_step": optimizer_step or self._step, "mode": "async",
+                      "dense": "allreduce"}
+        table_group, description = table_groups(self._tables, self._table_part_bytes)
+        groups.update(table_group)
+        self._meta.update(description)
+        return groups
+
+    def load_state(self, groups: Mapping[str, Any],
+                   metadata: Mapping[str, Any] | None = None) -> None:
+        """Restore a checkpoint of any mode (hybrid, ``dense="ps"``, one process): the dense
+        layers and their optimizer state here, the tables by the chief before the first step."""
+        from towerflow.checkpoint import load_into_module
+
+        if self._model is None or self._dense is None:
+            raise FailedPreconditionError("load_state before prepare(model, optimizer).")
+        model_group = groups.get("model")
+        if model_group is None:
+            raise InvalidArgumentError(
+                f"The checkpoint has no 'model' group (groups: {sorted(groups)}).")
+        check_whole_tables(self._model, metadata)
+        rest = tables_from_weights(self._tables, groups, model_group, chief=self._chief)
+        load_into_module(self._model, rest)
+        metadata = dict(metadata or {})
+        groups, metadata = as_ps_optimizer_state(self._model, self._opt, groups, metadata)
+        _load_ps_slots(self._model, self._dense.optimizer, str(metadata.get("optimizer", "")),
+                       groups.get("optimizer", {}),
+                       int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
+        if self._chief and len(rest) == len(model_group):
+            self._table_restore = tables_to_restore(groups, metadata)
+        self._step = int(metadata.get("global_step", 0))
+        self._to_sync = True
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """The pushes in flight, then :meth:`ParameterServer.shutdown`, then leave the group."""
+        try:
+            pushes, self._pushes = self._pushes, collections.deque()
+            for _, push in pushes:
+                if not self._unfinished:
+                    push.result()
+            if self._pusher is not None:
+                self._pusher.shutdown(wait=True)
+                self._pusher = None
+            super().shutdown()
+        finally:
+            if self._owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_group, self._store, self._dense = False, None, None
+
+    def __repr__(self) -> str:
+        return (f"ParameterServer(dense='allreduce', rank={self._rank}, world_size={self._world}, "
+                f"device={str(self._device)!r}, backend={self._backend!r}, "
+                f"embedding_staleness={self._staleness})")
+
+
+def _timedelta(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

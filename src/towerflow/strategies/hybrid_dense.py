@@ -1,0 +1,134 @@
+"""The dense half of hybrid training: every worker's replica of the dense layers.
+
+Each worker keeps the model's dense parameters and the user's ``torch.optim``
+optimizer (built from the same settings on every worker). Their gradients are
+views into one flat buffer (as ``DistributedDataParallel``'s
+``gradient_as_bucket_view``), so a step's all-reduce is one
+``torch.distributed.all_reduce`` of that buffer with no gather and no copy back;
+two more elements travel in it: how many workers found a NaN / inf in their
+tables' row gradients, and how many asked to stop (the stop vote of lockstep
+training, read one step later).
+
+Every worker receives the same reduced buffer, divides it by the same world size and
+applies the same optimizer to the same state, so the dense parameters stay bit for
+bit equal on every worker (``tests/strategies/test_hybrid.py`` checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DenseReplica", "Reduced", "group_endpoint"]
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """What a step's all-reduce said besides the averaged gradients."""
+
+    bad_tables: int  # workers whose tables' row gradients held NaN / inf
+    stop_votes: int  # workers that asked to stop (their vote of the step before)
+
+
+class DenseReplica:
+    """A worker's dense parameters, their flat gradient buffer and its local optimizer.
+
+    Args:
+        model: the model (its tables already swapped for ``ShardedEmbedding`` modules,
+            whose rows are not parameters).
+        optimizer: the local ``torch.optim`` optimizer over the model's parameters.
+        lr: the optimizer's base learning rate (a schedule's rate scales every group).
+        device: where the parameters (and so the buffer) are.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, lr: float,
+                 device: torch.device) -> None:
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self._factors = [group["lr"] / lr for group in optimizer.param_groups]
+        self.numel = sum(p.numel() for _, p in self.params)
+        self.flat = torch.zeros(self.numel + 2, dtype=torch.float32, device=device)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Make every parameter's ``.grad`` a view into :attr:`flat` (autograd adds into it)."""
+        offset = 0
+        for _, param in self.params:
+            size = param.numel()
+            param.grad = self.flat[offset:offset + size].view_as(param)
+            offset += size
+
+    def zero_grads(self) -> None:
+        """Zero the buffer; a parameter whose ``.grad`` was replaced is bound again."""
+        self.flat.zero_()
+        if any(param.grad is None or param.grad.data_ptr() != view.data_ptr()
+               for (_, param), view in zip(self.params, self._views(), strict=True)):
+            self._bind()
+
+    def _views(self) -> Iterator[torch.Tensor]:
+        offset = 0
+        for _, param in self.params:
+            size = param.numel()
+            yield self.flat[offset:offset + size]
+            offset += size
+
+    def all_reduce(self, *, bad_tables: bool, stop_vote: bool, world: int,
+                   group: Any = None) -> Reduced:
+        """Average the gradients over the ``world`` workers (one collective) and count the
+        flags; a sparse gradient (an embedding kept dense with ``sparse=True``) is
+        made dense in the buffer first."""
+        for (_, param), view in zip(self.params, self._views(), strict=True):
+            grad = param.grad
+            if grad is not None and grad.is_sparse:
+                view.copy_(grad.to_dense().reshape(-1))
+                param.grad = view.view_as(param)
+        flags = self.flat[self.numel:]
+        flags[0], flags[1] = float(bad_tables), float(stop_vote)
+        dist.all_reduce(self.flat, group=group)
+        counts = flags.tolist()
+        if world > 1:
+            self.flat[:self.numel].div_(world)
+        return Reduced(round(counts[0]), round(counts[1]))
+
+    def nonfinite(self) -> str | None:
+        """The name of a parameter whose averaged gradient holds NaN / inf, or None (one
+        reduction when every value is finite)."""
+        if bool(torch.isfinite(self.flat[:self.numel].sum())):
+            return None
+        for (name, _), view in zip(self.params, self._views(), strict=True):
+            if not bool(torch.isfinite(view).all()):
+                return name
+        return None
+
+    def step(self, lr: float | None) -> None:
+        """One local optimizer update (``lr``: a schedule's rate for this step)."""
+        if lr is not None:
+            for group, factor in zip(self.optimizer.param_groups, self._factors, strict=True):
+                group["lr"] = lr * factor
+        self.optimizer.step()
+
+    def broadcast(self, model: nn.Module, step: int, device: torch.device,
+                  group: Any = None) -> int:
+        """Give every worker worker 0's parameters, buffers and step; return the step."""
+        shared = torch.tensor([step], dtype=torch.int64, device=device)
+        with torch.no_grad():
+            dist.broadcast(shared, 0, group=group)
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, 0, group=group)
+        return int(shared.item())
+
+
+def group_endpoint(host: str, world: int, timeout_s: float, *, port: int = 0,
+                   master: bool) -> Any:
+    """The ``TCPStore`` the workers' process group meets at: served by the chief
+    (``master``, ``port`` 0: a free port) or reached by the others at ``host:port``."""
+    import datetime
+
+    return dist.TCPStore(host, port, world, is_master=master,
+                         timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
