@@ -51,6 +51,7 @@ from torch import nn
 from towerflow.devices.transfer import inputs_follow, move_to_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.ps.worker.tables.prefetch import host_copies
+from towerflow.ps.worker.tables.swap import WHOLE_ATTRIBUTE
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
 from towerflow.strategies.hybrid_dense import DenseReplica, group_endpoint
 from towerflow.strategies.mirrored import _first_line
@@ -86,19 +87,6 @@ class HybridParameterServer(ParameterServer):
 
     def __init__(self, cluster: Any = None, task: Any = None, mode: str = "async",
                  **options: Any) -> None:
-        if mode != "async":
-            raise InvalidArgumentError(
-                f"dense='allreduce' with mode={mode!r}: the dense layers are already averaged "
-                "synchronously by all-reduce among the workers, and the tables are updated "
-                "asynchronously (bounded by embedding_staleness). Drop the mode (--mode "
-                f"{mode}), or train everything through the ps tasks with dense='ps' for "
-                f"{mode} tables.")
-        for name, why in (("join", "an elastic worker cannot join an all-reduce group"),
-                          ("prefetch", "the dense step is an all-reduce, not a push")):
-            if options.get(name):
-                raise InvalidArgumentError(
-                    f"dense='allreduce' with {name}=True: {why}. Remove it, or train with "
-                    "dense='ps'.")
         super().__init__(cluster, task, mode, **options)
         backend = self._backend or ("nccl" if self._device.type == "cuda" else "gloo")
         if backend not in ("nccl", "gloo") or (backend == "nccl" and self._device.type != "cuda"):
@@ -147,11 +135,15 @@ class HybridParameterServer(ParameterServer):
             whole_below=self._whole_below, chief=self._chief, credentials=self._credentials,
             worker_id=self._rank, timeout=self._timeout, aggregation=self.aggregation)
         if not self._tables:
+            whole = [path for path, m in model.named_modules() if getattr(m, WHOLE_ATTRIBUTE, False)]
+            kept = (f" ({', '.join(map(repr, whole))}: sparse=True but under whole_table_bytes, "
+                    "kept with the dense layers; whole_table_bytes=None, --whole-tables off, "
+                    "keeps their rows on the ps)") if whole else ""
             raise InvalidArgumentError(
                 f"dense='allreduce' (--dense allreduce) needs sparse tables on the ps tasks, and "
                 f"{type(model).__name__} has none (no ShardedEmbedding, no nn.Embedding declared "
-                "sparse=True or over sparse_threshold_bytes). A dense model trains faster by "
-                "all-reduce alone: towerflow train --replicas N (the Mirrored strategy).")
+                f"sparse=True or over sparse_threshold_bytes){kept}. A dense model trains faster "
+                "by all-reduce alone: towerflow train --replicas N (the Mirrored strategy).")
         check_trainable(list(model.named_parameters()), elastic=False, tables=True)
         model.to(self._device)
         self._hooks = [inputs_follow(model, self._device),
