@@ -68,6 +68,20 @@ def test_dense_layers_are_bit_identical_on_every_worker_and_each_push_applies_on
     torch.testing.assert_close(moved, owed, rtol=0, atol=1e-5)  # none lost, none twice
 
 
+@pytest.mark.gpu
+def test_gpu_workers_keep_their_dense_layers_equal_and_each_push_applies_once(
+        tmp_path, subprocess_env) -> None:
+    done = run_workers(tmp_path, subprocess_env, "--device", "cuda")
+    assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
+    (first, tensors0), (second, tensors1) = records(tmp_path)
+    gpus = torch.cuda.device_count()
+    assert first["device"].startswith("cuda") and second["device"].startswith("cuda")
+    assert first["backend"] == ("nccl" if gpus >= 2 else "gloo")  # NCCL: one rank per GPU
+    assert first["digests"] == second["digests"] and len(set(first["digests"])) == 12
+    torch.testing.assert_close(tensors0["start"] - tensors0["rows"],
+                               tensors0["owed"] + tensors1["owed"], rtol=0, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_staleness_bound_holds_under_a_worker_whose_pushes_are_slow(
         tmp_path, subprocess_env) -> None:
@@ -104,6 +118,18 @@ class Dense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
+
+
+def test_workers_sharing_fewer_gpus_than_they_are_all_reduce_over_gloo(caplog) -> None:
+    from towerflow.strategies.hybrid import worker_device
+
+    assert worker_device(0, 2, None, 2, None) == (torch.device("cuda", 0), "nccl")
+    assert worker_device(3, 4, None, 2, None) == (torch.device("cuda", 1), "gloo")
+    assert "4 workers share 2 GPU(s) on this machine" not in caplog.text  # worker 3 is quiet
+    assert worker_device(0, 4, None, 2, None)[1] == "gloo"
+    assert "4 workers share 2 GPU(s) on this machine" in caplog.text
+    assert worker_device(1, 2, torch.device("cpu"), 2, None) == (torch.device("cpu"), "gloo")
+    assert worker_device(0, 1, None, 0, None) == (torch.device("cpu"), "gloo")
 
 
 def test_a_model_without_tables_is_pointed_to_replicas() -> None:

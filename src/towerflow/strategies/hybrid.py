@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from towerflow.devices import DEVICE_ENV
 from towerflow.devices.transfer import inputs_follow, move_to_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.ps.worker.tables.prefetch import host_copies
@@ -67,12 +69,38 @@ from towerflow.strategies.ps_tables import (
 )
 from towerflow.strategies.single import _load_ps_slots, as_ps_optimizer_state, optimizer_slots
 
-__all__ = ["HybridParameterServer"]
+__all__ = ["HybridParameterServer", "worker_device"]
 
 log = logging.getLogger("towerflow.ps")
 
 #: seconds a collective may wait for the other workers when no step timeout is set
 _NO_STEP_TIMEOUT_S = 1800.0
+
+
+def worker_device(local: int, here: int, named: torch.device | None, gpus: int,
+                  backend: str | None) -> tuple[torch.device, str]:
+    """The device and collective backend of the worker ``local`` of the ``here`` workers
+    of its machine, which has ``gpus`` GPUs: the device named, else GPU ``local % gpus``
+    (the CPU without GPUs); NCCL when each worker of the machine has a GPU of its own,
+    else Gloo (NCCL runs one rank per GPU), said in one line by the machine's first worker.
+
+    Example:
+        >>> worker_device(1, 2, None, 2, None)
+        (device(type='cuda', index=1), 'nccl')
+        >>> worker_device(1, 2, None, 1, None)[1]
+        'gloo'
+        >>> worker_device(0, 2, None, 0, None)
+        (device(type='cpu'), 'gloo')
+    """
+    device = named if named is not None else (
+        torch.device("cuda", local % gpus) if gpus else torch.device("cpu"))
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" and here <= gpus else "gloo"
+        if device.type == "cuda" and backend == "gloo" and local == 0:
+            log.warning("%d workers share %d GPU(s) on this machine (NCCL runs one rank per "
+                        "GPU): their dense all-reduce runs over Gloo; start at most %d worker(s) "
+                        "per machine for NCCL.", here, gpus, gpus)
+    return device, backend
 
 
 class HybridParameterServer(ParameterServer):
@@ -88,11 +116,20 @@ class HybridParameterServer(ParameterServer):
     def __init__(self, cluster: Any = None, task: Any = None, mode: str = "async",
                  **options: Any) -> None:
         super().__init__(cluster, task, mode, **options)
-        backend = self._backend or ("nccl" if self._device.type == "cuda" else "gloo")
+        from towerflow.devices.local import gpu_count
+        from towerflow.strategies.mirrored import _replicas_on_host
+
+        here = _replicas_on_host(self.cluster, self.task)
+        named = self._device if options.get("device") is not None \
+            or options.get("device_setter") is not None or os.environ.get(DEVICE_ENV) else None
+        self._device, backend = worker_device(here.index(self.task), len(here), named,
+                                              gpu_count(), self._backend)
         if backend not in ("nccl", "gloo") or (backend == "nccl" and self._device.type != "cuda"):
             raise InvalidArgumentError(
                 f"backend={backend!r} for a worker on {self._device}: use 'nccl' on a GPU "
                 "worker or 'gloo' (any worker).")
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
         self._backend = backend
         self._dense: DenseReplica | None = None
         self._store: Any = None

@@ -12,7 +12,7 @@ deterministic batches. It records, in ``--out`` as ``worker-<i>.json`` and
 - worker 0 also the table's rows before training and after every worker's pushes.
 
 Usage: python hybrid_worker.py CLUSTER_JSON INDEX OUT_DIR --steps N [--staleness N]
-[--slow-push SECONDS] [--die-after STEP]
+[--slow-push SECONDS] [--die-after STEP] [--device cuda]
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def dense_digest(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(name.encode())
-        digest.update(param.detach().contiguous().numpy().tobytes())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -81,6 +81,7 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--slow-push", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     cluster = ClusterSpec(json.loads(args.cluster))
     torch.manual_seed(0)
@@ -90,7 +91,7 @@ def main() -> int:
     start_rows = model.emb.weight.detach().clone()
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), dense="allreduce",
                                embedding_staleness=args.staleness, whole_table_bytes=None,
-                               credentials=Credentials.from_env(), device="cpu",
+                               credentials=Credentials.from_env(), device=args.device,
                                step_timeout=8.0, timeout=10.0)
     lr = 0.5
     strategy.prepare(model, OptimizerConfig("sgd", lr=lr))
@@ -103,7 +104,7 @@ def main() -> int:
 
     def record_push(taken, *, lr: float, step: int) -> None:  # noqa: ANN001
         for _, ids, grads in taken:
-            owed.index_add_(0, ids, grads.double() * lr)
+            owed.index_add_(0, ids.cpu(), grads.double().cpu() * lr)
         push(taken, lr=lr, step=step)
 
     def slow_flush() -> None:
@@ -130,11 +131,12 @@ def main() -> int:
     strategy.settle()
     strategy.barrier()  # every worker's pushes applied on the ps tasks
     record = {"digests": digests, "began": began, "pushed": pushed,
-              "global_step": strategy.global_step}
+              "global_step": strategy.global_step, "device": str(strategy.device),
+              "backend": strategy._backend}
     tensors = {"owed": owed}
     if args.index == 0:
         with torch.no_grad():
-            tensors["rows"] = model.emb(torch.arange(ROWS).unsqueeze(1)).double()
+            tensors["rows"] = model.emb(torch.arange(ROWS).unsqueeze(1)).double().cpu()
         tensors["start"] = start_rows.double()
     strategy.barrier()  # worker 0 read the rows before anyone leaves
     strategy.shutdown()
