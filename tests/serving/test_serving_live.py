@@ -56,6 +56,16 @@ def loss_fn(model: nn.Module, b) -> torch.Tensor:
     return nn.functional.binary_cross_entropy_with_logits(model(*x), labels)
 
 
+def cluster_args(tmp_path, spec) -> list[str]:
+    """``--cluster FILE --secret-file FILE`` of ``spec``, written in ``tmp_path``."""
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps(spec.as_dict()))
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)
+    return ["--cluster", str(cluster_file), "--secret-file", str(secret_file)]
+
+
 def _save(strategy: ParameterServer, manager: CheckpointManager):
     groups = strategy.state_dict()
     metadata = checkpoint_metadata(strategy)
@@ -195,14 +205,8 @@ def test_a_live_export_of_a_dynamic_table_equals_a_checkpoints(tmp_path) -> None
                 strategy.run_step(loss_fn_raw, raw_batch(seed))
             want = serving.export(_save(strategy, CheckpointManager(tmp_path / "elsewhere")),
                                   tmp_path / "want")
-            cluster_file = tmp_path / "cluster.json"
-            cluster_file.write_text(json.dumps(spec.as_dict()))
-            secret_file = tmp_path / "secret"
-            secret_file.write_bytes(SECRET)
-            secret_file.chmod(0o600)
             assert main(["export", "--train-dir", str(tmp_path / "train"), "--out",
-                         str(tmp_path / "live"), "--cluster", str(cluster_file),
-                         "--secret-file", str(secret_file)]) == 0
+                         str(tmp_path / "live"), *cluster_args(tmp_path, spec)]) == 0
         finally:
             strategy.shutdown()
     live, expected = read_export(tmp_path / "live"), read_export(want)
@@ -233,14 +237,8 @@ def test_a_live_export_of_a_hybrid_job_takes_its_dense_layers_from_the_newest_ch
                 strategy.run_step(loss_fn, batch(seed))
             now = serving.export(_save(strategy, CheckpointManager(tmp_path / "elsewhere")),
                                  tmp_path / "now")
-            cluster_file = tmp_path / "cluster.json"
-            cluster_file.write_text(json.dumps(spec.as_dict()))
-            secret_file = tmp_path / "secret"
-            secret_file.write_bytes(SECRET)
-            secret_file.chmod(0o600)
             assert main(["export", "--train-dir", str(tmp_path / "train"), "--out",
-                         str(tmp_path / "live"), "--cluster", str(cluster_file),
-                         "--secret-file", str(secret_file)]) == 0
+                         str(tmp_path / "live"), *cluster_args(tmp_path, spec)]) == 0
         finally:
             strategy.shutdown()
     said = capsys.readouterr().out
