@@ -67,7 +67,6 @@ def test_a_killed_worker_stops_the_job_naming_it_and_the_job_started_again_resum
     run = tmp_path / "run"
     spec = loopback_cluster(num_ps=1, num_workers=2)
     command = [*TRAIN, "--train-dir", str(run), "--dense", "allreduce", "--step-timeout", "10",
-               "--whole-tables", "off",
                "--checkpoint-every", "40"]
     with LocalCluster(spec, command + ["--max-steps", "1000000"], env=subprocess_env,
                       log_dir=tmp_path / "logs") as lc:

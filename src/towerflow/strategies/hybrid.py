@@ -107,7 +107,9 @@ class HybridParameterServer(ParameterServer):
     """``ParameterServer(..., dense="allreduce")``: see the module's docstring.
 
     Takes :class:`ParameterServer`'s arguments; ``mode`` must be ``async`` (the tables'),
-    ``join`` and ``prefetch`` are refused. ``embedding_staleness``: see above;
+    ``join`` and ``prefetch`` are refused; every ``sparse=True`` embedding's rows live on the
+    ps tasks, small ones too (``whole_table_bytes`` None unless given: a small table kept
+    whole would be all-reduced with the dense layers instead). ``embedding_staleness``: see above;
     ``backend``: ``nccl`` or ``gloo`` (default: NCCL on a GPU worker, else Gloo).
     """
 
@@ -115,6 +117,7 @@ class HybridParameterServer(ParameterServer):
 
     def __init__(self, cluster: Any = None, task: Any = None, mode: str = "async",
                  **options: Any) -> None:
+        options.setdefault("whole_table_bytes", None)  # the user asked for tables on the ps
         super().__init__(cluster, task, mode, **options)
         from towerflow.devices.local import gpu_count
         from towerflow.strategies.mirrored import _replicas_on_host

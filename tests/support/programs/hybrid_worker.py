@@ -90,7 +90,7 @@ def main() -> int:
     model.hidden.reset_parameters()
     start_rows = model.emb.weight.detach().clone()
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), dense="allreduce",
-                               embedding_staleness=args.staleness, whole_table_bytes=None,
+                               embedding_staleness=args.staleness,
                                credentials=Credentials.from_env(), device=args.device,
                                step_timeout=8.0, timeout=10.0)
     lr = 0.5
