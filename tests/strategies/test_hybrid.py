@@ -111,6 +111,52 @@ def test_a_worker_that_dies_stops_the_others_within_the_step_timeout_naming_it(
     assert "every worker stops here" in message
 
 
+@pytest.mark.slow
+def test_a_worker_that_finds_a_dead_chiefs_store_reads_the_new_chiefs_address(
+        tmp_path, subprocess_env, free_ports) -> None:
+    import queue
+    import threading
+
+    import numpy as np
+
+    from towerflow.ps.placement import plan_placement
+    from towerflow.ps.wire.messages import AggregationConfig
+    from towerflow.ps.worker.dense.client import PSClient
+
+    secret = new_secret()
+    env = {**subprocess_env,
+           "TOWERFLOW_SECRET_FILE": str(write_secret_file(tmp_path / "secret", secret))}
+    with ps_tasks(Credentials(secret=secret), num_ps=1, num_workers=2) as spec:
+        stale = PSClient(spec, plan_placement([], 1), worker_id=0,
+                         credentials=Credentials(secret=secret))
+        stale.initialize(  # the Init of a chief that died: nothing listens at its store
+            [np.empty(0, np.float32)], optimizer=OptimizerConfig("sgd", lr=0.5),
+            aggregation=AggregationConfig(total_num_replicas=2,
+                                          rendezvous=f"127.0.0.1:{free_ports(1)[0]}"))
+        stale.close(done=False)
+        cluster = json.dumps(spec.as_dict())
+        command = [sys.executable, str(PROGRAM), cluster, "{}", str(tmp_path), "--steps", "4"]
+        late = subprocess.Popen([a.replace("{}", "1") for a in command], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in late.stdout], daemon=True)
+        reader.start()
+        procs = [late]
+        try:
+            while "does not answer; reading its address again" not in lines.get(timeout=60):
+                pass
+            procs.append(subprocess.Popen([a.replace("{}", "0") for a in command], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+            chief_out = procs[1].communicate(timeout=90)[0]
+            assert late.wait(timeout=90) == 0 and procs[1].returncode == 0, chief_out[-3000:]
+        finally:
+            stop_processes(procs, grace=5)
+            reader.join(timeout=10)
+    (first, _), (second, _) = records(tmp_path)
+    assert first["digests"] == second["digests"] and first["global_step"] == 4
+
+
 class Dense(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -224,15 +224,7 @@ class HybridParameterServer(ParameterServer):
                 aggregation=replace(self.aggregation, rendezvous=address))
             self._initialised = True
         else:
-            self.client.wait_until_initialized(self._init_timeout)
-            address = self.client.shards[0].status(timeout=self._timeout).rendezvous
-            if not address:
-                raise FailedPreconditionError(
-                    "The ps tasks were initialised by a chief that trains the dense layers "
-                    "through the ps (dense='ps'), and this worker all-reduces them "
-                    "(dense='allreduce'). Start every worker with the same --dense.")
-            host, port = parse_address(address)
-            self._store = group_endpoint(host, self._world, timeout, port=port, master=False)
+            address = self._reach_store(timeout)
         if dist.is_initialized():
             raise FailedPreconditionError(
                 "A torch.distributed process group already exists in this process; hybrid "
@@ -251,6 +243,38 @@ class HybridParameterServer(ParameterServer):
         self._owns_group = True
         log.info("worker %d joined the workers' %s all-reduce group (%d workers) at %s",
                  self._rank, self._backend, self._world, address)
+
+    def _reach_store(self, timeout: float) -> str:
+        """(Not the chief) the chief's store, at the address its ``Init`` named. A chief
+        started again (a restart of the job, torchrun's elastic restart) names a new one
+        in its new ``Init``: an address that does not answer is read again from ps task 0
+        until ``init_timeout``."""
+        import time
+
+        from towerflow.cluster.spec import parse_address
+
+        self.client.wait_until_initialized(self._init_timeout)
+        deadline = time.monotonic() + self._init_timeout
+        while True:
+            address = self.client.shards[0].status(timeout=self._timeout).rendezvous
+            if not address:
+                raise FailedPreconditionError(
+                    "The ps tasks were initialised by a chief that trains the dense layers "
+                    "through the ps (dense='ps'), and this worker all-reduces them "
+                    "(dense='allreduce'). Start every worker with the same --dense.")
+            host, port = parse_address(address)
+            try:
+                self._store = group_endpoint(host, self._world, timeout, port=port,
+                                             master=False, connect_s=5.0)
+                return address
+            except (RuntimeError, dist.DistStoreError) as exc:
+                if time.monotonic() >= deadline:
+                    raise UnavailableError(
+                        f"Worker {self._rank} could not reach the chief's store at {address} "
+                        f"within {self._init_timeout:g} s ({_first_line(exc)}); start the "
+                        "chief (worker 0) of this job.") from None
+                log.info("the chief's store at %s does not answer; reading its address again",
+                         address)
 
     def _collective_timeout(self) -> float:
         step = self.aggregation.timeout

@@ -124,11 +124,14 @@ class DenseReplica:
 
 
 def group_endpoint(host: str, world: int, timeout_s: float, *, port: int = 0,
-                   master: bool) -> Any:
+                   master: bool, connect_s: float | None = None) -> Any:
     """The ``TCPStore`` the workers' process group meets at: served by the chief
-    (``master``, ``port`` 0: a free port) or reached by the others at ``host:port``."""
+    (``master``, ``port`` 0: a free port) or reached by the others at ``host:port``
+    (trying for ``connect_s`` seconds; then its operations wait up to ``timeout_s``)."""
     import datetime
 
-    return dist.TCPStore(host, port, world, is_master=master,
-                         timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    store = dist.TCPStore(host, port, world, is_master=master,
+                          timeout=datetime.timedelta(seconds=connect_s or timeout_s),
+                          wait_for_workers=False)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -83,6 +84,7 @@ def main() -> int:
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     cluster = ClusterSpec(json.loads(args.cluster))
     torch.manual_seed(0)
     model = Click()
