@@ -3,10 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from towerflow.checkpoint import latest_checkpoint, read_checkpoint
@@ -87,3 +95,52 @@ def test_a_killed_worker_stops_the_job_naming_it_and_the_job_started_again_resum
         assert [lc.task("worker", i).wait(timeout=120) for i in (0, 1)] == [0, 0], lc.logs()
         assert f"at step {saved}" in lc.task("worker", 0).output()
     assert read_checkpoint(latest_checkpoint(run)).step == saved + 30
+
+
+def _worker_process(launcher: subprocess.Popen, index: int) -> psutil.Process:
+    """The process of worker ``index`` among the launch's children (by its TF_CONFIG)."""
+    for proc in psutil.Process(launcher.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            task = json.loads(proc.environ().get("TF_CONFIG", "{}")).get("task", {})
+            if task == {"type": "worker", "index": index} and "towerflow" in " ".join(
+                    proc.cmdline()):
+                return proc
+    raise AssertionError(f"worker {index} is not running")
+
+
+@pytest.mark.slow
+def test_under_launch_max_restarts_a_killed_worker_has_the_workers_rejoin_from_the_checkpoint(
+        tmp_path, subprocess_env) -> None:
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "towerflow", "launch", "--ps", "1", "--workers", "2",
+               "--max-restarts", "1", "--grace", "20", "--", *TRAIN, "--train-dir", str(run),
+               "--dense", "allreduce", "--step-timeout", "10", "--checkpoint-every", "50",
+               "--max-steps", "100000000"]
+    launcher = subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True)
+    reader.start()
+
+    def wait_for(pattern: str) -> None:
+        while not re.search(pattern, line := lines.get(timeout=120)):
+            seen.append(line)
+        seen.append(line)
+
+    try:
+        wait_for(r"\[worker:0\] saved checkpoint")
+        _worker_process(launcher, 1).kill()
+        wait_for(r"restarting the workers and the chief \(restart 1 of 1\)")
+        wait_for(r"\[worker:0\] restored .* at step \d+")
+        wait_for(r"\[worker:0\] saved checkpoint")  # training went on after the restart
+        launcher.send_signal(signal.SIGTERM)  # stop the run: its checkpoint, exit 0
+        assert launcher.wait(timeout=90) == 0, "".join(seen[-60:])
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        reader.join(timeout=10)
+    said = "".join(seen)
+    assert re.search(r"dense all-reduce of step \d+ failed.*/job:worker/replica:0/task:1", said), \
+        said[-4000:]

@@ -289,3 +289,46 @@ def test_the_chief_failing_ends_the_launch_with_its_status(subprocess_env, pytho
                             env=subprocess_env, output=io.StringIO(), grace=5.0)
     assert status == 7
     assert time.monotonic() - started < 30  # not the others' init timeout
+
+
+RESTARTED = r'''
+import json, os, sys, threading
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+marks = sys.argv[1]
+starts = len([m for m in os.listdir(marks) if m.startswith(f"{task['type']}-{task['index']}.")])
+open(os.path.join(marks, f"{task['type']}-{task['index']}.{starts}"), "w").close()
+if task["type"] == "ps":
+    threading.Event().wait()
+import time
+deadline = time.monotonic() + 60  # the ps task reports before any worker ends
+while not os.path.exists(os.path.join(marks, "ps-0.0")):
+    assert time.monotonic() < deadline
+    time.sleep(0.02)
+if task["index"] == 1 and starts < int(sys.argv[2]):
+    while not os.path.exists(os.path.join(marks, f"worker-0.{starts}")):  # both ran this start
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    sys.exit(3)  # worker 1 fails on its first starts
+'''
+
+
+@pytest.mark.parametrize(("failures", "max_restarts", "status", "worker_starts"),
+                         [(1, 1, 0, 2), (3, 2, 3, 3), (1, 0, 3, 1)])
+def test_max_restarts_starts_the_workers_again_and_keeps_the_ps_tasks(
+        subprocess_env, python, tmp_path, failures, max_restarts, status, worker_starts) -> None:
+    script, marks = tmp_path / "restarted.py", tmp_path / "marks"
+    script.write_text(RESTARTED)
+    marks.mkdir()
+    out = io.StringIO()
+    assert launch_cluster([python, str(script), str(marks), str(failures)], num_ps=1,
+                          num_workers=2, env=subprocess_env, output=out, grace=5.0,
+                          max_restarts=max_restarts) == status
+    started = sorted(m.name for m in marks.iterdir())
+    assert [m for m in started if m.startswith("ps-0.")] == ["ps-0.0"]  # never restarted
+    for worker in ("worker-0", "worker-1"):
+        assert len([m for m in started if m.startswith(worker + ".")]) == worker_starts
+
+
+def test_max_restarts_below_zero_is_refused(python) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"max_restarts=-1 must be 0"):
+        launch_cluster([python, "-c", "pass"], num_ps=1, num_workers=1, max_restarts=-1)

@@ -40,6 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="keep the cluster's address book (cluster.json) in DIR, and its "
                         "secret (cluster.secret, 0600) while it runs: `towerflow status "
                         "--train-dir DIR` watches it")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when a worker or the chief fails, stop the workers and the chief "
+                        "and start them again, N times at most (the ps tasks go on serving; "
+                        "the command resumes from its last checkpoint); default 0")
     parser.add_argument(
         "--no-prefix", action="store_true", help="do not prefix output lines with the task"
     )
@@ -64,4 +68,5 @@ def run(args: argparse.Namespace) -> int:
         prefix_output=not args.no_prefix,
         grace=args.grace,
         train_dir=args.train_dir,
+        max_restarts=args.max_restarts,
     )

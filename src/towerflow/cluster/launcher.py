@@ -177,19 +177,36 @@ def _stop(children: Sequence[_Child], grace: float) -> None:
 
 
 def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_fast: bool,
-         output: IO[str] | None = None, pass_fds: Sequence[int] = ()) -> int:
-    """Start ``children``, wait for the finishing ones, stop every child; the exit status."""
+         output: IO[str] | None = None, pass_fds: Sequence[int] = (),
+         max_restarts: int = 0) -> int:
+    """Start ``children``, wait for the finishing ones, stop every child; the exit status.
+
+    With ``max_restarts``, a finishing child that fails has every finishing child (the
+    workers and the chief) stopped and started again, that many times at most (as
+    torchrun restarts its group): the ps tasks go on serving, and the command started
+    again resumes from its last checkpoint."""
     failed: set[str] = set()
     finishing = [c for c in children if c.finishing]
+    restarts = 0
     try:
         with _Signals(children) as signals:
             _start(children, command, output, pass_fds)
             while not signals.event.wait(_POLL_SECONDS):
                 codes = [c.process.poll() for c in finishing]
-                if all(code is not None for code in codes):
+                if all(code is not None for code in codes) and \
+                        (restarts >= max_restarts or not any(codes)):
                     break
-                broken = [c for c, code in zip(finishing, codes, strict=True)
-                          if code not in (None, 0) and (fail_fast or c.critical)]
+                down = [c for c, code in zip(finishing, codes, strict=True) if code not in (None, 0)]
+                if down and restarts < max_restarts:
+                    restarts += 1
+                    logger.info("%s failed (status %d); restarting the workers and the chief "
+                                "(restart %d of %d): they resume from the last checkpoint",
+                                down[0].name, exit_status(down[0].process.returncode), restarts,
+                                max_restarts)
+                    _stop(finishing, grace)
+                    _start(finishing, command, output, pass_fds)
+                    continue
+                broken = [c for c in down if fail_fast or c.critical or max_restarts]
                 if broken:
                     failed = {c.name for c in broken}
                     if not fail_fast:
@@ -268,6 +285,7 @@ def launch_cluster(
     output: IO[str] | None = None,
     who: str = "towerflow launch",
     train_dir: str | Path | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``command`` once per task of a local cluster and return the workers' worst status.
 
@@ -289,6 +307,8 @@ def launch_cluster(
         train_dir: where to keep the cluster's address book and, while it runs, its
             secret (:mod:`towerflow.cluster.address_book`), for ``towerflow status
             --train-dir``; None: nowhere.
+        max_restarts: times the workers and the chief are stopped and started again
+            when one of them fails (the ps tasks go on serving); 0: none.
 
     Raises:
         InvalidArgumentError: no command, no worker, no room for the ports, or an
@@ -296,6 +316,9 @@ def launch_cluster(
         NotFoundError: the command's program does not exist.
     """
     _check_command(command)
+    if max_restarts < 0:
+        raise InvalidArgumentError(f"max_restarts={max_restarts} must be 0 (no restart) or more "
+                                   "(--max-restarts N).")
     cluster, tasks = _cluster_tasks(num_ps, num_workers, chief, evaluator, base_port, host)
     base_env = dict(os.environ if env is None else env)
     for name in ("TOWERFLOW_SECRET", "TOWERFLOW_SECRET_FILE"):
@@ -316,7 +339,7 @@ def launch_cluster(
     try:
         with book:
             status = _run(command, children, grace=grace, fail_fast=False, output=output,
-                          pass_fds=fds)
+                          pass_fds=fds, max_restarts=max_restarts)
     finally:
         for fd in fds:
             os.close(fd)
