@@ -68,6 +68,24 @@ def test_dense_layers_are_bit_identical_on_every_worker_and_each_push_applies_on
     torch.testing.assert_close(moved, owed, rtol=0, atol=1e-5)  # none lost, none twice
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_a_checkpoint_holds_every_workers_pushes_up_to_its_step_and_none_after(
+        tmp_path, subprocess_env, staleness) -> None:
+    slow = ["--slow-push", "0.3", "--slow-forward", "0.6"] if staleness else \
+        ["--slow-forward", "0.2"]  # worker 1's pushes come late
+    done = run_workers(tmp_path, subprocess_env, "--staleness", str(staleness),
+                       "--checkpoint-at", "5", *slow, steps=8)
+    assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
+    (first, tensors0), (second, tensors1) = records(tmp_path)
+    owed = tensors0["owed_at"] + tensors1["owed_at"]  # both workers' pushes of steps 1..5
+    torch.testing.assert_close(tensors0["start"] - tensors0["rows_at"], owed, rtol=0, atol=1e-5)
+    # the paused step went on as any other: one model on every worker, every push once
+    assert first["digests"] == second["digests"] and len(set(first["digests"])) == 8
+    torch.testing.assert_close(tensors0["start"] - tensors0["rows"],
+                               tensors0["owed"] + tensors1["owed"], rtol=0, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_gpu_workers_keep_their_dense_layers_equal_and_each_push_applies_once(
         tmp_path, subprocess_env) -> None:
@@ -94,9 +112,10 @@ def test_the_staleness_bound_holds_under_a_worker_whose_pushes_are_slow(
         for step, start in enumerate(began, 1):  # step's forward: its rows pulled from here
             applied = sum(end <= start for end in pushed)
             assert applied >= step - 1 - bound, (step, applied, began, pushed)
-        # the bound is what held the worker back: a push was still out at a later step
-        assert any(sum(end <= start for end in pushed) < step - 1
-                   for step, start in enumerate(began, 1))
+    # the bound is what held the slowed worker back: a push was still out at a later step
+    began, pushed = records(tmp_path)[1][0]["began"], records(tmp_path)[1][0]["pushed"]
+    assert any(sum(end <= start for end in pushed) < step - 1
+               for step, start in enumerate(began, 1))
 
 
 @pytest.mark.slow

@@ -29,8 +29,13 @@ authenticated (as with ``Mirrored``): keep the workers' network private.
 
 A global step is one synchronous step of every worker (``batches_per_step`` is
 the number of workers). A checkpoint holds the dense layers and their optimizer
-state from the chief and the tables from the ps tasks; it moves between this
-mode, ``dense="ps"`` and one process. When a worker dies the all-reduce cannot
+state from the chief and the tables from the ps tasks, consistent at its global
+step: under the ``Trainer`` (which says the run's last step) the chief pauses the
+others' next step while it reads the ps tasks, every push of theirs up to the
+step applied and none after (:mod:`~towerflow.strategies.hybrid_dense`); a
+checkpoint taken by hand between steps holds the tables as of that moment, as
+an asynchronous ps job's does. It moves between this mode, ``dense="ps"`` and
+one process. When a worker dies the all-reduce cannot
 go on: within ``step_timeout`` every worker stops with one sentence naming the
 worker that does not answer, and the job started again resumes from its last
 checkpoint.
@@ -39,6 +44,7 @@ checkpoint.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -55,7 +61,7 @@ from towerflow.errors import FailedPreconditionError, InvalidArgumentError, Unav
 from towerflow.ps.worker.tables.prefetch import host_copies
 from towerflow.ps.worker.tables.swap import WHOLE_ATTRIBUTE
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
-from towerflow.strategies.hybrid_dense import DenseReplica, group_endpoint
+from towerflow.strategies.hybrid_dense import DenseReplica, Pauses, group_endpoint
 from towerflow.strategies.mirrored import _first_line
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.strategies.ps_placement import check_trainable
@@ -75,6 +81,8 @@ log = logging.getLogger("towerflow.ps")
 
 #: seconds a collective may wait for the other workers when no step timeout is set
 _NO_STEP_TIMEOUT_S = 1800.0
+#: seconds the others wait for a chief reading a checkpoint's tables from the ps tasks
+_PAUSE_WAIT_S = 3600.0
 
 
 def worker_device(local: int, here: int, named: torch.device | None, gpus: int,
@@ -138,7 +146,10 @@ class HybridParameterServer(ParameterServer):
         self._store: Any = None
         self._owns_group = False
         self._to_sync = True  # the first step gives every worker worker 0's parameters
-        self._stop_vote = self._stop_agreed = False
+        self._stop_vote = self._stop_agreed = self._stopping = False
+        self._last_step: int | None = None  # said by the Trainer: checkpoints pause before it
+        self._paused_at: int | None = None  # the chief paused the others after this step
+        self._pauses: Pauses | None = None
         self._pushes: collections.deque[tuple[int, Future]] = collections.deque()
         self._pusher: ThreadPoolExecutor | None = None
 
@@ -241,6 +252,7 @@ class HybridParameterServer(ParameterServer):
                 "worker was started and that the workers reach each other (GLOO_SOCKET_IFNAME / "
                 "NCCL_SOCKET_IFNAME).") from exc
         self._owns_group = True
+        self._pauses = Pauses(self._store, self._rank, self._world, _PAUSE_WAIT_S)
         log.info("worker %d joined the workers' %s all-reduce group (%d workers) at %s",
                  self._rank, self._backend, self._world, address)
 
@@ -309,6 +321,7 @@ class HybridParameterServer(ParameterServer):
         if self._model is None or self._dense is None:
             raise FailedPreconditionError("ParameterServer.run_step before prepare(model, optimizer).")
         self._sync()
+        self._release_pause()
         self._bound_staleness(self._step - self._staleness)
         dense, tables = self._dense, self._tables
         dense.zero_grads()
@@ -321,13 +334,9 @@ class HybridParameterServer(ParameterServer):
         rate = float(lr if lr is not None else self._opt.lr)
         rows = tables.take()
         bad = tables.nonfinite(rows) if rows else None
-        if bad is None and rows:
-            tables.push(rows, lr=rate, step=self._step + 1)
-            if self._pusher is not None:  # out now, overlapping the all-reduce
-                self._pushes.append((self._step + 1, self._pusher.submit(tables.flush)))
         try:
             reduced = dense.all_reduce(bad_tables=bad is not None, stop_vote=self._stop_vote,
-                                       world=self._world)
+                                       world=self._world, paused=self._paused)
         except RuntimeError as exc:
             raise self._group_failure(exc, f"the dense all-reduce of step {self._step + 1}") \
                 from None
@@ -338,15 +347,53 @@ class HybridParameterServer(ParameterServer):
                     f"the row gradients of {reduced.bad_tables} worker(s)'s tables"
                     + (f" (here: {bad})" if bad else ""))
             message = (f"Step {self._step + 1}: {what} contain NaN or inf; the dense layers "
-                       "are unchanged on every worker (and those rows were not pushed). Lower "
+                       "are unchanged on every worker and no worker pushed its rows. Lower "
                        "the learning rate or clip the gradients.")
             if self._policy == "raise":
                 raise InvalidArgumentError(message)
             log.warning("%s", message)
             return StepResult(loss=loss.detach(), global_step=self._step, applied=False)
+        if rows:  # after the all-reduce: no push of this step reaches a paused chief's reading
+            tables.push(rows, lr=rate, step=self._step + 1)
+            if self._pusher is not None:  # out now, in the background
+                self._pushes.append((self._step + 1, self._pusher.submit(tables.flush)))
         dense.step(lr)
         self._step += 1
         return StepResult(loss=loss.detach(), global_step=self._step)
+
+    # -- a checkpoint consistent at one global step (hybrid_dense's pause) ----------------------
+    def _may_pause(self) -> bool:
+        """Whether the chief may pause the others' next step: they will take one (the
+        ``Trainer`` said the run's last step, it is not reached, no stop was agreed), the
+        group is whole and this step was not paused already."""
+        return (self._world > 1 and self._owns_group and not self._to_sync
+                and not self._unfinished and not self._stopping and self._last_step is not None
+                and self._step < self._last_step and self._paused_at != self._step)
+
+    def _pause(self) -> None:
+        """(The chief, at a checkpoint) hold the others before their next step's pushes, with
+        every push of theirs up to this step applied."""
+        if not self._may_pause():
+            return
+        try:
+            self._dense.pause()  # type: ignore[union-attr]
+            self._pauses.wait_ready(self._step)  # type: ignore[union-attr]
+        except RuntimeError as exc:
+            raise self._group_failure(exc, f"the checkpoint's pause at step {self._step}") \
+                from None
+        self._paused_at = self._step
+
+    def _paused(self) -> None:
+        """(Another worker, in a step the chief paused) this worker's pushes of the steps
+        before applied, then wait for the chief's go."""
+        self._bound_staleness(self._step)
+        self._tables.flush()
+        self._pauses.ready(self._step)  # type: ignore[union-attr]
+
+    def _release_pause(self) -> None:
+        paused, self._paused_at = self._paused_at, None
+        if paused is not None:
+            self._pauses.go(paused)  # type: ignore[union-attr]
 
     def _bound_staleness(self, oldest: int) -> None:
         """Wait for this worker's pushes of steps up to ``oldest`` (``embedding_staleness``)."""
@@ -369,10 +416,13 @@ class HybridParameterServer(ParameterServer):
         all-reduce; the one read here is the wish of the step before."""
         self._stop_vote = bool(requested)
         agreed, self._stop_agreed = self._stop_agreed, False
+        self._stopping = self._stopping or agreed
         return agreed
 
     def stop_at(self, last_step: int | None) -> None:
-        """Nothing to keep: every worker counts the same steps (lockstep)."""
+        """The run's last step (every worker counts the same steps): no checkpoint pauses
+        the others there."""
+        self._last_step = last_step
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         total = value.detach().to(self._device, torch.float32).clone()
@@ -418,6 +468,7 @@ class HybridParameterServer(ParameterServer):
         tasks."""
         model, dense = self.model, self._dense
         self._start_tables()
+        self._pause()
         self.settle()
         slots, optimizer_step = optimizer_slots(  # a ps's form: every strategy restores it
             dense.optimizer, {id(p): n for n, p in model.named_parameters()})  # type: ignore[union-attr]
@@ -461,6 +512,8 @@ class HybridParameterServer(ParameterServer):
     def shutdown(self) -> None:
         """The pushes in flight, then :meth:`ParameterServer.shutdown`, then leave the group."""
         try:
+            with contextlib.suppress(Exception):  # a paused step goes on (and finds no chief)
+                self._release_pause()
             pushes, self._pushes = self._pushes, collections.deque()
             for _, push in pushes:
                 if not self._unfinished:

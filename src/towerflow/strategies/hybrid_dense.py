@@ -5,9 +5,18 @@ optimizer (built from the same settings on every worker). Their gradients are
 views into one flat buffer (as ``DistributedDataParallel``'s
 ``gradient_as_bucket_view``), so a step's all-reduce is one
 ``torch.distributed.all_reduce`` of that buffer with no gather and no copy back;
-two more elements travel in it: how many workers found a NaN / inf in their
-tables' row gradients, and how many asked to stop (the stop vote of lockstep
-training, read one step later).
+three more elements travel in it: how many workers found a NaN / inf in their
+tables' row gradients, how many asked to stop (the stop vote of lockstep
+training, read one step later), and whether the chief paused the step.
+
+A checkpoint consistent at one global step: between steps ``s`` and ``s + 1`` the
+chief joins the others' all-reduce of step ``s + 1`` with zeros and its pause flag
+(:meth:`DenseReplica.pause`); each of them keeps the sum it received (the others'
+gradients), waits until its pushes are applied and the chief says go, and takes
+the all-reduce again, where only the chief's gradients are added. Every worker
+then holds the same sum (the others' plus the chief's), so the step is as without
+the pause, and no push of step ``s + 1`` reached the ps tasks while the chief read
+them. It costs nothing when no checkpoint is taken.
 
 Every worker receives the same reduced buffer, divides it by the same world size and
 applies the same optimizer to the same state, so the dense parameters stay bit for
@@ -16,7 +25,7 @@ bit equal on every worker (``tests/strategies/test_hybrid.py`` checks it).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["DenseReplica", "Reduced", "group_endpoint"]
+
+
+#: the flags after the gradients: bad tables, stop votes, the chief's pause
+_FLAGS = 3
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,8 @@ class DenseReplica:
         self.optimizer = optimizer
         self._factors = [group["lr"] / lr for group in optimizer.param_groups]
         self.numel = sum(p.numel() for _, p in self.params)
-        self.flat = torch.zeros(self.numel + 2, dtype=torch.float32, device=device)
+        self.flat = torch.zeros(self.numel + _FLAGS, dtype=torch.float32, device=device)
+        self._kept: torch.Tensor | None = None  # the chief: the others' sum of a paused step
         self._bind()
 
     def _bind(self) -> None:
@@ -78,22 +92,38 @@ class DenseReplica:
             offset += size
 
     def all_reduce(self, *, bad_tables: bool, stop_vote: bool, world: int,
-                   group: Any = None) -> Reduced:
+                   paused: Callable[[], None], group: Any = None) -> Reduced:
         """Average the gradients over the ``world`` workers (one collective) and count the
         flags; a sparse gradient (an embedding kept dense with ``sparse=True``) is
-        made dense in the buffer first."""
+        made dense in the buffer first. A step the chief paused runs ``paused()`` and
+        the collective again (see the module's docstring)."""
         for (_, param), view in zip(self.params, self._views(), strict=True):
             grad = param.grad
             if grad is not None and grad.is_sparse:
                 view.copy_(grad.to_dense().reshape(-1))
                 param.grad = view.view_as(param)
         flags = self.flat[self.numel:]
-        flags[0], flags[1] = float(bad_tables), float(stop_vote)
+        flags[0], flags[1], flags[2] = float(bad_tables), float(stop_vote), 0.0
         dist.all_reduce(self.flat, group=group)
+        kept, self._kept = self._kept, None
+        if kept is None and bool(flags[2] > 0):  # the chief paused this step: the others' sum
+            kept = self.flat.clone()
+            self.flat.zero_()
+            paused()
+            dist.all_reduce(self.flat, group=group)  # the chief's gradients, added to it
+        if kept is not None:
+            self.flat.add_(kept)
         counts = flags.tolist()
         if world > 1:
             self.flat[:self.numel].div_(world)
         return Reduced(round(counts[0]), round(counts[1]))
+
+    def pause(self, group: Any = None) -> None:
+        """(The chief, between two steps) join the others' all-reduce of the next step with
+        zeros and the pause flag; keep what they sent for this worker's next step."""
+        self._kept = torch.zeros_like(self.flat)
+        self._kept[self.numel + 2] = 1.0
+        dist.all_reduce(self._kept, group=group)
 
     def nonfinite(self) -> str | None:
         """The name of a parameter whose averaged gradient holds NaN / inf, or None (one
@@ -135,3 +165,37 @@ def group_endpoint(host: str, world: int, timeout_s: float, *, port: int = 0,
                           wait_for_workers=False)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store
+
+
+class Pauses:
+    """The words of a paused step, in the workers' store: each other worker says it is
+    ready (its pushes applied), the chief says go (it has read the ps tasks).
+
+    Args:
+        store: the workers' store (the chief's ``TCPStore``).
+        rank: this worker's rank.
+        world: the number of workers.
+        timeout_s: how long a word may be waited for (a checkpoint's reading of the ps
+            tasks may take long: not the step timeout).
+    """
+
+    def __init__(self, store: Any, rank: int, world: int, timeout_s: float) -> None:
+        import datetime
+
+        self._store = dist.PrefixStore("towerflow/hybrid/pause", store)
+        self._rank, self._world = rank, world
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+
+    def ready(self, step: int) -> None:
+        """(Another worker) this worker's pushes up to ``step`` are applied; wait for go."""
+        self._store.set(f"{step}/ready/{self._rank}", "1")
+        self._store.wait([f"{step}/go"], self._timeout)
+
+    def wait_ready(self, step: int) -> None:
+        """(The chief) wait until every other worker is ready."""
+        self._store.wait([f"{step}/ready/{r}" for r in range(self._world) if r != self._rank],
+                         self._timeout)
+
+    def go(self, step: int) -> None:
+        """(The chief) the others may take the paused step again."""
+        self._store.set(f"{step}/go", "1")

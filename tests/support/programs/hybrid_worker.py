@@ -12,7 +12,8 @@ deterministic batches. It records, in ``--out`` as ``worker-<i>.json`` and
 - worker 0 also the table's rows before training and after every worker's pushes.
 
 Usage: python hybrid_worker.py CLUSTER_JSON INDEX OUT_DIR --steps N [--staleness N]
-[--slow-push SECONDS] [--die-after STEP] [--device cuda]
+[--slow-push SECONDS] [--die-after STEP] [--device cuda] [--checkpoint-at STEP]
+[--slow-forward SECONDS]
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def main() -> int:
     parser.add_argument("--slow-push", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--checkpoint-at", type=int, default=0)
+    parser.add_argument("--slow-forward", type=float, default=0.0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     cluster = ClusterSpec(json.loads(args.cluster))
@@ -97,6 +100,7 @@ def main() -> int:
                                step_timeout=8.0, timeout=10.0)
     lr = 0.5
     strategy.prepare(model, OptimizerConfig("sgd", lr=lr))
+    strategy.stop_at(args.steps)  # as the Trainer says the run's last step
     tables = strategy._tables
     owed = torch.zeros(ROWS, DIM, dtype=torch.float64)
     push, flush = tables.push, tables.flush
@@ -110,8 +114,8 @@ def main() -> int:
         push(taken, lr=lr, step=step)
 
     def slow_flush() -> None:
-        if args.slow_push:
-            time.sleep(args.slow_push)  # a slowed worker: its pushes take this long
+        if args.slow_push and args.index:
+            time.sleep(args.slow_push)  # a slowed worker (1): its pushes take this long
         flush()
         with lock:
             pushed.append(time.monotonic())
@@ -119,14 +123,23 @@ def main() -> int:
     tables.push, tables.flush = record_push, slow_flush
 
     def timed_loss(model: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
+        if args.slow_forward and args.index:
+            time.sleep(args.slow_forward)  # a slow worker: its pull (and push) come late
         began.append(time.monotonic())
         return click_loss(model, batch)
 
     digests = []
+    tensors: dict[str, torch.Tensor] = {}
     for number, batch in enumerate(batches(args.index, args.steps), 1):
         result = strategy.run_step(timed_loss, batch)
         assert result.global_step == number, (result.global_step, number)
         digests.append(dense_digest(model))
+        if number == args.checkpoint_at:
+            tensors["owed_at"] = owed.clone()  # this worker's pushes up to the step
+            if args.index == 0:  # a checkpoint: the tables as they are at its step
+                strategy.state_dict()
+                with torch.no_grad():
+                    tensors["rows_at"] = model.emb(torch.arange(ROWS).unsqueeze(1)).double().cpu()
         print(f"step {number}", flush=True)
         if args.die_after and number >= args.die_after:
             os._exit(9)  # dies without a word, as a killed process
@@ -135,7 +148,7 @@ def main() -> int:
     record = {"digests": digests, "began": began, "pushed": pushed,
               "global_step": strategy.global_step, "device": str(strategy.device),
               "backend": strategy._backend}
-    tensors = {"owed": owed}
+    tensors["owed"] = owed
     if args.index == 0:
         with torch.no_grad():
             tensors["rows"] = model.emb(torch.arange(ROWS).unsqueeze(1)).double().cpu()
