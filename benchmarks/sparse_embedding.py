@@ -42,6 +42,7 @@ Commands::
     python benchmarks/sparse_embedding.py --rows 100000 --seconds 5
     python benchmarks/sparse_embedding.py --ps 1 --workers 8 --tf-python /tmp/tfvenv/bin/python
     python benchmarks/sparse_embedding.py --dynamic --repeats 3 --seconds 10
+    python benchmarks/sparse_embedding.py --dense allreduce --seconds 10   # hybrid training
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     cluster = ClusterSpec(json.loads(args.cluster))
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device=args.device,
-                               server=False, dense_with_rows=not args.dense_apart)
+                               server=False, dense_with_rows=not args.dense_apart,
+                               dense=args.dense)
     model = nn.Sequential()
     model.emb = make_table(args)
     model.out = nn.Linear(DIM, 1)
@@ -259,6 +261,7 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
             "--seconds", str(args.seconds), "--device", args.device,
             *([] if args.defer_push else ["--no-defer-push"]),
             *(["--dense-apart"] if args.dense_apart else []), "--table", table,
+            "--dense", args.dense,
             "--admit-after", str(admit_after), "--capacity", str(capacity),
             "--batches", str(batches), "--workers", str(args.workers)]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
@@ -319,6 +322,9 @@ def main() -> None:
     parser.add_argument("--dense-apart", action="store_true",
                         help="the dense push in its own request each step "
                              "(ParameterServer(dense_with_rows=False))")
+    parser.add_argument("--dense", choices=("ps", "allreduce"), default="ps",
+                        help="allreduce: hybrid training (the table on the ps tasks, the dense "
+                        "layer all-reduced among the workers)")
     parser.add_argument("--no-defer-push", dest="defer_push", action="store_false",
                         help="a pull and a push per shard and step (default: push with the "
                         "next pull)")
@@ -393,7 +399,8 @@ def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None)
     total = sum(w["examples_per_s"] for w in result["workers"])
     shard_bytes = args.rows // args.ps * DIM * 4 * 2  # rows + Adagrad accumulator per ps
     print(f"best of {args.repeats} round(s); {args.ps} ps + {args.workers} workers, {args.rows} "
-          f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, defer_push={args.defer_push}, dense push {'apart' if args.dense_apart else 'with the rows'}, workers on {args.device}")
+          f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, defer_push={args.defer_push}, dense "
+          f"{'all-reduced among the workers' if args.dense == 'allreduce' else 'push apart' if args.dense_apart else 'push with the rows'}, workers on {args.device}")
     print(f"  towerflow: {total:,.0f} examples/s; one-process ceiling {ceil:,.0f} examples/s "
           f"(ratio {total / ceil:.2f})")
     if tf is not None:

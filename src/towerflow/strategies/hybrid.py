@@ -16,8 +16,9 @@
 - ``embedding_staleness=N`` bounds the tables' lag: a worker's rows are
   pulled with at most N of its own steps' pushes not yet applied (0, the
   default: every push goes with the next pull, one request per ps task and
-  step; N >= 1: pushes leave in the background as the step ends and overlap
-  the all-reduce, and a step waits for those older than N steps).
+  step; N >= 1: a step's pushes leave in the background once its all-reduce is
+  done, overlapping the optimizer step and the next forward, and a step waits
+  for those older than N steps).
 
 The workers form their process group from what started them: the chief (the
 ``chief`` task, else worker 0: rank 0) serves a ``TCPStore`` on a free port of
@@ -35,10 +36,11 @@ others' next step while it reads the ps tasks, every push of theirs up to the
 step applied and none after (:mod:`~towerflow.strategies.hybrid_dense`); a
 checkpoint taken by hand between steps holds the tables as of that moment, as
 an asynchronous ps job's does. It moves between this mode, ``dense="ps"`` and
-one process. When a worker dies the all-reduce cannot
-go on: within ``step_timeout`` every worker stops with one sentence naming the
-worker that does not answer, and the job started again resumes from its last
-checkpoint.
+one process. When a worker dies the all-reduce cannot go on: within
+``step_timeout`` every worker stops with one sentence naming the worker that does
+not answer, and the job started again (by hand, ``towerflow launch
+--max-restarts``, torchrun's elastic restart) resumes from its last checkpoint;
+its workers find the new chief's store by its new ``Init``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from towerflow.ps.worker.tables.prefetch import host_copies
 from towerflow.ps.worker.tables.swap import WHOLE_ATTRIBUTE
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
 from towerflow.strategies.hybrid_dense import DenseReplica, Pauses, group_endpoint
-from towerflow.strategies.mirrored import _first_line
+from towerflow.strategies.mirrored import first_line
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.strategies.ps_placement import check_trainable
 from towerflow.strategies.ps_tables import (
@@ -73,7 +75,7 @@ from towerflow.strategies.ps_tables import (
     tables_from_weights,
     tables_to_restore,
 )
-from towerflow.strategies.single import _load_ps_slots, as_ps_optimizer_state, optimizer_slots
+from towerflow.strategies.single import as_ps_optimizer_state, load_ps_slots, optimizer_slots
 
 __all__ = ["HybridParameterServer", "worker_device"]
 
@@ -128,9 +130,9 @@ class HybridParameterServer(ParameterServer):
         options.setdefault("whole_table_bytes", None)  # the user asked for tables on the ps
         super().__init__(cluster, task, mode, **options)
         from towerflow.devices.local import gpu_count
-        from towerflow.strategies.mirrored import _replicas_on_host
+        from towerflow.strategies.mirrored import replicas_on_host
 
-        here = _replicas_on_host(self.cluster, self.task)
+        here = replicas_on_host(self.cluster, self.task)
         named = self._device if options.get("device") is not None \
             or options.get("device_setter") is not None or os.environ.get(DEVICE_ENV) else None
         self._device, backend = worker_device(here.index(self.task), len(here), named,
@@ -248,7 +250,7 @@ class HybridParameterServer(ParameterServer):
         except RuntimeError as exc:
             raise UnavailableError(
                 f"Worker {self._rank} of {self._world} could not join the workers' "
-                f"{self._backend} group at {address}: {_first_line(exc)}. Check that every "
+                f"{self._backend} group at {address}: {first_line(exc)}. Check that every "
                 "worker was started and that the workers reach each other (GLOO_SOCKET_IFNAME / "
                 "NCCL_SOCKET_IFNAME).") from exc
         self._owns_group = True
@@ -283,7 +285,7 @@ class HybridParameterServer(ParameterServer):
                 if time.monotonic() >= deadline:
                     raise UnavailableError(
                         f"Worker {self._rank} could not reach the chief's store at {address} "
-                        f"within {self._init_timeout:g} s ({_first_line(exc)}); start the "
+                        f"within {self._init_timeout:g} s ({first_line(exc)}); start the "
                         "chief (worker 0) of this job.") from None
                 log.info("the chief's store at %s does not answer; reading its address again",
                          address)
@@ -408,7 +410,7 @@ class HybridParameterServer(ParameterServer):
         who = ("; ".join(missing) if missing else
                "another worker stopped or stalled (no task server to ask which)")
         return UnavailableError(
-            f"Worker {self._rank}: {what} failed ({_first_line(error)}): {who}. The workers' "
+            f"Worker {self._rank}: {what} failed ({first_line(error)}): {who}. The workers' "
             "all-reduce group cannot go on without it, so every worker stops here.")
 
     def agree_to_stop(self, requested: bool) -> bool:
@@ -500,7 +502,7 @@ class HybridParameterServer(ParameterServer):
         load_into_module(self._model, rest)
         metadata = dict(metadata or {})
         groups, metadata = as_ps_optimizer_state(self._model, self._opt, groups, metadata)
-        _load_ps_slots(self._model, self._dense.optimizer, str(metadata.get("optimizer", "")),
+        load_ps_slots(self._model, self._dense.optimizer, str(metadata.get("optimizer", "")),
                        groups.get("optimizer", {}),
                        int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
         if self._chief and len(rest) == len(model_group):

@@ -61,7 +61,7 @@ from towerflow.devices import DEVICE_ENV, DeviceSpec, resolve_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.strategies.single import LocalOptimizerStrategy
 
-__all__ = ["Mirrored", "ReplicaEnv", "replica_device"]
+__all__ = ["Mirrored", "ReplicaEnv", "first_line", "replica_device", "replicas_on_host"]
 
 log = logging.getLogger("towerflow.training")
 
@@ -157,7 +157,7 @@ class ReplicaEnv:
         rank = cluster.replica_index(task)
         chief = cluster.replicas[0]
         host, port = parse_address(cluster.task_address(chief.job_name, chief.task_index))
-        here = _replicas_on_host(cluster, task)
+        here = replicas_on_host(cluster, task)
         local_rank = _local_rank(env)
         return cls._checked(rank, cluster.num_replicas,
                             here.index(task) if local_rank is None else local_rank,
@@ -190,14 +190,14 @@ def _local_rank(env: Mapping[str, str]) -> int | None:
     return None
 
 
-def _replicas_on_host(cluster: Any, task: Any) -> list[Any]:
+def replicas_on_host(cluster: Any, task: Any) -> list[Any]:
     """The replicas of ``cluster`` whose host is ``task``'s (loopback names are one host),
     in replica order.
 
     Example:
         >>> from towerflow.cluster import ClusterSpec, TaskInfo
         >>> spec = ClusterSpec({"chief": ["localhost:1"], "worker": ["127.0.0.1:2", "h:3"]})
-        >>> _replicas_on_host(spec, TaskInfo("worker", 0))
+        >>> replicas_on_host(spec, TaskInfo("worker", 0))
         [TaskInfo(job_name='chief', task_index=0), TaskInfo(job_name='worker', task_index=0)]
     """
     from towerflow.cluster.spec import is_loopback_host, parse_address
@@ -374,7 +374,7 @@ class Mirrored(LocalOptimizerStrategy):
             raise UnavailableError(
                 f"Replica {self.replica.rank} of {self.replica.world_size} could not join the "
                 f"{self.backend} process group at {host}:{self.replica.master_port}: "
-                f"{_first_line(exc)}. Check the network the replicas use (GLOO_SOCKET_IFNAME / "
+                f"{first_line(exc)}. Check the network the replicas use (GLOO_SOCKET_IFNAME / "
                 "NCCL_SOCKET_IFNAME must name an interface of this host, MASTER_ADDR must be "
                 "reachable) and that every replica was started."
             ) from exc
@@ -479,11 +479,11 @@ class Mirrored(LocalOptimizerStrategy):
                 f"device={str(self._device)!r}, backend={self.backend!r})")
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """An error's first line without a C++ ``[enforce fail at file:line]`` prefix.
 
     Example:
-        >>> _first_line(RuntimeError("[enforce fail at device.cc:84] ifa != nullptr. Unable"))
+        >>> first_line(RuntimeError("[enforce fail at device.cc:84] ifa != nullptr. Unable"))
         'ifa != nullptr. Unable'
     """
     lines = str(error).strip().splitlines() or [type(error).__name__]

@@ -31,7 +31,7 @@ from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult, Strat
 
 log = logging.getLogger("towerflow.training")
 
-__all__ = ["SingleDevice", "LocalOptimizerStrategy"]
+__all__ = ["SingleDevice", "LocalOptimizerStrategy", "load_ps_slots", "optimizer_slots"]
 
 
 class LocalOptimizerStrategy(Strategy):
@@ -165,7 +165,7 @@ class LocalOptimizerStrategy(Strategy):
             groups, metadata, model, "the checkpoint", slots=table_slots)})
         layout = metadata.get("optimizer")
         if isinstance(layout, str):  # a parameter server's: its slots by variable
-            _load_ps_slots(model, optimizer, layout, {**groups.get("optimizer", {}), **table_slots},
+            load_ps_slots(model, optimizer, layout, {**groups.get("optimizer", {}), **table_slots},
                            int(metadata.get("optimizer_step", metadata.get("global_step", 0))))
         elif layout is not None:
             # own copies: torch keeps the given tensors when device and dtype already match
@@ -199,7 +199,7 @@ class SingleDevice(LocalOptimizerStrategy):
         return f"SingleDevice(device={str(self._device)!r})"
 
 
-def _load_ps_slots(model: nn.Module, optimizer: torch.optim.Optimizer, name: str,
+def load_ps_slots(model: nn.Module, optimizer: torch.optim.Optimizer, name: str,
                    slots: Mapping[str, torch.Tensor], step: int) -> None:
     """A ps checkpoint's optimizer state (``<variable>/<slot>``, one tensor each, the
     slots named as torch.optim names them) as this optimizer's per-parameter state.
