@@ -7,6 +7,7 @@ authenticated gRPC; each test starts and stops its own.
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -92,6 +93,24 @@ def test_none_swaps_nothing_and_keep_dense_keeps_one_module() -> None:
     kept = nn.Sequential(keep_dense(nn.Embedding(100, 4, sparse=True)),
                          nn.Embedding(100, 4, sparse=True))
     assert swap_embeddings(kept, 1) == ["1"] and isinstance(kept[0], nn.Embedding)
+
+
+def test_embeddings_each_under_the_threshold_but_over_it_together_are_said_in_one_line(
+        caplog) -> None:
+    threshold = 1000 * 8 * 4  # one 1000 x 8 float32 weight
+    model = nn.Sequential(*[nn.Embedding(600, 8) for _ in range(3)],  # 1.8x the threshold
+                          keep_dense(nn.Embedding(900, 8)))  # kept dense by choice: not counted
+    with caplog.at_level(logging.WARNING, logger="towerflow.ps"):
+        assert swap_embeddings(model, threshold) == []
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and re.match(
+        r"3 embeddings \('0', '1', '2'\) stay dense, each under the sparse threshold \(32 kB\) "
+        r"but 57.6 kB together: every step moves them whole.*sparse=True", said[0]), said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="towerflow.ps"):  # under it together: quiet
+        swap_embeddings(nn.Sequential(nn.Embedding(300, 8), nn.Embedding(300, 8)), threshold)
+        swap_embeddings(nn.Sequential(nn.Embedding(600, 8), nn.Embedding(600, 8)), None)
+    assert not caplog.records
 
 
 def test_the_strategy_swaps_by_default_and_says_so_in_one_line(ps_servers, caplog) -> None:

@@ -220,18 +220,35 @@ def swap_embeddings(model: nn.Module, threshold_bytes: int | None) -> list[str]:
         InvalidArgumentError: such a module uses ``max_norm``,
             ``scale_grad_by_freq`` or ``include_last_offset``.
     """
-    swapped = []
+    swapped, left = [], []
     for path, module in list(model.named_modules()):
         if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
             continue
         if not _should_swap(module, threshold_bytes):
+            if threshold_bytes is not None and not getattr(module, DENSE_ATTRIBUTE, False):
+                left.append((path, module.weight.numel() * module.weight.element_size()))
             continue
         _refuse_options(path, module)
         table = _table_of(path, module)
         parent_path, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, attr, table)
         swapped.append(path)
+    _say_left_dense(left, threshold_bytes)
     return swapped
+
+
+def _say_left_dense(left: list[tuple[str, int]], threshold_bytes: int | None) -> None:
+    """One line when the embeddings left dense, each under ``threshold_bytes``, pass it
+    together: every step moves their weights whole (never silently slow)."""
+    total = sum(nbytes for _, nbytes in left)
+    if threshold_bytes is None or len(left) < 2 or total < threshold_bytes:
+        return
+    names = ", ".join(repr(path) for path, _ in left[:6]) + (", ..." if len(left) > 6 else "")
+    log.warning("%d embeddings (%s) stay dense, each under the sparse threshold (%s) but %s "
+                "together: every step moves them whole with the dense variables. Declare them "
+                "sparse=True (or lower sparse_threshold_bytes, --sparse-threshold) to move only "
+                "a batch's rows; towerflow.ps.keep_dense(module) keeps one dense without this "
+                "line.", len(left), names, _size(threshold_bytes), _size(total))
 
 
 def describe_swap(table: ShardedEmbedding, num_ps: int) -> str:
