@@ -26,9 +26,11 @@ PROGRAM = Path(__file__).resolve().parents[1] / "support" / "programs" / "hybrid
 
 def run_workers(tmp_path: Path, subprocess_env: dict, *extra: str, steps: int = 12,
                 timeout: float = 120.0, num_ps: int = 2,
-                only: dict[int, list[str]] | None = None) -> list[subprocess.CompletedProcess]:
+                only: dict[int, list[str]] | None = None,
+                waited: tuple[int, ...] = (0, 1)) -> list[subprocess.CompletedProcess]:
     """``num_ps`` ps tasks served here and 2 hybrid worker processes (``extra`` arguments to
-    both, ``only[i]`` to worker ``i``); each worker's exit status and output."""
+    both, ``only[i]`` to worker ``i``); each worker's exit status and output (a worker not
+    ``waited`` for is stopped once the others ended)."""
     secret = new_secret()
     env = {**subprocess_env,
            "TOWERFLOW_SECRET_FILE": str(write_secret_file(tmp_path / "secret", secret))}
@@ -40,9 +42,11 @@ def run_workers(tmp_path: Path, subprocess_env: dict, *extra: str, steps: int = 
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(2)]
         try:
-            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+            for i in waited:
+                procs[i].wait(timeout=timeout)
         finally:
             stop_processes(procs, grace=5)
+        outs = [p.communicate()[0] for p in procs]
     return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in
             zip(procs, outs, strict=True)]
 
@@ -121,13 +125,25 @@ def test_the_staleness_bound_holds_under_a_worker_whose_pushes_are_slow(
 @pytest.mark.slow
 def test_a_worker_that_dies_stops_the_others_within_the_step_timeout_naming_it(
         tmp_path, subprocess_env) -> None:
-    done = run_workers(tmp_path, subprocess_env, steps=400, timeout=90, num_ps=1,
-                       only={1: ["--die-after", "5"]})
+    done = run_workers(tmp_path, subprocess_env, "--step-timeout", "8", steps=400, timeout=90,
+                       num_ps=1, only={1: ["--die-after", "5"]})
     assert done[1].returncode == 9 and done[0].returncode != 0, done[0].stdout[-3000:]
     message = done[0].stdout
     assert "UnavailableError" in message and "dense all-reduce of step" in message, message[-3000:]
     assert "/job:worker/replica:0/task:1" in message, message[-3000:]
     assert "every worker stops here" in message
+
+
+@pytest.mark.slow
+def test_a_stalled_worker_stops_the_others_within_the_step_timeout_naming_it(
+        tmp_path, subprocess_env) -> None:
+    # waited for 120 s at most: the step timeout (8 s) ends it, not the init timeout (300 s)
+    done = run_workers(tmp_path, subprocess_env, "--step-timeout", "8", steps=400, timeout=120,
+                       num_ps=1, only={1: ["--stall-after", "5"]}, waited=(0,))
+    message = done[0].stdout
+    assert done[0].returncode not in (0, None), message[-3000:]
+    assert "Operation timed out" in message and "/job:worker/replica:0/task:1" in message, \
+        message[-3000:]
 
 
 @pytest.mark.slow

@@ -59,11 +59,16 @@ from torch import nn
 
 from towerflow.devices import DEVICE_ENV
 from towerflow.devices.transfer import inputs_follow, move_to_device
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from towerflow.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    TowerflowError,
+    UnavailableError,
+)
 from towerflow.ps.worker.tables.prefetch import host_copies
 from towerflow.ps.worker.tables.swap import WHOLE_ATTRIBUTE
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
-from towerflow.strategies.hybrid_dense import DenseReplica, Pauses, group_endpoint
+from towerflow.strategies.hybrid_dense import DenseReplica, Words, group_endpoint
 from towerflow.strategies.mirrored import first_line
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.strategies.ps_placement import check_trainable
@@ -151,7 +156,8 @@ class HybridParameterServer(ParameterServer):
         self._stop_vote = self._stop_agreed = self._stopping = False
         self._last_step: int | None = None  # said by the Trainer: checkpoints pause before it
         self._paused_at: int | None = None  # the chief paused the others after this step
-        self._pauses: Pauses | None = None
+        self._words: Words | None = None  # what the workers tell each other in the store
+        self._starts = 0  # first steps synced (a restore syncs again)
         self._pushes: collections.deque[tuple[int, Future]] = collections.deque()
         self._pusher: ThreadPoolExecutor | None = None
 
@@ -242,6 +248,10 @@ class HybridParameterServer(ParameterServer):
             raise FailedPreconditionError(
                 "A torch.distributed process group already exists in this process; hybrid "
                 "training makes its own among the workers. Destroy it first.")
+        self._words = Words(self._store, self._rank, self._world)
+        self._words.say("here")  # every worker here first: the group then forms at once
+        self._listen("here", range(self._world), self._init_timeout,
+                     "every worker to start (--init-timeout)")
         try:
             dist.init_process_group(self._backend, store=dist.PrefixStore("towerflow/hybrid",
                                                                           self._store),
@@ -254,7 +264,6 @@ class HybridParameterServer(ParameterServer):
                 "worker was started and that the workers reach each other (GLOO_SOCKET_IFNAME / "
                 "NCCL_SOCKET_IFNAME).") from exc
         self._owns_group = True
-        self._pauses = Pauses(self._store, self._rank, self._world, _PAUSE_WAIT_S)
         log.info("worker %d joined the workers' %s all-reduce group (%d workers) at %s",
                  self._rank, self._backend, self._world, address)
 
@@ -291,8 +300,26 @@ class HybridParameterServer(ParameterServer):
                          address)
 
     def _collective_timeout(self) -> float:
+        """The group's timeout: ``step_timeout`` (what may take longer, the workers wait
+        for in the store: :class:`~towerflow.strategies.hybrid_dense.Words`)."""
         step = self.aggregation.timeout
-        return _NO_STEP_TIMEOUT_S if step is None else float(step) + self._timeout
+        return _NO_STEP_TIMEOUT_S if step is None else float(step)
+
+    def _step_timeout(self) -> Any:
+        step = self.aggregation.timeout
+        return None if step is None else _timedelta(float(step))
+
+    def _listen(self, word: str, ranks: Any, timeout: float, what: str) -> None:
+        """Wait for ``word`` from ``ranks`` (:class:`Words`), one sentence when it fails."""
+        try:
+            self._words.hear(word, ranks, timeout)  # type: ignore[union-attr]
+        except (RuntimeError, dist.DistStoreError) as exc:
+            self._unfinished = True
+            raise UnavailableError(
+                f"Worker {self._rank} waited {timeout:g} s for {what} and gave up "
+                f"({first_line(exc)}): {'; '.join(self.missing_peers()) or 'a worker is missing'}."
+                " Start every worker of the job (the job started again resumes from its last "
+                "checkpoint).") from None
 
     def _start_tables(self) -> None:
         """(The chief) a checkpoint's tables, or rows given since, onto the ps tasks."""
@@ -306,6 +333,11 @@ class HybridParameterServer(ParameterServer):
         if not self._to_sync:
             return
         self._start_tables()
+        self._starts += 1
+        if self._chief:
+            self._words.say(f"start/{self._starts}")  # type: ignore[union-attr]
+        self._listen(f"start/{self._starts}", [0], self._init_timeout,
+                     "the chief's first step (its restore, its tables on the ps)")
         try:
             self._step = self._dense.broadcast(self._model, self._step, self._device)  # type: ignore[union-attr]
         except RuntimeError as exc:
@@ -338,7 +370,8 @@ class HybridParameterServer(ParameterServer):
         bad = tables.nonfinite(rows) if rows else None
         try:
             reduced = dense.all_reduce(bad_tables=bad is not None, stop_vote=self._stop_vote,
-                                       world=self._world, paused=self._paused)
+                                       world=self._world, paused=self._paused,
+                                       timeout=self._step_timeout())
         except RuntimeError as exc:
             raise self._group_failure(exc, f"the dense all-reduce of step {self._step + 1}") \
                 from None
@@ -378,11 +411,12 @@ class HybridParameterServer(ParameterServer):
         if not self._may_pause():
             return
         try:
-            self._dense.pause()  # type: ignore[union-attr]
-            self._pauses.wait_ready(self._step)  # type: ignore[union-attr]
+            self._dense.pause(self._step_timeout())  # type: ignore[union-attr]
         except RuntimeError as exc:
             raise self._group_failure(exc, f"the checkpoint's pause at step {self._step}") \
                 from None
+        self._listen(f"ready/{self._step}", self._words.others, _PAUSE_WAIT_S,  # type: ignore[union-attr]
+                     "the other workers' pushes before a checkpoint")
         self._paused_at = self._step
 
     def _paused(self) -> None:
@@ -390,12 +424,13 @@ class HybridParameterServer(ParameterServer):
         before applied, then wait for the chief's go."""
         self._bound_staleness(self._step)
         self._tables.flush()
-        self._pauses.ready(self._step)  # type: ignore[union-attr]
+        self._words.say(f"ready/{self._step}")  # type: ignore[union-attr]
+        self._listen(f"go/{self._step}", [0], _PAUSE_WAIT_S, "the chief's checkpoint")
 
     def _release_pause(self) -> None:
         paused, self._paused_at = self._paused_at, None
         if paused is not None:
-            self._pauses.go(paused)  # type: ignore[union-attr]
+            self._words.say(f"go/{paused}")  # type: ignore[union-attr]
 
     def _bound_staleness(self, oldest: int) -> None:
         """Wait for this worker's pushes of steps up to ``oldest`` (``embedding_staleness``)."""
@@ -450,8 +485,19 @@ class HybridParameterServer(ParameterServer):
             whole[0] = ckpt = read()
             return None if ckpt is None else replace(ckpt, chunked={})
 
-        shared = share_read(dense_part, rank=self._rank, device=self._device)
-        return whole[0] if self._rank == 0 else shared
+        if self._rank == 0:  # read before the others wait in a collective (the step timeout)
+            try:
+                part = dense_part()
+            except TowerflowError as exc:
+                error = exc
+                part = None
+            else:
+                error = None
+            self._words.say("read")  # type: ignore[union-attr]
+            shared = share_read(lambda: _given(part, error), rank=0, device=self._device)
+            return whole[0] if shared is not None else None
+        self._listen("read", [0], self._init_timeout, "the chief to read its checkpoint")
+        return share_read(dense_part, rank=self._rank, device=self._device)
 
     @property
     def global_step(self) -> int:
@@ -533,6 +579,13 @@ class HybridParameterServer(ParameterServer):
         return (f"ParameterServer(dense='allreduce', rank={self._rank}, world_size={self._world}, "
                 f"device={str(self._device)!r}, backend={self._backend!r}, "
                 f"embedding_staleness={self._staleness})")
+
+
+def _given(ckpt: Any, error: BaseException | None) -> Any:
+    """``ckpt``, or ``error`` raised (what the chief read before the others listened)."""
+    if error is not None:
+        raise error
+    return ckpt
 
 
 def _timedelta(seconds: float) -> Any:

@@ -92,11 +92,12 @@ class DenseReplica:
             offset += size
 
     def all_reduce(self, *, bad_tables: bool, stop_vote: bool, world: int,
-                   paused: Callable[[], None], group: Any = None) -> Reduced:
-        """Average the gradients over the ``world`` workers (one collective) and count the
-        flags; a sparse gradient (an embedding kept dense with ``sparse=True``) is
-        made dense in the buffer first. A step the chief paused runs ``paused()`` and
-        the collective again (see the module's docstring)."""
+                   paused: Callable[[], None], timeout: Any = None, group: Any = None) -> Reduced:
+        """Average the gradients over the ``world`` workers (one collective, waited for at
+        most ``timeout``, a ``timedelta``; None: the group's) and count the flags; a sparse
+        gradient (an embedding kept dense with ``sparse=True``) is made dense in the buffer
+        first. A step the chief paused runs ``paused()`` and the collective again (see the
+        module's docstring)."""
         for (_, param), view in zip(self.params, self._views(), strict=True):
             grad = param.grad
             if grad is not None and grad.is_sparse:
@@ -104,13 +105,13 @@ class DenseReplica:
                 param.grad = view.view_as(param)
         flags = self.flat[self.numel:]
         flags[0], flags[1], flags[2] = float(bad_tables), float(stop_vote), 0.0
-        dist.all_reduce(self.flat, group=group)
+        _sum(self.flat, timeout, group)
         kept, self._kept = self._kept, None
         if kept is None and bool(flags[2] > 0):  # the chief paused this step: the others' sum
             kept = self.flat.clone()
             self.flat.zero_()
             paused()
-            dist.all_reduce(self.flat, group=group)  # the chief's gradients, added to it
+            _sum(self.flat, timeout, group)  # the chief's gradients, added to it
         if kept is not None:
             self.flat.add_(kept)
         counts = flags.tolist()
@@ -118,12 +119,12 @@ class DenseReplica:
             self.flat[:self.numel].div_(world)
         return Reduced(round(counts[0]), round(counts[1]))
 
-    def pause(self, group: Any = None) -> None:
+    def pause(self, timeout: Any = None, group: Any = None) -> None:
         """(The chief, between two steps) join the others' all-reduce of the next step with
         zeros and the pause flag; keep what they sent for this worker's next step."""
         self._kept = torch.zeros_like(self.flat)
         self._kept[self.numel + 2] = 1.0
-        dist.all_reduce(self._kept, group=group)
+        _sum(self._kept, timeout, group)
 
     def nonfinite(self) -> str | None:
         """The name of a parameter whose averaged gradient holds NaN / inf, or None (one
@@ -153,6 +154,16 @@ class DenseReplica:
         return int(shared.item())
 
 
+def _sum(tensor: torch.Tensor, timeout: Any, group: Any) -> None:
+    """``tensor`` summed over the group in place, waited for at most ``timeout`` (a stalled
+    worker fails the step then: ``RuntimeError``)."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
+
+
 def group_endpoint(host: str, world: int, timeout_s: float, *, port: int = 0,
                    master: bool, connect_s: float | None = None) -> Any:
     """The ``TCPStore`` the workers' process group meets at: served by the chief
@@ -167,35 +178,35 @@ def group_endpoint(host: str, world: int, timeout_s: float, *, port: int = 0,
     return store
 
 
-class Pauses:
-    """The words of a paused step, in the workers' store: each other worker says it is
-    ready (its pushes applied), the chief says go (it has read the ps tasks).
+class Words:
+    """What the workers tell each other in their store, where a wait may last longer than
+    a collective may (the group's timeout is the step timeout): that every worker is here
+    (before the group forms), that the chief read the checkpoint and is ready to start
+    (before the first collectives), that a worker's pushes are applied and the chief has
+    read the ps tasks (a paused step).
 
     Args:
         store: the workers' store (the chief's ``TCPStore``).
         rank: this worker's rank.
         world: the number of workers.
-        timeout_s: how long a word may be waited for (a checkpoint's reading of the ps
-            tasks may take long: not the step timeout).
     """
 
-    def __init__(self, store: Any, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self._store = dist.PrefixStore("towerflow/hybrid/words", store)
+        self.rank, self.world = rank, world
+
+    def say(self, word: str) -> None:
+        """Tell the others ``word`` (once per word: a word is a key of the store)."""
+        self._store.set(f"{word}/{self.rank}", "1")
+
+    def hear(self, word: str, ranks: Any, timeout_s: float) -> None:
+        """Wait until every worker of ``ranks`` said ``word`` (at most ``timeout_s``)."""
         import datetime
 
-        self._store = dist.PrefixStore("towerflow/hybrid/pause", store)
-        self._rank, self._world = rank, world
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+        keys = [f"{word}/{r}" for r in ranks if r != self.rank]
+        if keys:
+            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
 
-    def ready(self, step: int) -> None:
-        """(Another worker) this worker's pushes up to ``step`` are applied; wait for go."""
-        self._store.set(f"{step}/ready/{self._rank}", "1")
-        self._store.wait([f"{step}/go"], self._timeout)
-
-    def wait_ready(self, step: int) -> None:
-        """(The chief) wait until every other worker is ready."""
-        self._store.wait([f"{step}/ready/{r}" for r in range(self._world) if r != self._rank],
-                         self._timeout)
-
-    def go(self, step: int) -> None:
-        """(The chief) the others may take the paused step again."""
-        self._store.set(f"{step}/go", "1")
+    @property
+    def others(self) -> list[int]:
+        return [r for r in range(self.world) if r != self.rank]

@@ -13,7 +13,7 @@ deterministic batches. It records, in ``--out`` as ``worker-<i>.json`` and
 
 Usage: python hybrid_worker.py CLUSTER_JSON INDEX OUT_DIR --steps N [--staleness N]
 [--slow-push SECONDS] [--die-after STEP] [--device cuda] [--checkpoint-at STEP]
-[--slow-forward SECONDS]
+[--slow-forward SECONDS] [--stall-after STEP] [--step-timeout SECONDS]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -83,6 +84,8 @@ def main() -> int:
     parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--slow-push", type=float, default=0.0)
     parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--stall-after", type=int, default=0)
+    parser.add_argument("--step-timeout", type=float, default=60.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint-at", type=int, default=0)
     parser.add_argument("--slow-forward", type=float, default=0.0)
@@ -97,7 +100,7 @@ def main() -> int:
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), dense="allreduce",
                                embedding_staleness=args.staleness,
                                credentials=Credentials.from_env(), device=args.device,
-                               step_timeout=8.0, timeout=10.0)
+                               step_timeout=args.step_timeout, timeout=10.0)
     lr = 0.5
     strategy.prepare(model, OptimizerConfig("sgd", lr=lr))
     strategy.stop_at(args.steps)  # as the Trainer says the run's last step
@@ -143,6 +146,8 @@ def main() -> int:
         print(f"step {number}", flush=True)
         if args.die_after and number >= args.die_after:
             os._exit(9)  # dies without a word, as a killed process
+        if args.stall_after and number >= args.stall_after:
+            os.kill(os.getpid(), signal.SIGSTOP)  # stalls, as a suspended process
     strategy.settle()
     strategy.barrier()  # every worker's pushes applied on the ps tasks
     record = {"digests": digests, "began": began, "pushed": pushed,
