@@ -408,8 +408,8 @@ def run_rounds(args: argparse.Namespace, base: Path, loads: dict[str, Workload])
                 runs.append(run)
                 print(f"round {r + 1}: {name} {mode}: {run.rate:,.0f} examples/s (median of "
                       f"{len(run.rates)} log lines), AUC {run.auc:.4f}; train {run.train_s:.1f} s"
-                      f" (max-steps {max_steps(mode, loads[name])}), score {run.eval_s:.1f} s",
-                      flush=True)
+                      f" (max-steps {max_steps(mode, loads[name])}), score {run.eval_s:.1f} s;"
+                      f" load average {os.getloadavg()[0]:.1f}", flush=True)
     return runs
 
 
