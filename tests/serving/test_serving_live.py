@@ -56,6 +56,16 @@ def loss_fn(model: nn.Module, b) -> torch.Tensor:
     return nn.functional.binary_cross_entropy_with_logits(model(*x), labels)
 
 
+def cluster_args(tmp_path, spec) -> list[str]:
+    """``--cluster FILE --secret-file FILE`` of ``spec``, written in ``tmp_path``."""
+    cluster_file = tmp_path / "cluster.json"
+    cluster_file.write_text(json.dumps(spec.as_dict()))
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)
+    return ["--cluster", str(cluster_file), "--secret-file", str(secret_file)]
+
+
 def _save(strategy: ParameterServer, manager: CheckpointManager):
     groups = strategy.state_dict()
     metadata = checkpoint_metadata(strategy)
@@ -195,14 +205,8 @@ def test_a_live_export_of_a_dynamic_table_equals_a_checkpoints(tmp_path) -> None
                 strategy.run_step(loss_fn_raw, raw_batch(seed))
             want = serving.export(_save(strategy, CheckpointManager(tmp_path / "elsewhere")),
                                   tmp_path / "want")
-            cluster_file = tmp_path / "cluster.json"
-            cluster_file.write_text(json.dumps(spec.as_dict()))
-            secret_file = tmp_path / "secret"
-            secret_file.write_bytes(SECRET)
-            secret_file.chmod(0o600)
             assert main(["export", "--train-dir", str(tmp_path / "train"), "--out",
-                         str(tmp_path / "live"), "--cluster", str(cluster_file),
-                         "--secret-file", str(secret_file)]) == 0
+                         str(tmp_path / "live"), *cluster_args(tmp_path, spec)]) == 0
         finally:
             strategy.shutdown()
     live, expected = read_export(tmp_path / "live"), read_export(want)
@@ -215,3 +219,36 @@ def test_a_live_export_of_a_dynamic_table_equals_a_checkpoints(tmp_path) -> None
 def loss_fn_raw(model: nn.Module, b) -> torch.Tensor:
     ids, labels = b
     return nn.functional.binary_cross_entropy_with_logits(model(ids), labels)
+
+
+def test_a_live_export_of_a_hybrid_job_takes_its_dense_layers_from_the_newest_checkpoint(
+        tmp_path, capsys) -> None:
+    with ps_tasks(CREDENTIALS) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), dense="allreduce",
+                                   whole_table_bytes=None, credentials=CREDENTIALS, device="cpu",
+                                   server=False)
+        try:
+            model = Model()
+            strategy.prepare(model, OptimizerConfig("adagrad", lr=0.3))
+            for seed in range(3):
+                strategy.run_step(loss_fn, batch(seed))
+            first = _save(strategy, CheckpointManager(tmp_path / "train"))
+            for seed in range(3, 6):  # the job trains on past its newest checkpoint
+                strategy.run_step(loss_fn, batch(seed))
+            now = serving.export(_save(strategy, CheckpointManager(tmp_path / "elsewhere")),
+                                 tmp_path / "now")
+            assert main(["export", "--train-dir", str(tmp_path / "train"), "--out",
+                         str(tmp_path / "live"), *cluster_args(tmp_path, spec)]) == 0
+        finally:
+            strategy.shutdown()
+    said = capsys.readouterr().out
+    assert "keeps its dense layers on its workers: this export holds those of its newest " \
+           "checkpoint (step 3)" in said, said
+    live, then = read_export(tmp_path / "live"), read_export(serving.export(first,
+                                                                            tmp_path / "then"))
+    assert live.description["step"] == 3
+    for key, tensor in then.dense.items():  # the dense layers: the checkpoint's
+        assert torch.equal(live.dense[key], tensor), key
+    for name in ("user", "item", "ctx"):  # the tables: as the ps tasks hold them now
+        assert torch.equal(table_state([live], name).weight,
+                           table_state([read_export(now)], name).weight), name

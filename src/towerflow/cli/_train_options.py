@@ -46,8 +46,10 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
 }
 #: keywords of the strategies that no flag sets: the cluster decides them (the chief by the
 #: cluster's rule, the credentials from its secret, each task runs its own server), and a
-#: device setter is what --ps-strategy and --partition-threshold describe
-FROM_THE_CLUSTER = {"ps": frozenset({"is_chief", "credentials", "server", "device_setter"}),
+#: device setter is what --ps-strategy and --partition-threshold describe; hybrid training's
+#: collective backend follows the worker's device (NCCL on a GPU, Gloo on a CPU: --device)
+FROM_THE_CLUSTER = {"ps": frozenset({"is_chief", "credentials", "server", "device_setter",
+                                     "backend"}),
                     "mirrored": frozenset()}
 #: options of the ps tasks' servers (when a ps task ends), not keywords of a strategy
 _PS_TASK_OPTIONS = ("serve_forever", "idle_timeout")
@@ -391,4 +393,10 @@ def strategy_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         raise InvalidArgumentError(
             f"{given} does not apply: this run trains with {where}; remove it, "
             f"or train with {need}.")
+    if kind == "ps":  # what hybrid training cannot do, before anything starts
+        from towerflow.strategies.ps_placement import check_dense_mode
+
+        check_dense_mode(options.get("dense", "ps"), options.get("embedding_staleness"), None,
+                         mode=options.get("mode", "async"), join=bool(options.get("join")),
+                         prefetch=bool(options.get("prefetch")))
     return options

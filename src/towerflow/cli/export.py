@@ -113,7 +113,15 @@ def _live_export(args: argparse.Namespace) -> Path:
     with live_state(cluster, credentials, strategy if isinstance(strategy, dict) else {}) \
             as (groups, metadata):
         groups["model"] = {**ckpt.groups.get("model", {}), **groups["model"]}
+        hybrid = isinstance(strategy, dict) and strategy.get("dense") == "allreduce"
+        if hybrid:  # the dense layers live on the workers: the checkpoint's are the newest here
+            metadata["step"] = ckpt.step
+            print(f"a hybrid job keeps its dense layers on its workers: this export holds those "
+                  f"of its newest checkpoint (step {ckpt.step}) and the tables as its ps tasks "
+                  "hold them now")
         source = source_from_state(groups, metadata)
-        source.origin = f"the cluster's ps tasks at step {source.step}"
+        source.origin = (f"the dense layers of {ckpt.path} (step {ckpt.step}: a hybrid job keeps "
+                         "them on its workers) and the tables its ps tasks hold now" if hybrid
+                         else f"the cluster's ps tasks at step {source.step}")
         return export_source(source, args.out, since=args.since,
                              with_optimizer=args.with_optimizer)

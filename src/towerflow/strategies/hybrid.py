@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -48,9 +49,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from towerflow.devices import DEVICE_ENV
 from towerflow.devices.transfer import inputs_follow, move_to_device
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.ps.worker.tables.prefetch import host_copies
+from towerflow.ps.worker.tables.swap import WHOLE_ATTRIBUTE
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
 from towerflow.strategies.hybrid_dense import DenseReplica, group_endpoint
 from towerflow.strategies.mirrored import _first_line
@@ -66,7 +69,7 @@ from towerflow.strategies.ps_tables import (
 )
 from towerflow.strategies.single import _load_ps_slots, as_ps_optimizer_state, optimizer_slots
 
-__all__ = ["HybridParameterServer"]
+__all__ = ["HybridParameterServer", "worker_device"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -74,11 +77,39 @@ log = logging.getLogger("towerflow.ps")
 _NO_STEP_TIMEOUT_S = 1800.0
 
 
+def worker_device(local: int, here: int, named: torch.device | None, gpus: int,
+                  backend: str | None) -> tuple[torch.device, str]:
+    """The device and collective backend of the worker ``local`` of the ``here`` workers
+    of its machine, which has ``gpus`` GPUs: the device named, else GPU ``local % gpus``
+    (the CPU without GPUs); NCCL when each worker of the machine has a GPU of its own,
+    else Gloo (NCCL runs one rank per GPU), said in one line by the machine's first worker.
+
+    Example:
+        >>> worker_device(1, 2, None, 2, None)
+        (device(type='cuda', index=1), 'nccl')
+        >>> worker_device(1, 2, None, 1, None)[1]
+        'gloo'
+        >>> worker_device(0, 2, None, 0, None)
+        (device(type='cpu'), 'gloo')
+    """
+    device = named if named is not None else (
+        torch.device("cuda", local % gpus) if gpus else torch.device("cpu"))
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" and here <= gpus else "gloo"
+        if device.type == "cuda" and backend == "gloo" and local == 0:
+            log.warning("%d workers share %d GPU(s) on this machine (NCCL runs one rank per "
+                        "GPU): their dense all-reduce runs over Gloo; start at most %d worker(s) "
+                        "per machine for NCCL.", here, gpus, gpus)
+    return device, backend
+
+
 class HybridParameterServer(ParameterServer):
     """``ParameterServer(..., dense="allreduce")``: see the module's docstring.
 
     Takes :class:`ParameterServer`'s arguments; ``mode`` must be ``async`` (the tables'),
-    ``join`` and ``prefetch`` are refused. ``embedding_staleness``: see above;
+    ``join`` and ``prefetch`` are refused; every ``sparse=True`` embedding's rows live on the
+    ps tasks, small ones too (``whole_table_bytes`` None unless given: a small table kept
+    whole would be all-reduced with the dense layers instead). ``embedding_staleness``: see above;
     ``backend``: ``nccl`` or ``gloo`` (default: NCCL on a GPU worker, else Gloo).
     """
 
@@ -86,25 +117,22 @@ class HybridParameterServer(ParameterServer):
 
     def __init__(self, cluster: Any = None, task: Any = None, mode: str = "async",
                  **options: Any) -> None:
-        if mode != "async":
-            raise InvalidArgumentError(
-                f"dense='allreduce' with mode={mode!r}: the dense layers are already averaged "
-                "synchronously by all-reduce among the workers, and the tables are updated "
-                "asynchronously (bounded by embedding_staleness). Drop the mode (--mode "
-                f"{mode}), or train everything through the ps tasks with dense='ps' for "
-                f"{mode} tables.")
-        for name, why in (("join", "an elastic worker cannot join an all-reduce group"),
-                          ("prefetch", "the dense step is an all-reduce, not a push")):
-            if options.get(name):
-                raise InvalidArgumentError(
-                    f"dense='allreduce' with {name}=True: {why}. Remove it, or train with "
-                    "dense='ps'.")
+        options.setdefault("whole_table_bytes", None)  # the user asked for tables on the ps
         super().__init__(cluster, task, mode, **options)
-        backend = self._backend or ("nccl" if self._device.type == "cuda" else "gloo")
+        from towerflow.devices.local import gpu_count
+        from towerflow.strategies.mirrored import _replicas_on_host
+
+        here = _replicas_on_host(self.cluster, self.task)
+        named = self._device if options.get("device") is not None \
+            or options.get("device_setter") is not None or os.environ.get(DEVICE_ENV) else None
+        self._device, backend = worker_device(here.index(self.task), len(here), named,
+                                              gpu_count(), self._backend)
         if backend not in ("nccl", "gloo") or (backend == "nccl" and self._device.type != "cuda"):
             raise InvalidArgumentError(
                 f"backend={backend!r} for a worker on {self._device}: use 'nccl' on a GPU "
                 "worker or 'gloo' (any worker).")
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
         self._backend = backend
         self._dense: DenseReplica | None = None
         self._store: Any = None
@@ -147,11 +175,15 @@ class HybridParameterServer(ParameterServer):
             whole_below=self._whole_below, chief=self._chief, credentials=self._credentials,
             worker_id=self._rank, timeout=self._timeout, aggregation=self.aggregation)
         if not self._tables:
+            whole = [path for path, m in model.named_modules() if getattr(m, WHOLE_ATTRIBUTE, False)]
+            kept = (f" ({', '.join(map(repr, whole))}: sparse=True but under whole_table_bytes, "
+                    "kept with the dense layers; whole_table_bytes=None, --whole-tables off, "
+                    "keeps their rows on the ps)") if whole else ""
             raise InvalidArgumentError(
                 f"dense='allreduce' (--dense allreduce) needs sparse tables on the ps tasks, and "
                 f"{type(model).__name__} has none (no ShardedEmbedding, no nn.Embedding declared "
-                "sparse=True or over sparse_threshold_bytes). A dense model trains faster by "
-                "all-reduce alone: towerflow train --replicas N (the Mirrored strategy).")
+                f"sparse=True or over sparse_threshold_bytes){kept}. A dense model trains faster "
+                "by all-reduce alone: towerflow train --replicas N (the Mirrored strategy).")
         check_trainable(list(model.named_parameters()), elastic=False, tables=True)
         model.to(self._device)
         self._hooks = [inputs_follow(model, self._device),

@@ -176,7 +176,8 @@ class ParameterServer(DenseModes, Strategy):
                 "pass cluster= and task=, or start the process with TF_CONFIG "
                 "(towerflow launch --ps 1 --workers 2 -- ...)."
             )
-        self._staleness, self._backend = check_dense_mode(dense, embedding_staleness, backend)
+        self._staleness, self._backend = check_dense_mode(
+            dense, embedding_staleness, backend, mode=mode, join=join, prefetch=prefetch)
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'.")
         self.cluster, self.task, self._elastic = cluster, task, bool(join)

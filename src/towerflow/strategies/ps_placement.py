@@ -15,10 +15,13 @@ __all__ = ["check_dense_mode", "check_trainable", "DenseModes", "plan_variables"
 DENSE_MODES = {"ps": None, "allreduce": "towerflow.strategies.hybrid:HybridParameterServer"}
 
 
-def check_dense_mode(dense: str, staleness: int | None, backend: str | None
+def check_dense_mode(dense: str, staleness: int | None, backend: str | None, *,
+                     mode: str = "async", join: bool = False, prefetch: bool = False
                      ) -> tuple[int, str | None]:
     """``(embedding_staleness, backend)`` of a ``ParameterServer`` whose dense layers train
-    on ``dense``; the hybrid options are refused with ``dense="ps"``.
+    on ``dense``; the hybrid options are refused with ``dense="ps"``, and what hybrid
+    training cannot do (a ``sync`` / ``ssp`` mode, an elastic worker, a dense prefetch)
+    with ``dense="allreduce"``.
 
     Example:
         >>> check_dense_mode("allreduce", None, None)
@@ -37,6 +40,19 @@ def check_dense_mode(dense: str, staleness: int | None, backend: str | None
                 f"{', '.join(given)} applies to hybrid training only; add dense='allreduce' "
                 "(--dense allreduce) or remove it.")
         return 0, None
+    if mode != "async":
+        raise InvalidArgumentError(
+            f"dense='allreduce' with mode={mode!r}: the dense layers are already averaged "
+            "synchronously by all-reduce among the workers, and the tables are updated "
+            "asynchronously (bounded by embedding_staleness). Drop the mode (--mode "
+            f"{mode}), or train everything through the ps tasks with dense='ps' for "
+            f"{mode} tables.")
+    for name, given, why in (("join", join, "an elastic worker cannot join an all-reduce group"),
+                             ("prefetch", prefetch, "the dense step is an all-reduce, not a push")):
+        if given:
+            raise InvalidArgumentError(
+                f"dense='allreduce' with {name}=True: {why}. Remove it, or train with "
+                "dense='ps'.")
     if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int)
                                   or staleness < 0):
         raise InvalidArgumentError(

@@ -146,7 +146,8 @@ def save_before_stopping(strategy: Strategy, error: TowerflowError,
             f" The chief saved {saved[0]} (global step {saved[1]}) before stopping."
         if saved is not None:
             log.info("saved checkpoint %s before stopping", saved[0])
-    way_out = (" Restart the missing task with the same command: a restarted worker rejoins "
-               "the running job (a sync step waits up to step_timeout for it), and a "
-               "restarted chief resumes from the latest checkpoint.")
+    way_out = getattr(strategy, "failure_way_out", None) or (
+        " Restart the missing task with the same command: a restarted worker rejoins "
+        "the running job (a sync step waits up to step_timeout for it), and a "
+        "restarted chief resumes from the latest checkpoint.")
     return type(error)(f"{error}{not_answering}{told}{way_out}")

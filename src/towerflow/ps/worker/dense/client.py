@@ -475,10 +475,12 @@ class PSClient:
         self.close()
 
 
-def tell_chief_failure(cluster: Any, credentials: Credentials, failure: str, *,
+def tell_chief_failure(cluster: Any, credentials: Credentials | None, failure: str, *,
                        timeout: float = 5.0) -> None:
     """The chief stopped on ``failure`` before it had a client (before it initialised):
-    say it to every ps task in a ``Done`` (best effort), so that the job ends with it."""
+    say it to every ps task in a ``Done`` (best effort), so that the job ends with it
+    (``credentials`` None: the environment's)."""
+    credentials = Credentials.from_env() if credentials is None else credentials
     request = pb.DoneRequest(worker_id=CHIEF_REPLICA,
                              failure=failure_line(failure)).SerializeToString()
     for index in range(cluster.num_tasks("ps")):

@@ -1,0 +1,175 @@
+"""Hybrid training (``ParameterServer(dense="allreduce")``): tables on real ps tasks, dense
+layers all-reduced by Gloo among real worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from towerflow.cluster import TaskInfo
+from towerflow.cluster.transport import Credentials, new_secret, write_secret_file
+from towerflow.errors import InvalidArgumentError
+from towerflow.strategies import OptimizerConfig
+from towerflow.strategies.parameter_server import ParameterServer
+from towerflow.testing.inprocess import ps_tasks
+from towerflow.testing.processes import stop_processes
+
+PROGRAM = Path(__file__).resolve().parents[1] / "support" / "programs" / "hybrid_worker.py"
+
+
+def run_workers(tmp_path: Path, subprocess_env: dict, *extra: str, steps: int = 12,
+                timeout: float = 120.0, num_ps: int = 2,
+                only: dict[int, list[str]] | None = None) -> list[subprocess.CompletedProcess]:
+    """``num_ps`` ps tasks served here and 2 hybrid worker processes (``extra`` arguments to
+    both, ``only[i]`` to worker ``i``); each worker's exit status and output."""
+    secret = new_secret()
+    env = {**subprocess_env,
+           "TOWERFLOW_SECRET_FILE": str(write_secret_file(tmp_path / "secret", secret))}
+    with ps_tasks(Credentials(secret=secret), num_ps=num_ps, num_workers=2) as spec:
+        cluster = json.dumps(spec.as_dict())
+        procs = [subprocess.Popen(
+            [sys.executable, str(PROGRAM), cluster, str(i), str(tmp_path), "--steps", str(steps),
+             *extra, *(only or {}).get(i, [])],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(2)]
+        try:
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            stop_processes(procs, grace=5)
+    return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in
+            zip(procs, outs, strict=True)]
+
+
+def records(tmp_path: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+    return [(json.loads((tmp_path / f"worker-{i}.json").read_text()),
+             load_file(str(tmp_path / f"worker-{i}.safetensors"))) for i in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_dense_layers_are_bit_identical_on_every_worker_and_each_push_applies_once(
+        tmp_path, subprocess_env, staleness) -> None:
+    done = run_workers(tmp_path, subprocess_env, "--staleness", str(staleness))
+    assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
+    (first, tensors0), (second, tensors1) = records(tmp_path)
+    assert first["global_step"] == second["global_step"] == 12
+    # worker 1's hidden layer started apart: from the first step on they are one model
+    assert first["digests"] == second["digests"] and len(set(first["digests"])) == 12
+    owed = tensors0["owed"] + tensors1["owed"]  # every row gradient pushed, times the rate
+    assert owed.abs().sum() > 0 and tensors1["owed"].abs().sum() > 0
+    moved = tensors0["start"] - tensors0["rows"]  # what the ps tasks applied to the table
+    torch.testing.assert_close(moved, owed, rtol=0, atol=1e-5)  # none lost, none twice
+
+
+@pytest.mark.gpu
+def test_gpu_workers_keep_their_dense_layers_equal_and_each_push_applies_once(
+        tmp_path, subprocess_env) -> None:
+    done = run_workers(tmp_path, subprocess_env, "--device", "cuda")
+    assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
+    (first, tensors0), (second, tensors1) = records(tmp_path)
+    gpus = torch.cuda.device_count()
+    assert first["device"].startswith("cuda") and second["device"].startswith("cuda")
+    assert first["backend"] == ("nccl" if gpus >= 2 else "gloo")  # NCCL: one rank per GPU
+    assert first["digests"] == second["digests"] and len(set(first["digests"])) == 12
+    torch.testing.assert_close(tensors0["start"] - tensors0["rows"],
+                               tensors0["owed"] + tensors1["owed"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_staleness_bound_holds_under_a_worker_whose_pushes_are_slow(
+        tmp_path, subprocess_env) -> None:
+    bound = 1
+    done = run_workers(tmp_path, subprocess_env, "--staleness", str(bound),
+                       "--slow-push", "0.25", steps=8)
+    assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
+    for record, _ in records(tmp_path):
+        began, pushed = record["began"], sorted(record["pushed"])
+        for step, start in enumerate(began, 1):  # step's forward: its rows pulled from here
+            applied = sum(end <= start for end in pushed)
+            assert applied >= step - 1 - bound, (step, applied, began, pushed)
+        # the bound is what held the worker back: a push was still out at a later step
+        assert any(sum(end <= start for end in pushed) < step - 1
+                   for step, start in enumerate(began, 1))
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_stops_the_others_within_the_step_timeout_naming_it(
+        tmp_path, subprocess_env) -> None:
+    done = run_workers(tmp_path, subprocess_env, steps=400, timeout=90, num_ps=1,
+                       only={1: ["--die-after", "5"]})
+    assert done[1].returncode == 9 and done[0].returncode != 0, done[0].stdout[-3000:]
+    message = done[0].stdout
+    assert "UnavailableError" in message and "dense all-reduce of step" in message, message[-3000:]
+    assert "/job:worker/replica:0/task:1" in message, message[-3000:]
+    assert "every worker stops here" in message
+
+
+class Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def test_workers_sharing_fewer_gpus_than_they_are_all_reduce_over_gloo(caplog) -> None:
+    from towerflow.strategies.hybrid import worker_device
+
+    assert worker_device(0, 2, None, 2, None) == (torch.device("cuda", 0), "nccl")
+    assert worker_device(3, 4, None, 2, None) == (torch.device("cuda", 1), "gloo")
+    assert "4 workers share 2 GPU(s) on this machine" not in caplog.text  # worker 3 is quiet
+    assert worker_device(0, 4, None, 2, None)[1] == "gloo"
+    assert "4 workers share 2 GPU(s) on this machine" in caplog.text
+    assert worker_device(1, 2, torch.device("cpu"), 2, None) == (torch.device("cpu"), "gloo")
+    assert worker_device(0, 1, None, 0, None) == (torch.device("cpu"), "gloo")
+
+
+def test_a_model_without_tables_is_pointed_to_replicas() -> None:
+    with ps_tasks(Credentials(secret=b"s" * 32), num_ps=1, num_workers=1) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), dense="allreduce",
+                                   credentials=Credentials(secret=b"s" * 32), device="cpu",
+                                   server=False)
+        with pytest.raises(InvalidArgumentError, match=r"needs sparse tables.*--replicas N"):
+            strategy.prepare(Dense(), OptimizerConfig("sgd", lr=0.1))
+        strategy.shutdown()
+
+
+@pytest.mark.parametrize(("options", "pattern"), [
+    ({"dense": "allreduce", "embedding_staleness": -1}, r"embedding_staleness=-1 must be .*>= 0"),
+    ({"dense": "allreduce", "embedding_staleness": 1.5}, r"embedding_staleness=1.5"),
+    ({"dense": "allreduce", "mode": "sync"}, r"mode='sync'.*already averaged synchronously"),
+    ({"dense": "allreduce", "mode": "ssp"}, r"mode='ssp'"),
+    ({"dense": "allreduce", "join": True}, r"join=True.*elastic worker"),
+    ({"dense": "ps", "embedding_staleness": 2}, r"applies to hybrid training only"),
+    ({"dense": "gather"}, r"dense='gather'; use 'ps'.*'allreduce'"),
+])
+def test_bad_hybrid_options_are_refused_with_a_sentence(options, pattern) -> None:
+    with ps_tasks(Credentials(secret=b"s" * 32), num_ps=1, num_workers=1) as spec:
+        with pytest.raises(InvalidArgumentError, match=pattern):
+            ParameterServer(spec, TaskInfo("worker", 0), credentials=Credentials(secret=b"s" * 32),
+                            device="cpu", server=False, **options)
+
+
+def test_dense_allreduce_makes_the_hybrid_strategy_with_parameter_servers_signature() -> None:
+    import inspect
+
+    from towerflow.strategies.hybrid import HybridParameterServer
+
+    with ps_tasks(Credentials(secret=b"s" * 32), num_ps=1, num_workers=2) as spec:
+        made = ParameterServer(spec, TaskInfo("worker", 0), dense="allreduce",
+                               credentials=Credentials(secret=b"s" * 32), device="cpu",
+                               server=False)
+        plain = ParameterServer(spec, TaskInfo("worker", 0), credentials=Credentials(
+            secret=b"s" * 32), device="cpu", server=False)
+    assert type(made) is HybridParameterServer and type(plain) is ParameterServer
+    assert made.batches_per_step == 2 and made.lockstep and made.embedding_staleness == 0
+    assert {"dense", "embedding_staleness", "backend", "mode"} <= set(
+        inspect.signature(ParameterServer).parameters)
