@@ -2,7 +2,7 @@
 
 Issue 37's figures: for two workloads and four modes, examples/s and the test AUC of
 ``towerflow train`` as a user runs it, each run a subprocess with a fresh train dir,
-scored by ``towerflow eval --train-dir``:
+scored as ``towerflow eval --train-dir`` scores it:
 
 - ``hybrid``: ``--ps 2 --workers 2 --dense allreduce`` (the tables' rows on the ps tasks,
   the dense layers replicated and averaged each step by a Gloo all-reduce);
@@ -27,7 +27,8 @@ Workloads:
 
 - ``movielens``: ``towerflow train movielens`` (the MovieLens-100k DeepFM, batches of
   256) on a synthetic data set in GroupLens' exact ml-100k format written by
-  :func:`write_movielens` (943 users, 1,682 movies, 100,000 ratings) with a planted,
+  ``movielens_synthetic.write_movielens`` (943 users, 1,682 movies, 100,000 ratings,
+  seeded by ``--seed``) with a planted,
   learnable truth: a rating is 4+ with probability ``sigmoid(user bias + movie bias +
   <user factors, movie factors> + genre x gender + genre x age group)``. The test split
   is the latest 20% by timestamp; the truth's own AUC on it is printed as the ceiling.
@@ -40,7 +41,15 @@ divided by the examples of one global step (one batch in ``async``, where each w
 push is a global step, and in ``one``; a batch per worker in ``sync`` and ``hybrid``).
 examples/s is the median of the step log's examples/sec over its lines after the first
 (the log counts the global batch; the first line holds the start-up); ``--log-every``
-is chosen so that a run prints about 20 lines.
+is chosen so that a run prints about 20 lines. At each step line the CPU time (user +
+system, ``/proc``) of the run's processes is read by role (``TF_CONFIG``'s task type):
+the CPU per example between the first and last line says where the work went, and the
+CPU seconds per second the cores the run kept busy (at most 2 on this machine).
+
+The AUC is computed by the function ``towerflow eval`` runs (``evaluate_checkpoint`` with
+the model and data ``run.yaml`` records), printed to 6 digits (``towerflow eval`` prints
+MovieLens' AUC to 3); in the first round ``towerflow eval --train-dir`` itself runs too and
+must print the same AUC to its digits.
 
 Each round runs every mode of a workload one after the other (modes interleaved, the
 order rotated each round); the table gives medians over rounds, the ratio of examples/s
@@ -56,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import re
@@ -64,12 +74,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+from movielens_synthetic import write_movielens
 
 MODES: dict[str, tuple[list[str], bool]] = {  # name: (train flags, a step uses every worker)
     "hybrid": (["--ps", "2", "--workers", "2", "--dense", "allreduce"], True),
@@ -89,122 +100,6 @@ AUC_TARGET = 0.002
 WHOLE_OFF = ("--whole-tables", "off")
 STEP_LINE = re.compile(r"step (\d+), loss = \S+ \(([\d.]+) examples/sec")
 AUC_LINE = re.compile(r"AUC = ([\d.]+)")
-
-# -- the MovieLens-100k-shaped data set ---------------------------------------------------
-OCCUPATIONS = ("administrator", "artist", "doctor", "educator", "engineer", "entertainment",
-               "executive", "healthcare", "homemaker", "lawyer", "librarian", "marketing",
-               "none", "other", "programmer", "retired", "salesman", "scientist",
-               "student", "technician", "writer")
-AGE_EDGES = (18, 25, 35, 45, 50, 56)
-FIRST_TIME, LAST_TIME = 874_724_710, 893_286_638  # ml-100k's first and last timestamps
-
-
-@dataclass(frozen=True, slots=True)
-class Truth:
-    """The planted truth's parameters (drawn once per seed)."""
-
-    user_bias: np.ndarray
-    item_bias: np.ndarray
-    user_factors: np.ndarray
-    item_factors: np.ndarray
-    genres: np.ndarray  # items x 19 flags
-    genre_gender: np.ndarray  # 19 x 2
-    genre_age: np.ndarray  # 19 x 7
-
-
-def _people(r: np.random.Generator, users: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Ages, genders (0 M, 1 F) and u.user lines."""
-    ages = np.clip(r.normal(33, 12, users).round(), 7, 73).astype(int)
-    female = r.random(users) < 0.29
-    lines = []
-    for u in range(users):
-        zip_code = f"{r.integers(0, 100_000):05d}" if r.random() > 0.02 else "T8H1N"
-        job = OCCUPATIONS[int(r.integers(len(OCCUPATIONS)))]
-        lines.append(f"{u + 1}|{ages[u]}|{'F' if female[u] else 'M'}|{job}|{zip_code}\n")
-    return ages, female.astype(int), lines
-
-
-def _movies(r: np.random.Generator, items: int) -> tuple[np.ndarray, list[str]]:
-    """Genre flags (items x 19) and u.item lines (latin-1 titles, GroupLens' columns)."""
-    flags = np.zeros((items, 19), dtype=int)
-    lines = []
-    for i in range(items):
-        chosen = r.choice(np.arange(1, 19), size=int(r.integers(1, 4)), replace=False)
-        flags[i, chosen] = 1
-        year = int(r.integers(1930, 1999))
-        lines.append(f"{i + 1}|Movi\xe9 {i + 1} ({year})|01-Jan-{year}||http://us.imdb.com/M/"
-                     f"title-exact?Movie%20{i + 1}|{'|'.join(map(str, flags[i]))}\n")
-    return flags, lines
-
-
-def _pairs(r: np.random.Generator, users: int, items: int, ratings: int) -> np.ndarray:
-    """``ratings`` distinct (user, item) pairs, 0-based: active users and popular movies
-    rated most (every user at least 20 times, as GroupLens kept them)."""
-    activity = r.lognormal(0, 1.0, users)
-    popularity = 1.0 / np.arange(1, items + 1) ** 0.8
-    popularity = r.permutation(popularity)
-    seen: set[tuple[int, int]] = set()
-    each = min(20, ratings // users)
-    base = [(u, i) for u in range(users) for i in r.choice(items, each, replace=False,
-                                                            p=popularity / popularity.sum())]
-    seen.update(base)
-    while len(seen) < ratings:
-        want = 2 * (ratings - len(seen))
-        us = r.choice(users, want, p=activity / activity.sum())
-        its = r.choice(items, want, p=popularity / popularity.sum())
-        for pair in zip(us.tolist(), its.tolist(), strict=True):
-            if len(seen) == ratings:
-                break
-            seen.add(pair)
-    return r.permutation(np.array(sorted(seen)))
-
-
-def truth_logits(truth: Truth, ages: np.ndarray, female: np.ndarray, users: np.ndarray,
-                 items: np.ndarray) -> np.ndarray:
-    """The planted log-odds that ``users`` (0-based) rate ``items`` 4 or more."""
-    group = np.searchsorted(np.asarray(AGE_EDGES), ages[users], side="right")
-    genres = truth.genres[items]
-    taste = (genres * (truth.genre_gender[:, female[users]].T
-                       + truth.genre_age[:, group].T)).sum(1)
-    return (0.2 + truth.user_bias[users] + truth.item_bias[items]
-            + (truth.user_factors[users] * truth.item_factors[items]).sum(1) + taste)
-
-
-def write_movielens(folder: Path, *, users: int = 943, items: int = 1682,
-                    ratings: int = 100_000, seed: int = 0) -> float:
-    """u.data, u.user and u.item in GroupLens' ml-100k format; returns the truth's AUC on
-    the test split (the latest 20% by timestamp), the best a model can score there."""
-    r = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    ages, female, user_lines = _people(r, users)
-    flags, item_lines = _movies(r, items)
-    (folder / "u.user").write_text("".join(user_lines), encoding="latin-1")
-    (folder / "u.item").write_text("".join(item_lines), encoding="latin-1")
-    truth = Truth(r.normal(0, 0.7, users), r.normal(0, 0.9, items),
-                  r.normal(0, 0.55, (users, 4)), r.normal(0, 0.55, (items, 4)),
-                  flags, r.normal(0, 0.4, (19, 2)), r.normal(0, 0.3, (19, 7)))
-    pairs = _pairs(r, users, items, ratings)
-    logits = truth_logits(truth, ages, female, pairs[:, 0], pairs[:, 1])
-    like = r.random(len(pairs)) < 1 / (1 + np.exp(-logits))
-    stars = np.where(like, r.integers(4, 6, len(pairs)), r.integers(1, 4, len(pairs)))
-    times = r.integers(FIRST_TIME, LAST_TIME + 1, len(pairs))
-    with open(folder / "u.data", "w") as f:
-        f.writelines(f"{u + 1}\t{i + 1}\t{s}\t{t}\n"
-                     for (u, i), s, t in zip(pairs.tolist(), stars.tolist(), times.tolist(),
-                                             strict=True))
-    test = np.argsort(times, kind="stable")[len(times) - max(1, round(0.2 * len(times))):]
-    return auc(logits[test], like[test])
-
-
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC (Mann-Whitney U, ties counted half)."""
-    from scipy.stats import rankdata
-
-    ranks = rankdata(scores)
-    pos = int(labels.sum())
-    neg = len(labels) - pos
-    return float((ranks[labels.astype(bool)].sum() - pos * (pos + 1) / 2) / (pos * neg))
-
 
 # -- the runs -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -229,6 +124,8 @@ class Run:
     auc: float = math.nan
     train_s: float = math.nan
     eval_s: float = math.nan
+    cpu_us: dict[str, float] = field(default_factory=dict)  # per example, by role
+    cores: float = math.nan  # CPU seconds of the run's processes per second, while logging
 
     @property
     def rate(self) -> float:
@@ -251,27 +148,49 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_bounded(argv: Sequence[str], timeout: float) -> tuple[int, str, float]:
-    """Run ``argv`` in its own process group; (status, stdout + stderr, wall seconds).
+def run_bounded(argv: Sequence[str], timeout: float,
+                on_line: Callable[[str], None] | None = None) -> tuple[int, str, float]:
+    """Run ``argv`` in its own process group, each output line to ``on_line`` as it comes;
+    (status, stdout + stderr, wall seconds).
 
-    On timeout the whole group gets SIGTERM, then SIGKILL; afterwards whatever is left of
-    the group (a launched task that outlived its launcher) is killed too."""
+    After ``timeout`` s the whole group gets SIGTERM, 20 s later SIGKILL; when it ends,
+    whatever is left of the group is killed (the tasks a launch starts have groups of
+    their own: :func:`end_leftovers` ends those)."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=child_env(), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    stopped = threading.Event()
+
+    def stop() -> None:
+        stopped.set()
         _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None and not _wait(proc, 20.0):
             _signal_group(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        out += f"\n(stopped after {timeout:g} s)"
+
+    timer = threading.Timer(timeout, stop)
+    timer.daemon = True
+    timer.start()
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+        proc.wait()
     finally:
+        timer.cancel()
         _signal_group(proc.pid, signal.SIGKILL)  # nothing of the run outlives it
-    return proc.returncode, out, time.perf_counter() - start
+        proc.wait()
+    note = f"\n(stopped after {timeout:g} s)" if stopped.is_set() else ""
+    return proc.returncode, "".join(lines) + note, time.perf_counter() - start
+
+
+def _wait(proc: subprocess.Popen, seconds: float) -> bool:
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -310,22 +229,70 @@ def end_leftovers(marker: str, grace: float = 10.0) -> list[int]:
     return found
 
 
-def train(workload: Workload, mode: str, train_dir: Path, timeout: float) -> tuple[list[float], float]:
-    """Train one run; the step log's examples/sec after its first line, and the wall time."""
+def cpu_by_role(marker: str) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the processes naming ``marker``, by their
+    ``TF_CONFIG`` task type (``ps``, ``worker``, ``chief``; ``main``: none, the launcher
+    or the one process)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for pid in processes_naming(marker):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        config = next((e[len(b"TF_CONFIG="):] for e in environ if e.startswith(b"TF_CONFIG=")),
+                      None)
+        role = json.loads(config).get("task", {}).get("type", "main") if config else "main"
+        totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
+class StepWatch:
+    """Reads a run's output as it comes: the step lines' rates, and at each step line the
+    CPU of the run's processes, for the CPU per example between the first and last line."""
+
+    def __init__(self, marker: str, examples_per_step: int) -> None:
+        self.marker, self.examples_per_step = marker, examples_per_step
+        self.rates: list[float] = []
+        self.marks: list[tuple[float, int, dict[str, float]]] = []
+
+    def __call__(self, line: str) -> None:
+        found = STEP_LINE.search(line)
+        if found is not None:
+            self.rates.append(float(found.group(2)))
+            self.marks.append((time.monotonic(), int(found.group(1)),
+                               cpu_by_role(self.marker)))
+
+    def cpu(self) -> tuple[dict[str, float], float]:
+        """µs of CPU per example by role, and the cores busy, from the first to the last line."""
+        (t0, s0, c0), (t1, s1, c1) = self.marks[0], self.marks[-1]
+        examples = (s1 - s0) * self.examples_per_step
+        if examples <= 0 or t1 <= t0:
+            return {}, math.nan
+        used = {role: c1.get(role, 0.0) - c0.get(role, 0.0) for role in c1}
+        return ({role: 1e6 * cpu / examples for role, cpu in used.items()},
+                sum(used.values()) / (t1 - t0))
+
+
+def train(workload: Workload, mode: str, train_dir: Path, timeout: float,
+          extra: Sequence[str] = ()) -> tuple[StepWatch, float]:
+    """Train one run: its :class:`StepWatch` (rates, CPU) and wall time."""
     steps = max_steps(mode, workload)
-    extra = workload.hybrid_flags if mode == "hybrid" else ()
-    argv = [sys.executable, "-m", "towerflow", "train", *workload.flags, *MODES[mode][0], *extra,
+    flags = [*MODES[mode][0], *(workload.hybrid_flags if mode == "hybrid" else ()), *extra]
+    argv = [sys.executable, "-m", "towerflow", "train", *workload.flags, *flags,
             "--max-steps", str(steps), "--log-every", str(max(1, steps // 20)),
             "--checkpoint-every", "0", "--summary-every", "0", "--no-progress",
             "--train-dir", str(train_dir)]
-    status, out, wall = run_bounded(argv, timeout)
+    watch = StepWatch(str(train_dir), workload.examples // steps)
+    status, out, wall = run_bounded(argv, timeout, watch)
     if status != 0:
         raise RuntimeError(f"{workload.name} {mode}: towerflow train ended with status "
                            f"{status}:\n{out[-3000:]}")
-    rates = [float(m.group(2)) for m in STEP_LINE.finditer(out)]
-    if len(rates) < 2:
+    if len(watch.rates) < 2:
         raise RuntimeError(f"{workload.name} {mode}: fewer than 2 step lines:\n{out[-3000:]}")
-    return rates[1:], wall
+    return watch, wall
 
 
 def score(train_dir: Path, timeout: float) -> tuple[float, str]:
@@ -382,7 +349,9 @@ def one_run(workload: Workload, mode: str, round_index: int, base: Path,
     train_dir = Path(tempfile.mkdtemp(prefix=f"{workload.name}-{mode}-", dir=base))
     run = Run(workload.name, mode, round_index)
     try:
-        run.rates, run.train_s = train(workload, mode, train_dir, timeout)
+        watch, run.train_s = train(workload, mode, train_dir, timeout)
+        run.rates = watch.rates[1:]
+        run.cpu_us, run.cores = watch.cpu()
         start = time.perf_counter()
         run.auc, _ = score(train_dir, timeout)
         run.eval_s = time.perf_counter() - start
@@ -409,8 +378,24 @@ def run_rounds(args: argparse.Namespace, base: Path, loads: dict[str, Workload])
                 print(f"round {r + 1}: {name} {mode}: {run.rate:,.0f} examples/s (median of "
                       f"{len(run.rates)} log lines), AUC {run.auc:.4f}; train {run.train_s:.1f} s"
                       f" (max-steps {max_steps(mode, loads[name])}), score {run.eval_s:.1f} s;"
-                      f" load average {os.getloadavg()[0]:.1f}", flush=True)
+                      f" {cpu_text(run)}; load average {os.getloadavg()[0]:.1f}", flush=True)
     return runs
+
+
+def cpu_parts(run: Run) -> tuple[float, float, float]:
+    """µs of CPU per example: the workers (and a chief), the ps tasks, the rest (the
+    launcher of a cluster run; the process itself of a one-process run)."""
+    cpu = run.cpu_us
+    if not cpu:
+        return math.nan, math.nan, math.nan
+    return (cpu.get("worker", 0.0) + cpu.get("chief", 0.0), cpu.get("ps", 0.0),
+            cpu.get("main", 0.0))
+
+
+def cpu_text(run: Run) -> str:
+    workers, ps, rest = cpu_parts(run)
+    return (f"CPU per example {workers + ps + rest:.1f} µs (workers {workers:.1f}, ps tasks "
+            f"{ps:.1f}, launcher or one process {rest:.1f}) on {run.cores:.2f} cores")
 
 
 def _median(values: Sequence[float]) -> float:
@@ -436,12 +421,14 @@ def summary(runs: Sequence[Run], workload: str, modes: Sequence[str]) -> list[di
             "vs_async_rounds": _median(per_round), "auc": auc_value,
             "auc_range": (min(r.auc for r in rs), max(r.auc for r in rs)),
             "gap_sync": auc_value - med["sync"][1] if "sync" in med else math.nan,
-            "gap_one": auc_value - med["one"][1] if "one" in med else math.nan})
+            "gap_one": auc_value - med["one"][1] if "one" in med else math.nan,
+            "cpu": [_median([cpu_parts(r)[i] for r in rs]) for i in range(3)],
+            "cores": _median([r.cores for r in rs])})
     return rows
 
 
 def _cell(value: float, fmt: str) -> str:
-    return "-" if math.isnan(value) else format(value, fmt)
+    return "-" if math.isnan(value) else format(round(value, 4) + 0.0, fmt)  # no -0.0000
 
 
 def table(rows: Sequence[dict]) -> list[str]:
@@ -459,6 +446,17 @@ def table(rows: Sequence[dict]) -> list[str]:
     return lines
 
 
+def cpu_table(rows: Sequence[dict]) -> list[str]:
+    """Where the CPU went: µs per example by role (medians), and the cores busy."""
+    lines = ["| workload | mode | CPU µs per example | workers | ps tasks | launcher or one "
+             "process | cores busy |", "|---" * 7 + "|"]
+    for row in rows:
+        workers, ps, rest = row["cpu"]
+        lines.append(f"| {row['workload']} | {row['mode']} | {workers + ps + rest:.1f} | "
+                     f"{workers:.1f} | {ps:.1f} | {rest:.1f} | {row['cores']:.2f} |")
+    return lines
+
+
 def targets(rows: Sequence[dict]) -> list[str]:
     """The issue's targets, each with its figure and met / missed (absent modes: skipped)."""
     lines = []
@@ -467,7 +465,7 @@ def targets(rows: Sequence[dict]) -> list[str]:
     for other in ("sync", "one"):
         if hybrid is not None and ("movielens", other) in get:
             gap = round(hybrid[f"gap_{other}"], 6)  # --score's digits
-            lines.append(f"movielens: hybrid AUC - {other} AUC = {gap:+.4f} (target within "
+            lines.append(f"movielens: hybrid AUC - {other} AUC = {_cell(gap, '+.4f')} (target within "
                          f"{AUC_TARGET}): {'met' if abs(gap) <= AUC_TARGET else 'missed'}")
     for workload in ("movielens", "click"):
         row = get.get((workload, "hybrid"))
@@ -528,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nmedians of {args.repeats} round(s); examples/s: the median of each run's step "
           "log lines after the first")
     print("\n".join(table(rows)))
+    print("\nCPU per example between the first and last step line (each process's user + "
+          "system time; medians), and the cores the run's processes kept busy meanwhile")
+    print("\n".join(cpu_table(rows)))
     print("\n".join(targets(rows)))
     return 0
 

@@ -1,4 +1,4 @@
-"""benchmarks/hybrid_modes.py: its MovieLens files read as ml-100k; equal examples; the table."""
+"""benchmarks/hybrid_modes.py: its MovieLens files read as ml-100k; equal examples; the tables."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ BENCHMARK = HERE / "hybrid_modes.py"
 
 
 @pytest.fixture(scope="module")
-def bench():  # noqa: ANN201 - the benchmark's module
+def bench():  # noqa: ANN201 - the benchmark's module (it imports movielens_synthetic)
+    load_file(HERE / "movielens_synthetic.py", "movielens_synthetic")
     return load_file(BENCHMARK, "hybrid_modes")
 
 
@@ -80,21 +81,43 @@ def test_the_table_takes_medians_and_each_rounds_own_ratio(bench):
     assert bench.table(alone)[2].count("| - ") == 4  # no async, sync nor one to compare with
 
 
+def test_the_cpu_per_example_is_taken_between_the_first_and_last_step_line(bench):
+    watch = bench.StepWatch("no-such-run", examples_per_step=512)
+    watch.marks = [(10.0, 100, {"worker": 1.0, "ps": 0.5, "main": 0.1}),
+                   (11.0, 150, {"worker": 1.2, "ps": 0.6, "main": 0.1}),
+                   (12.0, 200, {"worker": 1.512, "ps": 0.756, "main": 0.1})]
+    cpu, cores = watch.cpu()
+    assert cpu["worker"] == pytest.approx(1e6 * 0.512 / (100 * 512))  # 10 µs per example
+    assert cpu["ps"] == pytest.approx(1e6 * 0.256 / (100 * 512)) and cpu["main"] == 0.0
+    assert cores == pytest.approx((0.512 + 0.256) / 2.0)
+    run = bench.Run("click", "hybrid", 1, cpu_us={"worker": 8.0, "chief": 2.0, "ps": 5.0},
+                    cores=1.5)
+    assert bench.cpu_parts(run) == (10.0, 5.0, 0.0)
+    assert "CPU per example 15.0 µs (workers 10.0, ps tasks 5.0" in bench.cpu_text(run)
+    watch("2026-11-28 03:00:16.408788: step 25, loss = 0.64 (58578.2 examples/sec; 0.004 "
+          "sec/batch)")
+    assert watch.rates == [58578.2] and watch.marks[-1][1] == 25
+
+
 @pytest.mark.slow
 def test_the_quick_run_prints_a_row_per_workload_and_mode(bench, subprocess_env):
     proc = subprocess.run([sys.executable, str(BENCHMARK), "--quick"], env=subprocess_env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = {}
+    rows, cpu = {}, {}
     for line in proc.stdout.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 10 and cells[0] in ("movielens", "click"):
-            rows[cells[0], cells[1]] = cells
+        if len(cells) in (7, 10) and cells[0] in ("movielens", "click"):
+            (rows if len(cells) == 10 else cpu)[cells[0], cells[1]] = cells
     assert sorted(rows) == [("click", "async"), ("click", "hybrid"),
                             ("movielens", "async"), ("movielens", "hybrid")], proc.stdout
     for cells in rows.values():
         rate, ratio, auc = (float(cells[i].replace(",", "")) for i in (2, 4, 6))
         assert rate > 0 and ratio > 0 and 0.5 < auc <= 1.0, cells
+    assert sorted(cpu) == sorted(rows)
+    for cells in cpu.values():  # total, workers, ps tasks, launcher: µs per example; cores
+        figures = [float(cells[i]) for i in range(2, 7)]  # a quick run's window is short:
+        assert all(math.isfinite(x) and x >= 0 for x in figures), cells  # a few clock ticks
     assert proc.stdout.count("towerflow eval: AUC = ") == 4  # its AUC agrees with --score's
     assert "click: hybrid / async examples/s = " in proc.stdout
     assert bench.processes_naming("hybrid-modes-") == []  # no task of a run outlives it
