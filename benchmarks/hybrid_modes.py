@@ -19,9 +19,10 @@ travels whole with the dense layers, and ``--dense allreduce`` refuses a model w
 table on the ps. ``async`` and ``sync`` keep their defaults (the small tables whole).
 
 The cluster modes are started by ``towerflow train`` itself (its local launch: 4
-processes on the machine, one torch thread each as launch shares the cores);
-``OMP_NUM_THREADS`` is removed from the environment, so the one process runs with
-torch's default threads.
+processes on the machine, ``OMP_NUM_THREADS`` removed from the environment so that
+launch shares the cores: one torch thread each); the one process runs with one thread
+too (``OMP_NUM_THREADS=1``: with torch's default of 2 on this machine, shared with other
+jobs, OpenMP's waits made it up to 10x slower in a trial run).
 
 Workloads:
 
@@ -76,7 +77,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,24 +142,26 @@ def max_steps(mode: str, workload: Workload) -> int:
     return workload.examples // per_step
 
 
-def child_env() -> dict[str, str]:
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of every run: unbuffered; no thread count nor cluster set by hand."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TF_CONFIG")}
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
     return env
 
 
 def run_bounded(argv: Sequence[str], timeout: float,
-                on_line: Callable[[str], None] | None = None) -> tuple[int, str, float]:
-    """Run ``argv`` in its own process group, each output line to ``on_line`` as it comes;
-    (status, stdout + stderr, wall seconds).
+                on_line: Callable[[str], None] | None = None,
+                env: Mapping[str, str] | None = None) -> tuple[int, str, float]:
+    """Run ``argv`` in its own process group (:func:`child_env` with ``env``), each output
+    line to ``on_line`` as it comes; (status, stdout + stderr, wall seconds).
 
     After ``timeout`` s the whole group gets SIGTERM, 20 s later SIGKILL; when it ends,
     whatever is left of the group is killed (the tasks a launch starts have groups of
     their own: :func:`end_leftovers` ends those)."""
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), start_new_session=True)
+                            env=child_env(env), start_new_session=True)
     stopped = threading.Event()
 
     def stop() -> None:
@@ -286,7 +289,8 @@ def train(workload: Workload, mode: str, train_dir: Path, timeout: float,
             "--checkpoint-every", "0", "--summary-every", "0", "--no-progress",
             "--train-dir", str(train_dir)]
     watch = StepWatch(str(train_dir), workload.examples // steps)
-    status, out, wall = run_bounded(argv, timeout, watch)
+    status, out, wall = run_bounded(argv, timeout, watch,
+                                    env={"OMP_NUM_THREADS": "1"} if mode == "one" else None)
     if status != 0:
         raise RuntimeError(f"{workload.name} {mode}: towerflow train ended with status "
                            f"{status}:\n{out[-3000:]}")
@@ -503,8 +507,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM ends this process as an exception would: each run's clean-up runs (its
+    processes ended, its train dir removed)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     if args.score:
         score_here(args.score)
         return 0
