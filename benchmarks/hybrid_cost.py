@@ -22,10 +22,12 @@ of the ps tasks (``/proc``, user + system), and the cores the run kept busy (CPU
 per second). The grid is every (W, P) at the smallest ``--dense-floats`` and every
 ``--dense-floats`` at the first W and the last P; ``--repeats`` rounds, the grid in each.
 
-The fit (least squares over every hybrid run, per worker step of B = 512 examples):
-a worker's CPU ``w = w0 + w1 * P + r * D`` (D: the dense bytes one worker sends and
-receives in a ring all-reduce, ``2 (W - 1) / W * 4 * (1,122 + extra)``), all the ps
-tasks' ``q = a * P + c``; examples/s on shared cores ``X = C_eff * B / (w + q)``.
+The fit (least squares per mode over its runs, per worker step of B = 512 examples): a
+worker's CPU ``w = w0 + w1 P + g (W - 1) + r M`` and all the ps tasks' ``q = a P + c + s M``,
+M the dense megabytes a worker step moves (hybrid: its share of a ring all-reduce,
+``2 (W - 1) / W * 4 * dense values``; async: the push and the pull, ``2 * 4 * dense
+values``); examples/s on shared cores ``X = C_eff * B / (w + q)``, C_eff the cores busy.
+``--from-log FILE`` fits and tabulates an earlier run's output again. Commands::
 
     python benchmarks/hybrid_cost.py --repeats 2
     python benchmarks/hybrid_cost.py --workers 2,4 --ps 2 --dense-floats 0 --repeats 3
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -168,17 +171,41 @@ def run_setting(hm: Any, setting: Setting, examples: int, base: Path, timeout: f
     return Result(setting, 0, statistics.median(watch.rates[1:]), cpu, cores)
 
 
-def fit(results: Sequence[Result]) -> dict[str, float]:
-    """Least squares: a worker's ``w0 + w1 P + r D`` and all ps tasks' ``a P + c`` per step."""
-    hybrid = [r for r in results if r.setting.mode == "hybrid"]
-    if len({(r.setting.ps, r.setting.ring_bytes) for r in hybrid}) < 3:
+def moved_mb(setting: Setting) -> float:
+    """MB of dense values a worker step moves: a ring all-reduce's share (hybrid), the push
+    and the pull of every dense value (async)."""
+    if setting.mode == "hybrid":
+        return setting.ring_bytes / 1e6
+    return 2 * 4 * (MODEL_DENSE + setting.extra) / 1e6
+
+
+def fit(results: Sequence[Result], mode: str = "hybrid") -> dict[str, float]:
+    """Least squares over ``mode``'s runs, per worker step: a worker's CPU
+    ``w = w0 + w1 P + g (W - 1) + r M`` and all ps tasks' ``q = a P + c + s M`` (ms; M the
+    dense MB the step moves, :func:`moved_mb`); {} when the runs cannot separate them."""
+    runs = [r for r in results if r.setting.mode == mode]
+    x = np.array([[1.0, r.setting.ps, r.setting.workers - 1, moved_mb(r.setting)]
+                  for r in runs]).reshape(-1, 4)
+    if len(runs) < 5 or np.linalg.matrix_rank(x) < 4:
         return {}
-    x = np.array([[1.0, r.setting.ps, r.setting.ring_bytes / 1e6] for r in hybrid])
-    w = np.array([r.per_step_ms("worker") + r.per_step_ms("chief") for r in hybrid])
-    w0, w1, rate = np.linalg.lstsq(x, w, rcond=None)[0]
-    xs = np.array([[r.setting.ps, 1.0] for r in hybrid])
-    a, c = np.linalg.lstsq(xs, np.array([r.per_step_ms("ps") for r in hybrid]), rcond=None)[0]
-    return {"w0": w0, "w1": w1, "r": rate, "a": a, "c": c}
+    w = np.array([r.per_step_ms("worker") + r.per_step_ms("chief") for r in runs])
+    w0, w1, g, rate = np.linalg.lstsq(x, w, rcond=None)[0]
+    q = np.array([r.per_step_ms("ps") for r in runs])
+    a, s, c = np.linalg.lstsq(x[:, [1, 3, 0]], q, rcond=None)[0]
+    return {"w0": w0, "w1": w1, "g": g, "r": rate, "a": a, "c": c, "s": s}
+
+
+def predicted_ms(model: dict[str, float], setting: Setting) -> float:
+    """The fit's CPU of the whole cluster per worker step (w + q)."""
+    moved = moved_mb(setting)
+    return (model["w0"] + model["w1"] * setting.ps + model["g"] * (setting.workers - 1)
+            + model["r"] * moved + model["a"] * setting.ps + model["c"] + model["s"] * moved)
+
+
+def fit_text(model: dict[str, float], mode: str) -> str:
+    return (f"{mode}: worker w = {model['w0']:.2f} + {model['w1']:.2f} P + {model['g']:.2f} "
+            f"(W - 1) + {model['r']:.2f} M ms; all ps tasks q = {model['a']:.2f} P + "
+            f"{model['c']:.2f} + {model['s']:.2f} M ms")
 
 
 def summary(results: Sequence[Result]) -> list[dict]:
@@ -196,8 +223,8 @@ def summary(results: Sequence[Result]) -> list[dict]:
     return rows
 
 
-def table(rows: Sequence[dict], model: dict[str, float]) -> list[str]:
-    """A line per setting: figures, and for hybrid the fit's CPU and examples/s."""
+def table(rows: Sequence[dict], models: dict[str, dict[str, float]]) -> list[str]:
+    """A line per setting: figures, and its mode's fit's CPU and examples/s."""
     lines = ["| workers | ps | dense values | mode | examples/s | worker CPU ms per worker step "
              "| ps CPU ms per worker step (all) | µs per example | cores busy | model: µs per "
              "example | model: examples/s at these cores |", "|---" * 11 + "|"]
@@ -205,15 +232,31 @@ def table(rows: Sequence[dict], model: dict[str, float]) -> list[str]:
         s = row["setting"]
         per_example = 1e3 * (row["workers"] + row["ps"]) / BATCH
         predicted = ["-", "-"]
-        if model and s.mode == "hybrid":
-            w = model["w0"] + model["w1"] * s.ps + model["r"] * s.ring_bytes / 1e6
-            q = model["a"] * s.ps + model["c"]
-            predicted = [f"{1e3 * (w + q) / BATCH:.1f}",
-                         f"{row['cores'] * BATCH / (w + q) * 1e3:,.0f}"]
+        if models.get(s.mode):
+            cost = predicted_ms(models[s.mode], s)
+            predicted = [f"{1e3 * cost / BATCH:.1f}", f"{row['cores'] * BATCH / cost * 1e3:,.0f}"]
         lines.append(f"| {s.workers} | {s.ps} | {MODEL_DENSE + s.extra:,} | {s.mode} | "
                      f"{row['rate']:,.0f} | {row['workers']:.2f} | {row['ps']:.2f} | "
                      f"{per_example:.1f} | {row['cores']:.2f} | {' | '.join(predicted)} |")
     return lines
+
+
+ROUND_LINE = re.compile(
+    r"round (\d+): (\w+) (\d+) workers (\d+) ps, ([\d,]+) dense values: ([\d,]+) examples/s; "
+    r"worker CPU ([\d.]+) ms, ps ([\d.]+) ms per worker step; ([\d.]+) cores")
+
+
+def from_log(text: str) -> list[Result]:
+    """The runs of an earlier run's output (its ``round ...`` lines), to fit again."""
+    results = []
+    for m in ROUND_LINE.finditer(text):
+        extra = int(m.group(5).replace(",", "")) - MODEL_DENSE
+        setting = Setting(m.group(2), int(m.group(3)), int(m.group(4)), extra)
+        per_us = 1e3 / BATCH
+        results.append(Result(setting, int(m.group(1)), float(m.group(6).replace(",", "")),
+                              {"worker": float(m.group(7)) * per_us,
+                               "ps": float(m.group(8)) * per_us}, float(m.group(9))))
+    return results
 
 
 def _ints(text: str) -> list[int]:
@@ -231,6 +274,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="examples per run (a multiple of 512 x each worker count)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    parser.add_argument("--from-log", metavar="FILE",
+                        help="fit and tabulate the round lines of an earlier run's output")
     parser.add_argument("--quick", action="store_true",
                         help="a 2,000-row table, 2 workers, 1 ps, 2 dense sizes, few steps")
     args = parser.parse_args(argv)
@@ -242,17 +287,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_grid(args: argparse.Namespace) -> list[Result]:
+    """``--repeats`` rounds of the grid, each setting in every mode, a line per run."""
     sys.path.insert(0, str(HERE))
     import hybrid_modes as hm
 
     hm.stop_on_sigterm()
     results: list[Result] = []
-    settings = grid(args.workers, args.ps, args.dense_floats)
     with tempfile.TemporaryDirectory(prefix="hybrid-cost-") as tmp:
         for r in range(args.repeats):
-            for w, p, extra in settings:
+            for w, p, extra in grid(args.workers, args.ps, args.dense_floats):
                 for mode in args.modes:
                     result = run_setting(hm, Setting(mode, w, p, extra), args.examples,
                                          Path(tmp), args.timeout, args.rows)
@@ -264,13 +308,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"ms, ps {result.per_step_ms('ps'):.2f} ms per worker step; "
                           f"{result.cores:.2f} cores; load average {os.getloadavg()[0]:.1f}",
                           flush=True)
-    model = fit(results)
-    print(f"\nmedians of {args.repeats} round(s); {args.examples:,} examples per run")
-    print("\n".join(table(summary(results), model)))
-    if model:
-        print(f"fit over the hybrid runs, per worker step of {BATCH}: worker w = "
-              f"{model['w0']:.2f} + {model['w1']:.2f} P + {model['r']:.2f} x (ring MB) ms; "
-              f"all ps tasks q = {model['a']:.2f} P + {model['c']:.2f} ms")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_log:
+        results = from_log(Path(args.from_log).read_text())
+        rounds = len({r.round for r in results})
+    else:
+        results, rounds = run_grid(args), args.repeats
+    models = {mode: fit(results, mode) for mode in ("hybrid", "async")}
+    print(f"\nmedians of {rounds} round(s)")
+    print("\n".join(table(summary(results), models)))
+    for mode, model in models.items():
+        if model:
+            print(f"fit over the {mode} runs, per worker step of {BATCH} examples (M: dense MB "
+                  f"moved per worker step): {fit_text(model, mode)}")
     return 0
 
 

@@ -28,22 +28,43 @@ def test_the_grid_crosses_topologies_at_the_smallest_dense_size_then_grows_it(be
     assert bench.Setting("async", 4, 1, 0).batches_per_step == 1
 
 
-def test_the_fit_recovers_the_costs_it_was_built_from(bench):
-    def result(workers: int, ps: int, extra: int):  # noqa: ANN202
-        setting = bench.Setting("hybrid", workers, ps, extra)
-        w = 3.0 + 0.5 * ps + 2.0 * setting.ring_bytes / 1e6  # ms per worker step
-        q = 1.5 * ps + 1.0
-        per_us = 1e3 / bench.BATCH  # µs per example of 1 ms per step
-        return bench.Result(setting, 1, 1.0, {"worker": w * per_us, "ps": q * per_us}, 1.0)
+TRUTH = {"w0": 3.0, "w1": 0.5, "g": 0.8, "r": 1.0, "a": 0.9, "c": 0.3, "s": 0.6}
 
-    runs = [result(w, p, e) for w, p, e in bench.grid([2, 3, 4], [1, 2], [0, 262_144])]
-    model = bench.fit(runs)
-    assert model == pytest.approx({"w0": 3.0, "w1": 0.5, "r": 2.0, "a": 1.5, "c": 1.0})
-    lines = bench.table(bench.summary(runs), model)
+
+def _result(bench, mode: str, workers: int, ps: int, extra: int, round_index: int = 1):  # noqa: ANN001, ANN202
+    setting = bench.Setting(mode, workers, ps, extra)
+    moved = bench.moved_mb(setting)
+    w = TRUTH["w0"] + TRUTH["w1"] * ps + TRUTH["g"] * (workers - 1) + TRUTH["r"] * moved
+    q = TRUTH["a"] * ps + TRUTH["c"] + TRUTH["s"] * moved  # ms per worker step
+    per_us = 1e3 / bench.BATCH  # µs per example of 1 ms per step
+    return bench.Result(setting, round_index, 1e5, {"worker": w * per_us, "ps": q * per_us},
+                        1.5)
+
+
+def test_the_fit_recovers_the_costs_it_was_built_from(bench):
+    settings = bench.grid([2, 3, 4], [1, 2], [0, 262_144])
+    runs = [_result(bench, mode, w, p, e) for w, p, e in settings for mode in ("hybrid", "async")]
+    for mode in ("hybrid", "async"):
+        assert bench.fit(runs, mode) == pytest.approx(TRUTH)
+    assert bench.moved_mb(bench.Setting("async", 2, 1, 0)) == 8 * bench.MODEL_DENSE / 1e6
+    models = {mode: bench.fit(runs, mode) for mode in ("hybrid", "async")}
+    lines = bench.table(bench.summary(runs), models)
     row = next(line for line in lines if line.startswith("| 2 | 2 | 1,122 | hybrid"))
-    w = 3.0 + 0.5 * 2 + 2.0 * 4 * 1122 / 1e6
-    assert f"| {1e3 * (w + 4.0) / 512:.1f} |" in row  # the model's own µs per example
-    assert bench.fit(runs[:2]) == {}  # too few settings to fit
+    cost = bench.predicted_ms(TRUTH, bench.Setting("hybrid", 2, 2, 0))
+    assert f"| {1e3 * cost / 512:.1f} | {1.5 * 512 / cost * 1e3:,.0f} |" in row
+    assert bench.fit(runs[:4], "hybrid") == {}  # too few runs to separate the terms
+    assert "(W - 1) + 1.00 M ms; all ps tasks q = 0.90 P + 0.30 + 0.60 M ms" in \
+        bench.fit_text(TRUTH, "hybrid")
+
+
+def test_an_earlier_runs_lines_are_read_back(bench):
+    line = ("round 2: hybrid 3 workers 1 ps, 263,266 dense values: 90,948 examples/s; worker CPU "
+            "6.05 ms, ps 2.12 ms per worker step; 1.42 cores; load average 4.5\n")
+    (result,) = bench.from_log("noise\n" + line)
+    assert result.setting == bench.Setting("hybrid", 3, 1, 262_144)
+    assert (result.round, result.rate, result.cores) == (2, 90948.0, 1.42)
+    assert result.per_step_ms("worker") == pytest.approx(6.05)
+    assert result.per_step_ms("ps") == pytest.approx(2.12)
 
 
 def test_the_model_factory_pads_the_dense_layers(bench, monkeypatch):
