@@ -1,6 +1,6 @@
 """Hybrid training (tables on the ps, dense layers all-reduced) against the other ways to train.
 
-Issue 37's figures: for two workloads and four modes, examples/s and the test AUC of
+Issue 37's figures: for two workloads and four modes (a fifth on MovieLens), examples/s and the test AUC of
 ``towerflow train`` as a user runs it, each run a subprocess with a fresh train dir,
 scored as ``towerflow eval --train-dir`` scores it:
 
@@ -10,13 +10,11 @@ scored as ``towerflow eval --train-dir`` scores it:
 - ``sync``: ``--ps 2 --workers 2 --mode sync`` (everything on the ps tasks, each step's
   gradients of both workers averaged);
 - ``one``: one process (no ``--ps``), the same model and optimizer;
-- ``async-rows`` (MovieLens only): ``async`` with ``--whole-tables off``, the tables'
-  rows on the ps as hybrid has them (see below), to tell the dense path's cost apart.
-
-On MovieLens hybrid runs with ``--whole-tables off``: the DeepFM's ``sparse=True`` tables
-(3 to 1,683 rows of 16 values) are all under the default 256 KiB below which a table
-travels whole with the dense layers, and ``--dense allreduce`` refuses a model with no
-table on the ps. ``async`` and ``sync`` keep their defaults (the small tables whole).
+- ``async-rows`` (MovieLens only): ``async`` with ``--whole-tables off``: the tables'
+  rows on the ps as hybrid keeps them, to tell the dense path's cost apart. The DeepFM's
+  ``sparse=True`` tables (3 to 1,683 rows of 16 values) are all under the 256 KiB below
+  which all-ps training ships a table whole with the dense layers; hybrid keeps every
+  ``sparse=True`` table's rows on the ps, small ones too.
 
 The cluster modes are started by ``towerflow train`` itself (its local launch: 4
 processes on the machine, ``OMP_NUM_THREADS`` removed from the environment so that
@@ -96,9 +94,6 @@ SKIP = {"click": ("async-rows",)}
 WORKERS = 2
 #: the issue's targets: hybrid's AUC within this of sync's and one process's (MovieLens)
 AUC_TARGET = 0.002
-#: hybrid's MovieLens flag: its tables are under --whole-tables' 256 KiB and would travel
-#: whole with the dense layers, leaving hybrid no table on the ps (it refuses to start)
-WHOLE_OFF = ("--whole-tables", "off")
 STEP_LINE = re.compile(r"step (\d+), loss = \S+ \(([\d.]+) examples/sec")
 AUC_LINE = re.compile(r"AUC = ([\d.]+)")
 
@@ -111,7 +106,6 @@ class Workload:
     flags: list[str]
     batch: int
     examples: int
-    hybrid_flags: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -279,12 +273,11 @@ class StepWatch:
                 sum(used.values()) / (t1 - t0))
 
 
-def train(workload: Workload, mode: str, train_dir: Path, timeout: float,
-          extra: Sequence[str] = ()) -> tuple[StepWatch, float]:
+def train(workload: Workload, mode: str, train_dir: Path,
+          timeout: float) -> tuple[StepWatch, float]:
     """Train one run: its :class:`StepWatch` (rates, CPU) and wall time."""
     steps = max_steps(mode, workload)
-    flags = [*MODES[mode][0], *(workload.hybrid_flags if mode == "hybrid" else ()), *extra]
-    argv = [sys.executable, "-m", "towerflow", "train", *workload.flags, *flags,
+    argv = [sys.executable, "-m", "towerflow", "train", *workload.flags, *MODES[mode][0],
             "--max-steps", str(steps), "--log-every", str(max(1, steps // 20)),
             "--checkpoint-every", "0", "--summary-every", "0", "--no-progress",
             "--train-dir", str(train_dir)]
@@ -339,11 +332,11 @@ def workloads(quick: bool, data_dir: Path) -> dict[str, Workload]:
     """The two workloads at full size, or ``--quick``'s tiny ones."""
     movielens = ["movielens", "--data-dir", str(data_dir), "--no-download"]
     if quick:
-        return {"movielens": Workload("movielens", movielens, 256, 4 * 512, WHOLE_OFF),
+        return {"movielens": Workload("movielens", movielens, 256, 4 * 512),
                 "click": Workload("click", ["click", "--table-rows", "2000",
                                             "--ids-per-example", "8", "--embedding-dim", "8"],
                                   512, 10 * 1024)}
-    return {"movielens": Workload("movielens", movielens, 256, 256_000, WHOLE_OFF),
+    return {"movielens": Workload("movielens", movielens, 256, 256_000),
             "click": Workload("click", ["click"], 512, 2_048_000)}
 
 
