@@ -254,3 +254,27 @@ def test_dense_allreduce_makes_the_hybrid_strategy_with_parameter_servers_signat
     assert made.batches_per_step == 2 and made.lockstep and made.embedding_staleness == 0
     assert {"dense", "embedding_staleness", "backend", "mode"} <= set(
         inspect.signature(ParameterServer).parameters)
+
+
+def test_a_worker_training_through_the_ps_under_a_hybrid_chief_is_told_to_match_dense() -> None:
+    import numpy as np
+
+    from towerflow.ps.placement import plan_placement
+    from towerflow.ps.wire.messages import AggregationConfig
+    from towerflow.ps.worker.dense.client import PSClient
+
+    secret = Credentials(secret=b"s" * 32)
+    with ps_tasks(secret, num_ps=1, num_workers=2) as spec:
+        chief = PSClient(spec, plan_placement([], 1), worker_id=0, credentials=secret)
+        chief.initialize([np.empty(0, np.float32)], optimizer=OptimizerConfig("sgd", lr=0.1),
+                         aggregation=AggregationConfig(total_num_replicas=2,
+                                                       rendezvous="127.0.0.1:1"))
+        chief.close(done=False)
+        worker = ParameterServer(spec, TaskInfo("worker", 1), credentials=secret, device="cpu",
+                                 server=False, init_timeout=10)
+        try:
+            with pytest.raises(InvalidArgumentError, match=r"hybrid training, --dense allreduce"
+                               r"\), and this worker trains them through the ps"):
+                worker.prepare(Dense(), OptimizerConfig("sgd", lr=0.1))
+        finally:
+            worker.shutdown()

@@ -238,6 +238,12 @@ class PSClient:
                         "error and start the job again.")
                 if not status.initialized:
                     pending.append(f"/job:ps/task:{shard.layout.index} (not initialised)")
+                elif status.fingerprint != shard.layout.fingerprint and status.rendezvous:
+                    raise InvalidArgumentError(
+                        f"ps task {shard.layout.index} was initialised by a chief that "
+                        "all-reduces the dense layers among the workers (hybrid training, "
+                        "--dense allreduce), and this worker trains them through the ps "
+                        "(--dense ps). Start every worker with the same --dense.")
                 elif status.fingerprint != shard.layout.fingerprint:
                     raise InvalidArgumentError(
                         f"ps task {shard.layout.index} holds variables with layout "
