@@ -381,7 +381,7 @@ class HybridParameterServer(ParameterServer):
             what = (f"the dense gradient of {bad_dense!r}" if bad_dense else
                     f"the row gradients of {reduced.bad_tables} worker(s)'s tables"
                     + (f" (here: {bad})" if bad else ""))
-            message = (f"Step {self._step + 1}: {what} contain NaN or inf; the dense layers "
+            message = (f"Step {self._step + 1}: {what} hold NaN or inf; the dense layers "
                        "are unchanged on every worker and no worker pushed its rows. Lower "
                        "the learning rate or clip the gradients.")
             if self._policy == "raise":
@@ -401,7 +401,7 @@ class HybridParameterServer(ParameterServer):
         """Whether the chief may pause the others' next step: they will take one (the
         ``Trainer`` said the run's last step, it is not reached, no stop was agreed), the
         group is whole and this step was not paused already."""
-        return (self._world > 1 and self._owns_group and not self._to_sync
+        return (self._chief and self._world > 1 and self._owns_group and not self._to_sync
                 and not self._unfinished and not self._stopping and self._last_step is not None
                 and self._step < self._last_step and self._paused_at != self._step)
 
@@ -539,6 +539,11 @@ class HybridParameterServer(ParameterServer):
 
         if self._model is None or self._dense is None:
             raise FailedPreconditionError("load_state before prepare(model, optimizer).")
+        if self._starts:
+            raise FailedPreconditionError(
+                "A hybrid job restores a checkpoint before its first step, every worker "
+                "together (the Trainer and the Supervisor do); this one has trained. Start the "
+                "job again to resume from the checkpoint.")
         model_group = groups.get("model")
         if model_group is None:
             raise InvalidArgumentError(
