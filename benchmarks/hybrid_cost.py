@@ -151,7 +151,7 @@ def run_setting(hm: Any, setting: Setting, examples: int, base: Path, timeout: f
             "--data", "hybrid_cost:batches", "--loss", "bce_with_logits",
             "--optimizer", "adagrad", "--lr", "0.1", "--initial-accumulator-value", "1e-4",
             "--batch-size", str(BATCH), "--ema-decay", "0", "--ps", str(setting.ps),
-            "--workers", str(setting.workers),
+            "--workers", str(setting.workers), "--device", "cpu",  # CPU workers, GPU or not
             *(["--dense", "allreduce"] if setting.mode == "hybrid" else []),
             "--max-steps", str(steps), "--log-every", str(max(1, steps // 20)),
             "--checkpoint-every", "0", "--summary-every", "0", "--no-progress",

@@ -280,6 +280,7 @@ def train(workload: Workload, mode: str, train_dir: Path,
     argv = [sys.executable, "-m", "towerflow", "train", *workload.flags, *MODES[mode][0],
             "--max-steps", str(steps), "--log-every", str(max(1, steps // 20)),
             "--checkpoint-every", "0", "--summary-every", "0", "--no-progress",
+            "--device", "cpu",  # the figures are CPU workers', on a GPU machine too
             "--train-dir", str(train_dir)]
     watch = StepWatch(str(train_dir), workload.examples // steps)
     status, out, wall = run_bounded(argv, timeout, watch,

@@ -73,7 +73,6 @@ from towerflow.strategies.mirrored import first_line
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.strategies.ps_placement import check_trainable
 from towerflow.strategies.ps_tables import (
-    attach_tables,
     check_whole_tables,
     start_tables,
     table_groups,
@@ -184,15 +183,8 @@ class HybridParameterServer(ParameterServer):
         process group (the chief serves its store; the others wait for its ``Init``)."""
         from towerflow.ps.placement import plan_placement
         from towerflow.ps.worker.dense.client import PSClient
-        from towerflow.strategies.optim import as_optimizer_config
 
-        if not isinstance(model, nn.Module):
-            raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
-        config = as_optimizer_config(optimizer, model)
-        self._tables = attach_tables(
-            model, config, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
-            whole_below=self._whole_below, chief=self._chief, credentials=self._credentials,
-            worker_id=self._rank, timeout=self._timeout, aggregation=self.aggregation)
+        config = self._bind_tables(model, optimizer)
         if not self._tables:
             whole = [path for path, m in model.named_modules() if getattr(m, WHOLE_ATTRIBUTE, False)]
             kept = (f" ({', '.join(map(repr, whole))}: sparse=True but under whole_table_bytes, "

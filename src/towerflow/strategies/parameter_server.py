@@ -281,16 +281,9 @@ class ParameterServer(DenseModes, Strategy):
         rate (the ps task applies one of each other setting to all it holds).
         """
         from towerflow.ps.worker.dense.client import PSClient
-        from towerflow.strategies.optim import as_optimizer_config, check_dense_groups
+        from towerflow.strategies.optim import check_dense_groups
 
-        if not isinstance(model, nn.Module):
-            raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
-        optimizer = as_optimizer_config(optimizer, model)  # names before tables are swapped in
-        self._tables = attach_tables(  # sparse tables: rows on the ps
-            model, optimizer, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
-            whole_below=self._whole_below,
-            chief=self._chief, credentials=self._credentials, worker_id=self._rank, timeout=self._timeout,
-            aggregation=self.aggregation)
+        optimizer = self._bind_tables(model, optimizer)
         check_trainable(list(model.named_parameters()), elastic=self._elastic, tables=bool(self._tables))
         model.to(self._device)  # (on another kind of device: new Parameter objects)
         self._hooks = [inputs_follow(model, self._device),  # a program's own model(x) too
@@ -329,9 +322,21 @@ class ParameterServer(DenseModes, Strategy):
             self._pull()
         return model
 
+    def _bind_tables(self, model: nn.Module, optimizer: Any) -> Any:
+        """Bind the model's sparse tables (:attr:`_tables`); the ``OptimizerConfig``."""
+        from towerflow.strategies.optim import as_optimizer_config
+
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}.")
+        config = as_optimizer_config(optimizer, model)
+        self._tables = attach_tables(
+            model, config, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
+            whole_below=self._whole_below, chief=self._chief, credentials=self._credentials,
+            worker_id=self._rank, timeout=self._timeout, aggregation=self.aggregation)
+        return config
+
     def _push_timeout(self) -> float:
-        """Deadline of one attempt of a push: the step timeout and a call's deadline (with
-        ``step_timeout=None`` a call's; the same push is sent again, applied once)."""
+        """A push attempt's deadline: step timeout + a call's (None: a call's; resent, once)."""
         wait = self.aggregation.timeout  # (an elastic worker's async pushes never wait)
         return self._timeout if wait is None or self._elastic else wait + self._timeout
 
@@ -459,8 +464,7 @@ class ParameterServer(DenseModes, Strategy):
         return self._step
 
     def settle(self) -> None:
-        """Finish the pushes in flight and the dense push carried for the next table pull:
-        the model holds every update this worker sent (``model.state_dict()`` calls it)."""
+        """Finish the pushes in flight and a carried dense push (``model.state_dict()`` too)."""
         if self._client is not None:
             self._drain()
 
@@ -487,8 +491,7 @@ class ParameterServer(DenseModes, Strategy):
         return groups
 
     def missing_peers(self, timeout: float = 2.0) -> list[str]:
-        """The other training tasks that do not answer a ping now, each named with why
-        (asked through this task's server; none: nothing is known, ``[]``)."""
+        """The other training tasks not answering a ping now, with why (none: ``[]``)."""
         others = [t for t in self.cluster.replicas if t != self.task]
         return [] if self._server is None else self._server.unanswering(others, timeout)
 
