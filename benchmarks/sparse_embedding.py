@@ -43,6 +43,7 @@ Commands::
     python benchmarks/sparse_embedding.py --ps 1 --workers 8 --tf-python /tmp/tfvenv/bin/python
     python benchmarks/sparse_embedding.py --dynamic --repeats 3 --seconds 10
     python benchmarks/sparse_embedding.py --dense allreduce --seconds 10   # hybrid training
+    python benchmarks/sparse_embedding.py --dense allreduce --embedding-staleness 1 --seconds 10
 """
 
 from __future__ import annotations
@@ -162,7 +163,9 @@ def worker(args: argparse.Namespace) -> None:
     cluster = ClusterSpec(json.loads(args.cluster))
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device=args.device,
                                server=False, dense_with_rows=not args.dense_apart,
-                               dense=args.dense)
+                               dense=args.dense,
+                               **({"embedding_staleness": args.embedding_staleness}
+                                  if args.dense == "allreduce" else {}))
     model = nn.Sequential()
     model.emb = make_table(args)
     model.out = nn.Linear(DIM, 1)
@@ -187,6 +190,7 @@ def worker(args: argparse.Namespace) -> None:
     losses: list[torch.Tensor] = []
     steps, start, cpu, began = 0, time.perf_counter(), time.process_time(), time.time()
     while time.perf_counter() - start < args.seconds:
+        strategy.ahead(batches[(steps + 1) % len(batches)])  # as the Trainer tells it
         losses.append(strategy.run_step(loss_fn, batches[steps % len(batches)]).loss)
         steps += 1
     elapsed, cpu, ended = time.perf_counter() - start, time.process_time() - cpu, time.time()
@@ -261,7 +265,7 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
             "--seconds", str(args.seconds), "--device", args.device,
             *([] if args.defer_push else ["--no-defer-push"]),
             *(["--dense-apart"] if args.dense_apart else []), "--table", table,
-            "--dense", args.dense,
+            "--dense", args.dense, "--embedding-staleness", str(args.embedding_staleness),
             "--admit-after", str(admit_after), "--capacity", str(capacity),
             "--batches", str(batches), "--workers", str(args.workers)]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
@@ -325,6 +329,9 @@ def main() -> None:
     parser.add_argument("--dense", choices=("ps", "allreduce"), default="ps",
                         help="allreduce: hybrid training (the table on the ps tasks, the dense "
                         "layer all-reduced among the workers)")
+    parser.add_argument("--embedding-staleness", type=int, default=0,
+                        help="with --dense allreduce: N >= 1 pulls the next step's rows while "
+                        "a step runs (pushes in the background, at most N steps behind)")
     parser.add_argument("--no-defer-push", dest="defer_push", action="store_false",
                         help="a pull and a push per shard and step (default: push with the "
                         "next pull)")
@@ -400,7 +407,7 @@ def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None)
     shard_bytes = args.rows // args.ps * DIM * 4 * 2  # rows + Adagrad accumulator per ps
     print(f"best of {args.repeats} round(s); {args.ps} ps + {args.workers} workers, {args.rows} "
           f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, defer_push={args.defer_push}, dense "
-          f"{'all-reduced among the workers' if args.dense == 'allreduce' else 'push apart' if args.dense_apart else 'push with the rows'}, workers on {args.device}")
+          f"{f'all-reduced among the workers (embedding_staleness={args.embedding_staleness})' if args.dense == 'allreduce' else 'push apart' if args.dense_apart else 'push with the rows'}, workers on {args.device}")
     print(f"  towerflow: {total:,.0f} examples/s; one-process ceiling {ceil:,.0f} examples/s "
           f"(ratio {total / ceil:.2f})")
     if tf is not None:

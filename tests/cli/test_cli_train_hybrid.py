@@ -48,7 +48,8 @@ def test_a_hybrid_checkpoint_moves_to_one_process_to_all_ps_and_back(
     assert "table.weight" not in ckpt.groups["model"]  # the table: parts of rows from the ps
     for args, step in ((["--ps", "0", "--workers", "1", "--dense", "ps"], 130),  # one process
                        (["--ps", "2", "--workers", "2", "--dense", "ps"], 160),  # all on the ps
-                       (["--ps", "2", "--workers", "2", "--dense", "allreduce"], 190)):
+                       (["--ps", "2", "--workers", "2", "--dense", "allreduce",
+                         "--embedding-staleness", "1"], 190)):  # rows pulled a step ahead
         out = train(run, subprocess_env, *args, "--max-steps", str(step))
         assert f"at step {step - 30}" in out, out[-3000:]  # restored where the last one ended
         assert read_checkpoint(latest_checkpoint(run)).step == step

@@ -58,10 +58,10 @@ def records(tmp_path: Path) -> list[tuple[dict, dict[str, torch.Tensor]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", [0, 2])
+@pytest.mark.parametrize("staleness, ahead", [(0, ()), (2, ()), (1, ("--ahead",))])
 def test_dense_layers_are_bit_identical_on_every_worker_and_each_push_applies_once(
-        tmp_path, subprocess_env, staleness) -> None:
-    done = run_workers(tmp_path, subprocess_env, "--staleness", str(staleness))
+        tmp_path, subprocess_env, staleness, ahead) -> None:
+    done = run_workers(tmp_path, subprocess_env, "--staleness", str(staleness), *ahead)
     assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
     (first, tensors0), (second, tensors1) = records(tmp_path)
     assert first["global_step"] == second["global_step"] == 12
@@ -74,12 +74,12 @@ def test_dense_layers_are_bit_identical_on_every_worker_and_each_push_applies_on
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", [0, 2])
+@pytest.mark.parametrize("staleness, ahead", [(0, ()), (2, ()), (2, ("--ahead",))])
 def test_a_checkpoint_holds_every_workers_pushes_up_to_its_step_and_none_after(
-        tmp_path, subprocess_env, staleness) -> None:
+        tmp_path, subprocess_env, staleness, ahead) -> None:
     slow = ["--slow-push", "0.3", "--slow-forward", "0.6"] if staleness else \
         ["--slow-forward", "0.2"]  # worker 1's pushes come late
-    done = run_workers(tmp_path, subprocess_env, "--staleness", str(staleness),
+    done = run_workers(tmp_path, subprocess_env, "--staleness", str(staleness), *ahead,
                        "--checkpoint-at", "5", *slow, steps=8)
     assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
     (first, tensors0), (second, tensors1) = records(tmp_path)
@@ -121,6 +121,28 @@ def test_the_staleness_bound_holds_under_a_worker_whose_pushes_are_slow(
     began, pushed = records(tmp_path)[1][0]["began"], records(tmp_path)[1][0]["pushed"]
     assert any(sum(end <= start for end in pushed) < step - 1
                for step, start in enumerate(began, 1))
+
+
+@pytest.mark.slow
+def test_the_next_steps_rows_are_pulled_during_this_step_after_the_pushes_before_it(
+        tmp_path, subprocess_env) -> None:
+    steps = 8
+    done = run_workers(tmp_path, subprocess_env, "--staleness", "1", "--ahead",
+                       "--slow-push", "0.25", steps=steps)
+    assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
+    (first, tensors0), (second, tensors1) = records(tmp_path)
+    assert first["digests"] == second["digests"]
+    for record, _ in ((first, tensors0), (second, tensors1)):
+        assert record["reads_ahead"]
+        # step 1 records how the ids are made, step 2 pulls at its start: every later step's
+        # rows were pulled during the step before
+        ahead = [start for start, early in record["pulls"] if early]
+        assert [early for _, early in record["pulls"]] == [False] + [True] * (steps - 2)
+        pushed = sorted(record["pushed"])
+        for step, start in enumerate(ahead, 3):  # the bound (1) at the moment of the pull
+            assert sum(end <= start for end in pushed) >= step - 2, (step, start, pushed)
+    moved = tensors0["start"] - tensors0["rows"]
+    torch.testing.assert_close(moved, tensors0["owed"] + tensors1["owed"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -214,6 +214,16 @@ class Strategy(abc.ABC):
     def run_step(self, loss_fn: LossFn, batch: Any, *, lr: float | None = None) -> StepResult:
         """Compute the loss of ``batch``, its gradients, and apply one update."""
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether this strategy uses the next step's batch before this step runs
+        (:meth:`ahead`); the ``Trainer`` then reads one batch ahead."""
+        return False
+
+    def ahead(self, batch: Any) -> None:
+        """``batch`` is the next step's (called before this step's :meth:`run_step`): a
+        strategy that pulls rows from ps tasks pulls its rows while this step runs."""
+
     @abc.abstractmethod
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Tensors to checkpoint, by group (``model``, ``optimizer``, ...)."""

@@ -68,7 +68,13 @@ from towerflow.errors import (
 from towerflow.ps.worker.tables.prefetch import host_copies
 from towerflow.ps.worker.tables.swap import WHOLE_ATTRIBUTE
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
-from towerflow.strategies.hybrid_dense import DenseReplica, Words, group_endpoint
+from towerflow.strategies.hybrid_dense import (
+    DenseReplica,
+    Words,
+    group_endpoint,
+    timedelta_of,
+    worker_device,
+)
 from towerflow.strategies.mirrored import first_line
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.strategies.ps_placement import check_trainable
@@ -89,32 +95,6 @@ log = logging.getLogger("towerflow.ps")
 _NO_STEP_TIMEOUT_S = 1800.0
 #: seconds the others wait for a chief reading a checkpoint's tables from the ps tasks
 _PAUSE_WAIT_S = 3600.0
-
-
-def worker_device(local: int, here: int, named: torch.device | None, gpus: int,
-                  backend: str | None) -> tuple[torch.device, str]:
-    """The device and collective backend of the worker ``local`` of the ``here`` workers
-    of its machine, which has ``gpus`` GPUs: the device named, else GPU ``local % gpus``
-    (the CPU without GPUs); NCCL when each worker of the machine has a GPU of its own,
-    else Gloo (NCCL runs one rank per GPU), said in one line by the machine's first worker.
-
-    Example:
-        >>> worker_device(1, 2, None, 2, None)
-        (device(type='cuda', index=1), 'nccl')
-        >>> worker_device(1, 2, None, 1, None)[1]
-        'gloo'
-        >>> worker_device(0, 2, None, 0, None)
-        (device(type='cpu'), 'gloo')
-    """
-    device = named if named is not None else (
-        torch.device("cuda", local % gpus) if gpus else torch.device("cpu"))
-    if backend is None:
-        backend = "nccl" if device.type == "cuda" and here <= gpus else "gloo"
-        if device.type == "cuda" and backend == "gloo" and local == 0:
-            log.warning("%d workers share %d GPU(s) on this machine (NCCL runs one rank per "
-                        "GPU): their dense all-reduce runs over Gloo; start at most %d worker(s) "
-                        "per machine for NCCL.", here, gpus, gpus)
-    return device, backend
 
 
 class HybridParameterServer(ParameterServer):
@@ -159,6 +139,8 @@ class HybridParameterServer(ParameterServer):
         self._starts = 0  # first steps synced (a restore syncs again)
         self._pushes: collections.deque[tuple[int, Future]] = collections.deque()
         self._pusher: ThreadPoolExecutor | None = None
+        self._upcoming: Any = None  # the next step's batch (ahead()), and the one whose rows
+        self._promised: Any = None  # were pulled during the step before
 
     # -- facts ---------------------------------------------------------------------------
     @property
@@ -169,6 +151,16 @@ class HybridParameterServer(ParameterServer):
     @property
     def embedding_staleness(self) -> int:
         return self._staleness
+
+    @property
+    def reads_ahead(self) -> bool:
+        """With ``embedding_staleness`` >= 1 the next step's rows are pulled while this step
+        runs (its pushes are sent before, on the same thread: no pulled row lags more than
+        one step of this worker's pushes)."""
+        return self._pusher is not None and self._tables.prefetcher is not None
+
+    def ahead(self, batch: Any) -> None:
+        self._upcoming = batch
 
     @property
     def failure_way_out(self) -> str:
@@ -209,8 +201,9 @@ class HybridParameterServer(ParameterServer):
             credentials=self._credentials, timeout=self._timeout, push_timeout=self._timeout,
             on_bad_gradient=self._policy)
         self._model = model
-        if self._staleness:
+        if self._staleness:  # pushes, then the next step's pull, on one thread
             self._pusher = ThreadPoolExecutor(1, thread_name_prefix="towerflow-hybrid-push")
+            self._tables.pull_ahead_always(model)
         self._join_group()
         return model
 
@@ -248,7 +241,7 @@ class HybridParameterServer(ParameterServer):
             dist.init_process_group(self._backend, store=dist.PrefixStore("towerflow/hybrid",
                                                                           self._store),
                                     rank=self._rank, world_size=self._world,
-                                    timeout=_timedelta(timeout))
+                                    timeout=timedelta_of(timeout))
         except RuntimeError as exc:
             raise UnavailableError(
                 f"Worker {self._rank} of {self._world} could not join the workers' "
@@ -299,7 +292,7 @@ class HybridParameterServer(ParameterServer):
 
     def _step_timeout(self) -> Any:
         step = self.aggregation.timeout
-        return None if step is None else _timedelta(float(step))
+        return None if step is None else timedelta_of(float(step))
 
     def _listen(self, word: str, ranks: Any, timeout: float, what: str) -> None:
         """Wait for ``word`` from ``ranks`` (:class:`Words`), one sentence when it fails."""
@@ -352,8 +345,14 @@ class HybridParameterServer(ParameterServer):
         dense, tables = self._dense, self._tables
         dense.zero_grads()
         twins: dict[int, torch.Tensor] = {}
+        given, upcoming, self._upcoming = batch, self._upcoming, None
         batch = move_to_device(batch, self._device, twins)
         tables.forget()
+        if self.reads_ahead:  # the next batch's rows pulled while this step runs
+            ready, self._promised = given is self._promised, upcoming
+            tables.prefetcher.feed(  # type: ignore[union-attr]
+                batch, ready=ready, upcoming=upcoming,
+                later=lambda lookups: tables.pull_later(lookups, self._pusher.submit))  # type: ignore[union-attr]
         with host_copies(twins):
             loss = loss_fn(self._model, batch)
         loss.backward()
@@ -415,6 +414,7 @@ class HybridParameterServer(ParameterServer):
         """(Another worker, in a step the chief paused) this worker's pushes of the steps
         before applied, then wait for the chief's go."""
         self._bound_staleness(self._step)
+        self._drain()
         self._tables.flush()
         self._words.say(f"ready/{self._step}")  # type: ignore[union-attr]
         self._listen(f"go/{self._step}", [0], _PAUSE_WAIT_S, "the chief's checkpoint")
@@ -499,7 +499,13 @@ class HybridParameterServer(ParameterServer):
         """This worker's pushes in flight and its deferred ones applied on the ps tasks."""
         if self._client is not None and self._tables:
             self._bound_staleness(self._step)
+            self._drain()
             self._tables.flush()
+
+    def _drain(self) -> None:
+        """Wait for the pusher's thread: pushes sent, and a pull ahead carrying some done."""
+        if self._pusher is not None:
+            self._pusher.submit(lambda: None).result()
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -584,8 +590,3 @@ def _given(ckpt: Any, error: BaseException | None) -> Any:
         raise error
     return ckpt
 
-
-def _timedelta(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)

@@ -25,6 +25,8 @@ bit equal on every worker (``tests/strategies/test_hybrid.py`` checks it).
 
 from __future__ import annotations
 
+import datetime
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DenseReplica", "Reduced", "group_endpoint"]
+__all__ = ["DenseReplica", "Reduced", "group_endpoint", "timedelta_of", "worker_device"]
+
+log = logging.getLogger("towerflow.ps")
 
 
 #: the flags after the gradients: bad tables, stop votes, the chief's pause
@@ -210,3 +214,34 @@ class Words:
     @property
     def others(self) -> list[int]:
         return [r for r in range(self.world) if r != self.rank]
+
+
+def worker_device(local: int, here: int, named: torch.device | None, gpus: int,
+                  backend: str | None) -> tuple[torch.device, str]:
+    """The device and collective backend of the worker ``local`` of the ``here`` workers
+    of its machine, which has ``gpus`` GPUs: the device named, else GPU ``local % gpus``
+    (the CPU without GPUs); NCCL when each worker of the machine has a GPU of its own,
+    else Gloo (NCCL runs one rank per GPU), said in one line by the machine's first worker.
+
+    Example:
+        >>> worker_device(1, 2, None, 2, None)
+        (device(type='cuda', index=1), 'nccl')
+        >>> worker_device(1, 2, None, 1, None)[1]
+        'gloo'
+        >>> worker_device(0, 2, None, 0, None)
+        (device(type='cpu'), 'gloo')
+    """
+    device = named if named is not None else (
+        torch.device("cuda", local % gpus) if gpus else torch.device("cpu"))
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" and here <= gpus else "gloo"
+        if device.type == "cuda" and backend == "gloo" and local == 0:
+            log.warning("%d workers share %d GPU(s) on this machine (NCCL runs one rank per "
+                        "GPU): their dense all-reduce runs over Gloo; start at most %d worker(s) "
+                        "per machine for NCCL.", here, gpus, gpus)
+    return device, backend
+
+
+def timedelta_of(seconds: float) -> datetime.timedelta:
+    """``seconds`` as the ``timedelta`` torch.distributed takes."""
+    return datetime.timedelta(seconds=seconds)

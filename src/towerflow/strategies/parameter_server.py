@@ -8,10 +8,9 @@ works from then on) and initialises the dense parameters, or restores both from 
 checkpoint, at its first forward, step or checkpoint; the other workers' ``prepare`` waits
 until it has.
 
-On the worker, each ps shard's parameters and gradients are one flat buffer: every
-parameter's ``.data`` and ``.grad`` are views into them, so a push sends the gradient buffer
-without a gather and a pull lands in place. A push brings the fresh parameters back in the
-same round trip.
+On the worker, each ps shard's parameters and gradients are one flat buffer (``.data`` and
+``.grad`` are views into them): a push sends the gradient buffer without a gather, and brings
+the fresh parameters back in the same round trip, landing in place (rows: pinned on a GPU).
 
 A worker runs its task's :class:`~towerflow.cluster.Server` while it trains (its own, started
 by :meth:`~ParameterServer.prepare` and stopped by :meth:`~ParameterServer.shutdown`, or the
@@ -332,7 +331,8 @@ class ParameterServer(DenseModes, Strategy):
         self._tables = attach_tables(
             model, config, cluster=self.cluster, sparse_threshold=self._sparse_threshold,
             whole_below=self._whole_below, chief=self._chief, credentials=self._credentials,
-            worker_id=self._rank, timeout=self._timeout, aggregation=self.aggregation)
+            worker_id=self._rank, timeout=self._timeout, aggregation=self.aggregation,
+            pinned=self._device.type == "cuda")
         return config
 
     def _push_timeout(self) -> float:

@@ -49,7 +49,7 @@ log = logging.getLogger("towerflow.ps")
 
 def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
                   sparse_threshold: int | None, chief: bool,
-                  whole_below: int | None = SMALL_TABLE_BYTES,
+                  whole_below: int | None = SMALL_TABLE_BYTES, pinned: bool = False,
                   **client_options: Any) -> SparseTables:
     """Swap ``sparse=True`` and large embeddings and bind the model's tables.
 
@@ -67,6 +67,7 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
         whole_below: see ``ParameterServer(whole_table_bytes=)``; None: no
             ``sparse=True`` module travels whole.
         chief: this worker initialises the tables.
+        pinned: rows pulled into pinned memory (a GPU worker's).
         **client_options: the :class:`~towerflow.ps.worker.tables.client.TableClient`'s.
 
     Returns:
@@ -84,6 +85,8 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
     _check_no_meta(model, sparse_threshold)
     addresses = [cluster.task_address("ps", i) for i in range(cluster.num_tasks("ps"))]
     tables = SparseTables(model, addresses, optimizer, **client_options)
+    if tables.client is not None:  # a GPU worker's rows: copied to it without waiting
+        tables.client.pin_memory = pinned
     for path in swapped:
         log.warning("%s", describe_swap(model.get_submodule(path), len(addresses)))
     if not chief:

@@ -63,7 +63,7 @@ from towerflow.training.hooks import (
     SummaryHook,
     non_finite_tensor,
 )
-from towerflow.training.pipeline import Pipeline, Transform, make_pipeline
+from towerflow.training.pipeline import Pipeline, ReadAhead, Transform, make_pipeline
 from towerflow.training.session import (
     PEER_FAILURES,
     checkpoint_metadata,
@@ -188,6 +188,8 @@ class Trainer:
                 rank=self.strategy.rank, world_size=world, seed=self.config.seed,
                 capacity=self.config.prefetch_capacity or 2 * world,
                 transform=self._transform, position=self._position)
+            if self.strategy.reads_ahead:
+                self._pipeline = ReadAhead(self._pipeline)
 
     def _checkpoint_manager(self) -> Any:
         if self._manager is None and self.config.train_dir is not None:
@@ -373,6 +375,8 @@ class Trainer:
         step = strategy.global_step
         while step < self.config.max_steps:
             batch = next(pipeline)
+            if isinstance(pipeline, ReadAhead) and step + 1 < self.config.max_steps:
+                strategy.ahead(pipeline.peek())
             lr = self.schedule(step) if self.schedule is not None else None
             with self._placement_log(step):
                 result = strategy.run_step(self.loss_fn, batch, lr=lr)

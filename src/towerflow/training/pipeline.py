@@ -25,7 +25,8 @@ import torch
 
 from towerflow.errors import InvalidArgumentError
 
-__all__ = ["Pipeline", "DatasetPipeline", "IterablePipeline", "make_pipeline", "to_device"]
+__all__ = ["Pipeline", "DatasetPipeline", "IterablePipeline", "ReadAhead", "make_pipeline",
+           "to_device"]
 
 Transform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -133,6 +134,43 @@ class IterablePipeline(Pipeline):
 
     def examples_per_batch(self) -> int:
         return self._examples
+
+
+class ReadAhead(Pipeline):
+    """``pipeline`` read one batch ahead (:meth:`peek`), for a strategy that uses the next
+    step's batch while this step runs (:attr:`~towerflow.strategies.base.Strategy.reads_ahead`);
+    its position is still the one after the last batch returned, so a checkpoint resumes
+    with the batch read ahead."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._inner = pipeline
+        self._held: tuple[Any, dict[str, Any] | None, int] | None = None
+        self._position = pipeline.position()
+        self._examples: int | None = None
+
+    def _read(self) -> tuple[Any, dict[str, Any] | None, int]:
+        batch = next(self._inner)
+        return batch, self._inner.position(), self._inner.examples_per_batch()
+
+    def __next__(self) -> Any:
+        held, self._held = self._held, None
+        batch, self._position, self._examples = held if held is not None else self._read()
+        return batch
+
+    def peek(self) -> Any:
+        """The next batch, read now and returned by the next ``next()``."""
+        if self._held is None:
+            self._held = self._read()
+        return self._held[0]
+
+    def position(self) -> dict[str, Any] | None:
+        return self._position
+
+    def examples_per_batch(self) -> int:
+        return self._inner.examples_per_batch() if self._examples is None else self._examples
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def make_pipeline(data: Any, *, device: torch.device, batch_size: int, rank: int,

@@ -13,7 +13,10 @@ deterministic batches. It records, in ``--out`` as ``worker-<i>.json`` and
 
 Usage: python hybrid_worker.py CLUSTER_JSON INDEX OUT_DIR --steps N [--staleness N]
 [--slow-push SECONDS] [--die-after STEP] [--device cuda] [--checkpoint-at STEP]
-[--slow-forward SECONDS] [--stall-after STEP] [--step-timeout SECONDS]
+[--slow-forward SECONDS] [--stall-after STEP] [--step-timeout SECONDS] [--ahead]
+
+``--ahead``: each step is told the next step's batch first (``strategy.ahead``, as the
+``Trainer`` does), and the record says when each pull began and which pulled ahead.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint-at", type=int, default=0)
     parser.add_argument("--slow-forward", type=float, default=0.0)
+    parser.add_argument("--ahead", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     cluster = ClusterSpec(json.loads(args.cluster))
@@ -124,6 +128,24 @@ def main() -> int:
             pushed.append(time.monotonic())
 
     tables.push, tables.flush = record_push, slow_flush
+    pulls: list[tuple[float, bool]] = []  # when each pull of a forward's rows began; ahead?
+    prefetch, later = tables._prefetch, tables.pull_later
+
+    def timed_prefetch(lookups) -> None:  # noqa: ANN001
+        pulls.append((time.monotonic(), False))
+        prefetch(lookups)
+
+    def timed_later(lookups, submit):  # noqa: ANN001, ANN202
+        def timed(pull):  # noqa: ANN001, ANN202
+            def run():  # noqa: ANN202
+                pulls.append((time.monotonic(), True))
+                return pull()
+            return submit(run)
+        return later(lookups, timed)
+
+    tables.pull_later = timed_later
+    if tables.prefetcher is not None:
+        tables.prefetcher._pull = timed_prefetch
 
     def timed_loss(model: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
         if args.slow_forward and args.index:
@@ -133,7 +155,10 @@ def main() -> int:
 
     digests = []
     tensors: dict[str, torch.Tensor] = {}
-    for number, batch in enumerate(batches(args.index, args.steps), 1):
+    mine = batches(args.index, args.steps)
+    for number, batch in enumerate(mine, 1):
+        if args.ahead and number < len(mine):
+            strategy.ahead(mine[number])
         result = strategy.run_step(timed_loss, batch)
         assert result.global_step == number, (result.global_step, number)
         digests.append(dense_digest(model))
@@ -150,7 +175,8 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGSTOP)  # stalls, as a suspended process
     strategy.settle()
     strategy.barrier()  # every worker's pushes applied on the ps tasks
-    record = {"digests": digests, "began": began, "pushed": pushed,
+    record = {"digests": digests, "began": began, "pushed": pushed, "pulls": pulls,
+              "reads_ahead": strategy.reads_ahead,
               "global_step": strategy.global_step, "device": str(strategy.device),
               "backend": strategy._backend}
     tensors["owed"] = owed

@@ -149,6 +149,8 @@ class TableClient:
         self.wire: dict[str, list[int]] = {}
         self._wire_lock = threading.Lock()
         self._views: dict[str, TableView] = {}
+        #: rows pulled into pinned memory (a GPU worker's: copied to it without waiting)
+        self.pin_memory = False
 
     def fuse(self, views: Mapping[str, TableView]) -> None:
         """Serve the tables named in ``views`` from the fused tables they point to
@@ -354,7 +356,8 @@ class TableClient:
         outs: list[torch.Tensor] = [torch.empty(0)] * len(lookups)
         for table, parts in on_ps.values():
             ids = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
-            out = torch.empty((ids.numel(), table.dim), dtype=table.dtype)
+            out = torch.empty((ids.numel(), table.dim), dtype=table.dtype,
+                              pin_memory=self.pin_memory)
             start = 0
             for index, part in parts:
                 outs[index] = out[start:start + part.numel()]

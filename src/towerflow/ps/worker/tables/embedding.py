@@ -73,7 +73,10 @@ from towerflow.ps.worker.tables.groups import (
     RowGroup,
     bag_of,
     grouped_lookup,
+    host_ready,
+    kept_rows,
     plain_gather,
+    to_host,
 )
 from towerflow.ps.worker.tables.prefetch import host_copy, recording
 
@@ -318,7 +321,7 @@ class ShardedEmbedding(nn.Module):
             rows = self._client.pull(self.config, unique)  # type: ignore[union-attr, arg-type]
         else:
             unique, inverse, rows = ahead
-        rows = rows.to(input.device)
+        rows = rows.to(input.device, non_blocking=True)  # pulled into pinned memory for a GPU
         if torch.is_grad_enabled() and self.trainable:
             rows.requires_grad_(True)
             self._touched.append((unique, rows))
@@ -338,11 +341,13 @@ class ShardedEmbedding(nn.Module):
         ``(None, (RowGroup, member))`` for one looked up with the tables fused with it."""
         return self._touched
 
-    def take_row_grads(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take_row_grads(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(ids, row gradients) of the lookups since the last call, on the CPU; forgets them.
 
         Ids repeat when several lookups touched the same row (the ps sums them).
-        None when no lookup had a gradient.
+        None when no lookup had a gradient. A GPU's gradients come back in pinned
+        memory; ``wait=False``: copied without waiting (the caller waits once for
+        every table's: :func:`~towerflow.ps.worker.tables.groups.host_ready`).
         """
         touched = list(self._touched)
         self._touched.clear()  # (no nn.Module attribute set: this runs per table and step)
@@ -353,14 +358,18 @@ class ShardedEmbedding(nn.Module):
             else:
                 grad = held.grad
             if grad is not None:
-                parts.append((ids, grad.detach().cpu()))
+                parts.append((ids, grad.detach()))
         if not parts:
             return None
+        if len({grad.device for _, grad in parts}) > 1:
+            parts = [(ids, grad.cpu()) for ids, grad in parts]
         ids, grads = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]),
                                                        torch.cat([p[1] for p in parts]))
         if self.padding_idx is not None:  # the padding row takes no update
-            keep = ids != self.padding_idx
-            ids, grads = ids[keep], grads[keep]
+            ids, grads = kept_rows(ids, grads, ids != self.padding_idx)
+        grads = to_host(grads)
+        if wait:
+            host_ready([grads])
         return ids, grads
 
     def forget(self) -> None:

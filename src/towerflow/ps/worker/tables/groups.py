@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["Pulled", "RowGroup", "GroupPush", "bag_of", "grouped_lookup", "plain_gather",
-           "take_groups"]
+           "take_groups", "to_host", "host_ready", "kept_rows"]
 
 
 class Pulled(NamedTuple):
@@ -79,7 +79,7 @@ class RowGroup:
         """
         grad = torch.is_grad_enabled()
         if self.leaf is None:  # its own tensor: a member's lookup apart slices ``rows``
-            leaf = self.rows.to(device)
+            leaf = self.rows.to(device, non_blocking=True)  # pinned rows: without waiting
             if leaf is self.rows:
                 leaf = leaf.detach()
             self.leaf = leaf.requires_grad_(True) if grad else leaf
@@ -166,8 +166,31 @@ class GroupPush:
         return self.config.name
 
 
+def to_host(grads: torch.Tensor) -> torch.Tensor:
+    """``grads`` on the CPU: from a GPU into pinned memory, copied without waiting (read it
+    after :func:`host_ready`), else as it is."""
+    if grads.device.type != "cuda":
+        return grads.cpu()
+    out = torch.empty(grads.shape, dtype=grads.dtype, pin_memory=True)
+    return out.copy_(grads, non_blocking=True)
+
+
+def host_ready(tensors: Sequence[torch.Tensor]) -> None:
+    """Wait once for the copies :func:`to_host` started into ``tensors`` (pinned ones)."""
+    if any(t.is_pinned() for t in tensors):
+        torch.cuda.synchronize()
+
+
+def kept_rows(ids: torch.Tensor, grads: torch.Tensor,
+              keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ids`` (host) and ``grads`` (any device) where ``keep`` (host, bool) holds: an
+    index, not a mask, for the gradients, so that a GPU's are not waited for."""
+    where = keep.nonzero().squeeze(1)
+    return ids.index_select(0, where), grads.index_select(0, where.to(grads.device))
+
+
 def take_groups(modules: Sequence[Any]) -> list[tuple[GroupPush, torch.Tensor, torch.Tensor]]:
-    """The pushes of the groups whose every member looked up its rows once through the
+    """(Their gradients copied off a GPU without waiting: :func:`host_ready`.) The pushes of the groups whose every member looked up its rows once through the
     group and nothing else: one ``(GroupPush, fused ids, gradients)`` per group, against
     the fused ids as pulled (a member's ``padding_idx`` row left out); those members'
     lookups are taken. The other members push as tables alone."""
@@ -184,15 +207,15 @@ def take_groups(modules: Sequence[Any]) -> list[tuple[GroupPush, torch.Tensor, t
         if len(members) != len(group.sizes) or group.leaf is None or group.leaf.grad is None:
             continue
         ordered = [members[k] for k in range(len(group.sizes))]
-        ids, grads = group.together, group.leaf.grad.detach().cpu()
+        ids, grads = group.together, group.leaf.grad.detach()
         pads = [offset + m.padding_idx for m, offset in zip(ordered, group.offsets, strict=True)
                 if m.padding_idx is not None]
         push = GroupPush(group, ordered)
         if pads:  # the padding rows take no update
             keep = ~torch.isin(ids, torch.tensor(pads, dtype=ids.dtype))
-            ids, grads = ids[keep], grads[keep]
+            ids, grads = kept_rows(ids, grads, keep)
             push.kept = keep
         for module in ordered:
             module.forget()
-        out.append((push, ids, grads))
+        out.append((push, ids, to_host(grads)))
     return out

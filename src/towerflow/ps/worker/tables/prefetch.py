@@ -230,11 +230,14 @@ class Prefetcher:
         model: the model.
         pull: ``pull_many([(table module, ids), ...])`` -> rows, one per lookup.
         min_sites: the fewest table lookups a forward's recipe is kept for.
+        clear: forgets every table's rows pulled ahead (before a forward's are left).
     """
 
     def __init__(self, model: nn.Module, pull: Callable[[list[tuple[nn.Module, torch.Tensor]]],
-                                                         None], *, min_sites: int = 2) -> None:
+                                                         None], *, min_sites: int = 2,
+                 clear: Callable[[], None] = lambda: None) -> None:
         self._pull = pull
+        self._clear = clear
         self._min_sites = min_sites
         self._recipe: _Recipe | None = None
         self._spec: Any = None
@@ -242,6 +245,12 @@ class Prefetcher:
         self.recordings = 0
         self.enabled = True
         self._stale = False
+        #: this step's batch, the next step's (its host copy) and how its rows are pulled now
+        #: (:meth:`feed`), the rows of this forward pulled during the step before
+        self._batch: list[Any] = []
+        self._upcoming: tuple[list[Any], Callable[[Any], Any]] | None = None
+        self._ready: Any = None
+        self.ahead_off: str | None = None  # why the next step's rows are not pulled ahead
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
@@ -256,14 +265,79 @@ class Prefetcher:
         """A table's ids were not the predicted ones: the recipe is recorded again."""
         self._stale = True
 
+    def feed(self, batch: Any, *, ready: bool, upcoming: Any = None,
+             later: Callable[[list[tuple[nn.Module, torch.Tensor]]], Any] | None = None) -> None:
+        """The step about to run: ``batch`` (the forward's tensors are among its tensors);
+        ``ready``: the rows pulled during the step before are this batch's (else they are
+        dropped); ``upcoming``: the next step's batch, whose rows ``later(lookups)`` pulls
+        while this step runs (a future of ``[(module, entry)]``, :func:`pull_ahead`'s
+        ``placed``). The next batch's ids are the recipe's replayed on it, the forward's
+        inputs taken from the same places of the batch as this step's."""
+        self._batch = [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+        if not ready:
+            self._ready = None
+        self._upcoming = None
+        if upcoming is not None and later is not None:
+            self._upcoming = ([leaf for leaf in pytree.tree_leaves(upcoming)
+                               if isinstance(leaf, torch.Tensor)], later)
+
+    def drop_ahead(self) -> Any:
+        """Forget the rows pulled for the next forward (a batch not the one announced); the
+        pull in flight, or None."""
+        ready, self._ready, self._upcoming = self._ready, None, None
+        return ready
+
+    def _install_ready(self) -> bool:
+        """This forward's rows pulled during the step before, left with the tables."""
+        ready, self._ready = self._ready, None
+        if ready is None:
+            return False
+        placed = ready.result()
+        self._clear()
+        for module, entry in placed:
+            module.prefetched.append(entry)
+        return True
+
+    def _pull_upcoming(self, leaves: list[Any]) -> None:
+        """Replay the recipe on the next step's batch and have its rows pulled now."""
+        upcoming, self._upcoming = self._upcoming, None
+        if upcoming is None or self._recipe is None or self._stale:
+            return
+        batch, (later_batch, later) = self._batch, upcoming
+        where = {id(t): j for j, t in enumerate(batch)}
+        inputs: list[Any] = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                inputs.append(leaf)
+            elif id(leaf) in where and len(later_batch) == len(batch):
+                nxt = later_batch[where[id(leaf)]]
+                inputs.append(nxt if nxt.device.type == "cpu" else nxt.cpu())
+            else:
+                if self.ahead_off is None:
+                    self.ahead_off = ("a tensor the forward is given is not one of the batch's "
+                                      "as the step got it (made in the loss function?)")
+                    log.info("the next step's rows are pulled at its start, not while this "
+                             "step runs: %s", self.ahead_off)
+                return
+        try:
+            with torch.no_grad():
+                lookups = self._recipe.replay(inputs, host=True)
+        except Exception as exc:  # noqa: BLE001 - the next batch's rows pulled at its step
+            log.info("the next batch's table ids not predicted (%s)", str(exc)[:200])
+            return
+        self._ready = later(lookups)
+
     def _before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self.enabled or recording() is not None or self._recorder is not None:
             return
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        installed = self._install_ready()
         if self._recipe is not None and not self._stale and spec == self._spec:
-            lookups = self._replay(self._recipe, leaves)
-            if lookups is not None:
-                self._pull(lookups)
+            if not installed:
+                lookups = self._replay(self._recipe, leaves)
+                if lookups is not None:
+                    self._pull(lookups)
+            self._pull_upcoming(leaves)
             return
         if self.recordings >= MAX_RECORDINGS:
             self.enabled = False
@@ -317,11 +391,13 @@ class Prefetcher:
 def pull_ahead(client: Any, views: Mapping[str, Any],
                lookups: Sequence[tuple[nn.Module, torch.Tensor]],
                unique: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-               dense: Mapping[int, bytes] | None = None) -> dict[int, bytes]:
+               dense: Mapping[int, bytes] | None = None,
+               placed: list[tuple[nn.Module, Any]] | None = None) -> dict[int, bytes]:
     """Pull the rows of every ``(table module, ids)`` in one request per ps task and leave
     each table ``(ids, rows)`` in ``module.prefetched`` (``rows``: a
     :class:`~towerflow.ps.worker.tables.groups.Pulled`, or ``(RowGroup, member)`` for
-    tables fused on the ps, looked up together); each
+    tables fused on the ps, looked up together; ``placed``: appended there as
+    ``(module, (ids, rows))`` instead, for a later forward); each
     task's request also carries ``dense[task]`` (a dense push-and-pull): their replies.
 
     The lookups of tables fused on the ps (``views``: their offsets) are made
@@ -329,6 +405,12 @@ def pull_ahead(client: Any, views: Mapping[str, Any],
     lookup's ids are checked against its own table first, so that no id reaches
     past its table into the next one's rows.
     """
+    def put(module: nn.Module, entry: Any) -> None:
+        if placed is None:
+            module.prefetched.append(entry)
+        else:
+            placed.append((module, entry))
+
     groups: dict[Any, list[tuple[nn.Module, torch.Tensor, torch.Tensor]]] = {}
     for index, (module, ids) in enumerate(lookups):
         flat = module.config.partitioner.check(ids.reshape(-1).to("cpu", torch.int64))
@@ -345,14 +427,14 @@ def pull_ahead(client: Any, views: Mapping[str, Any],
                 ids_unique, inverse = unique(flat)
                 pulls.append((module.config, ids_unique))
                 plans.append(lambda rows, m=module, i=ids, u=ids_unique, v=inverse:
-                             m.prefetched.append((i, Pulled(u, v, rows))))
+                             put(m, (i, Pulled(u, v, rows))))
             continue
         shifted = torch.cat([flat + offset for (_, _, flat), offset in
                              zip(members, offsets, strict=True)])
         together, inverse = unique(shifted)
         pulls.append((view.table, together))
         plans.append(lambda rows, t=view.table, ms=members, os=offsets, u=together, v=inverse:
-                     _share(t, ms, os, u, v, rows))
+                     _share(t, ms, os, u, v, rows, put))
     pulled, replies = client.pull_with_dense(pulls, dense or {})
     for plan, rows in zip(plans, pulled, strict=True):
         plan(rows)
@@ -361,7 +443,7 @@ def pull_ahead(client: Any, views: Mapping[str, Any],
 
 def _share(table: Any, members: Sequence[tuple[nn.Module, torch.Tensor, torch.Tensor]],
            offsets: Sequence[int], together: torch.Tensor, inverse: torch.Tensor,
-           rows: torch.Tensor) -> None:
+           rows: torch.Tensor, put: Callable[[nn.Module, Any], None]) -> None:
     """Hand each fused table its part of the rows pulled for all of them together: the
     :class:`~towerflow.ps.worker.tables.groups.RowGroup` that looks them all up as one."""
     bounds = torch.tensor([[o, o + m.config.num_rows] for (m, _, _), o in
@@ -370,4 +452,4 @@ def _share(table: Any, members: Sequence[tuple[nn.Module, torch.Tensor, torch.Te
     group = RowGroup(table, together, rows, inverse, [flat.numel() for _, _, flat in members],
                      list(zip(starts, stops, strict=True)), offsets)
     for member, (module, ids, _) in enumerate(members):
-        module.prefetched.append((ids, (group, member)))
+        put(module, (ids, (group, member)))

@@ -23,7 +23,7 @@ from towerflow.ps.worker.tables.checkpoint import ship_rows
 from towerflow.ps.worker.tables.client import TableClient
 from towerflow.ps.worker.tables.embedding import ShardedEmbedding, unique_ids
 from towerflow.ps.worker.tables.fusion import fuse_tables
-from towerflow.ps.worker.tables.groups import GroupPush, take_groups
+from towerflow.ps.worker.tables.groups import GroupPush, host_ready, take_groups
 from towerflow.ps.worker.tables.prefetch import Prefetcher, pull_ahead
 
 __all__ = ["SparseTables"]
@@ -90,7 +90,8 @@ class SparseTables:
                      "and step for all of them)", ", ".join(map(repr, members)), table.num_rows,
                      table.name)
         #: pulls every table of a forward in one request per ps task (two tables and more)
-        self.prefetcher = Prefetcher(model, self._prefetch) if len(self.modules) > 1 else None
+        self.prefetcher = Prefetcher(model, self._prefetch, clear=self._clear_ahead) \
+            if len(self.modules) > 1 else None
         #: a dense push-and-pull per ps task for the next prefetched pull to carry, and who
         #: takes its replies (:meth:`carry`)
         self._carried: tuple[Mapping[int, bytes], Callable[[dict[int, bytes]], None]] | None = None
@@ -99,7 +100,8 @@ class SparseTables:
         """Pull the tables before each forward also for a single table (so that a dense push
         can travel with the pull: :meth:`carry`)."""
         if self.prefetcher is None and self.client is not None:
-            self.prefetcher = Prefetcher(model, self._prefetch, min_sites=1)
+            self.prefetcher = Prefetcher(model, self._prefetch, min_sites=1,
+                                         clear=self._clear_ahead)
 
     def carry(self, requests: Mapping[int, bytes],
               answer: Callable[[dict[int, bytes]], None]) -> None:
@@ -121,10 +123,29 @@ class SparseTables:
         if self.prefetcher is not None:
             self.prefetcher.missed()
 
-    def _prefetch(self, lookups: list[tuple[nn.Module, torch.Tensor]]) -> None:
-        """Pull the rows of every lookup of a forward in one request per ps task."""
+    def _clear_ahead(self) -> None:
         for _, module in self.modules:
             module.prefetched.clear()
+
+    def pull_later(self, lookups: list[tuple[nn.Module, torch.Tensor]],
+                   submit: Callable[..., Any]) -> Any:
+        """Have ``submit`` (a one-thread executor's, after the pushes it sends) pull the rows
+        of a later forward's lookups: a future of ``[(module, (ids, rows))]``, which that
+        forward's prefetcher leaves with the tables (:meth:`Prefetcher.feed`)."""
+        wanted = [(module, ids) for module, ids in lookups
+                  if isinstance(module, ShardedEmbedding) and isinstance(ids, torch.Tensor)
+                  and ids.dtype in (torch.int64, torch.int32)]
+
+        def pull() -> list[tuple[nn.Module, Any]]:
+            placed: list[tuple[nn.Module, Any]] = []
+            pull_ahead(self.client, self.views, wanted, unique_ids, placed=placed)
+            return placed
+
+        return submit(pull)
+
+    def _prefetch(self, lookups: list[tuple[nn.Module, torch.Tensor]]) -> None:
+        """Pull the rows of every lookup of a forward in one request per ps task."""
+        self._clear_ahead()
         wanted = [(module, ids) for module, ids in lookups
                   if isinstance(module, ShardedEmbedding) and isinstance(ids, torch.Tensor)
                   and ids.dtype in (torch.int64, torch.int32)]  # else the lookup refuses
@@ -187,12 +208,13 @@ class SparseTables:
         for _, module in self.modules:
             if id(module) in grouped:
                 continue
-            grads = module.take_row_grads()
+            grads = module.take_row_grads(wait=False)
             if grads is None and every:
                 grads = (torch.empty(0, dtype=torch.int64),
                          torch.empty((0, module.dim), dtype=module.dtype))
             if grads is not None:
                 out.append((module, *grads))
+        host_ready([grads for _, _, grads in out])  # off a GPU: one wait for every table
         return out
 
     @staticmethod
