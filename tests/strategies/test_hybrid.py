@@ -92,9 +92,11 @@ def test_a_checkpoint_holds_every_workers_pushes_up_to_its_step_and_none_after(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [(), ("--staleness", "1", "--ahead")])
 def test_gpu_workers_keep_their_dense_layers_equal_and_each_push_applies_once(
-        tmp_path, subprocess_env) -> None:
-    done = run_workers(tmp_path, subprocess_env, "--device", "cuda")
+        tmp_path, subprocess_env, ahead) -> None:
+    # rows in pinned memory, copied without waiting; with --ahead pulled a step early
+    done = run_workers(tmp_path, subprocess_env, "--device", "cuda", *ahead)
     assert [d.returncode for d in done] == [0, 0], "\n".join(d.stdout[-3000:] for d in done)
     (first, tensors0), (second, tensors1) = records(tmp_path)
     gpus = torch.cuda.device_count()
@@ -103,6 +105,8 @@ def test_gpu_workers_keep_their_dense_layers_equal_and_each_push_applies_once(
     assert first["digests"] == second["digests"] and len(set(first["digests"])) == 12
     torch.testing.assert_close(tensors0["start"] - tensors0["rows"],
                                tensors0["owed"] + tensors1["owed"], rtol=0, atol=1e-5)
+    if ahead:
+        assert [early for _, early in first["pulls"]] == [False] + [True] * 10
 
 
 @pytest.mark.slow

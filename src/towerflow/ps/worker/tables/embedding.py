@@ -369,7 +369,7 @@ class ShardedEmbedding(nn.Module):
             ids, grads = kept_rows(ids, grads, ids != self.padding_idx)
         grads = to_host(grads)
         if wait:
-            host_ready([grads])
+            host_ready()
         return ids, grads
 
     def forget(self) -> None:

@@ -22,6 +22,7 @@ as a table alone does; the group then pushes member by member.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -166,19 +167,27 @@ class GroupPush:
         return self.config.name
 
 
+_copies = threading.local()
+
+
 def to_host(grads: torch.Tensor) -> torch.Tensor:
     """``grads`` on the CPU: from a GPU into pinned memory, copied without waiting (read it
     after :func:`host_ready`), else as it is."""
     if grads.device.type != "cuda":
         return grads.cpu()
     out = torch.empty(grads.shape, dtype=grads.dtype, pin_memory=True)
-    return out.copy_(grads, non_blocking=True)
+    out.copy_(grads, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(grads.device))
+    _copies.__dict__.setdefault("events", []).append(done)
+    return out
 
 
-def host_ready(tensors: Sequence[torch.Tensor]) -> None:
-    """Wait once for the copies :func:`to_host` started into ``tensors`` (pinned ones)."""
-    if any(t.is_pinned() for t in tensors):
-        torch.cuda.synchronize()
+def host_ready() -> None:
+    """Wait for the copies :func:`to_host` started in this thread (once for all of them)."""
+    events = _copies.__dict__.get("events")
+    while events:
+        events.pop().synchronize()
 
 
 def kept_rows(ids: torch.Tensor, grads: torch.Tensor,

@@ -214,7 +214,7 @@ class SparseTables:
                          torch.empty((0, module.dim), dtype=module.dtype))
             if grads is not None:
                 out.append((module, *grads))
-        host_ready([grads for _, _, grads in out])  # off a GPU: one wait for every table
+        host_ready()  # the gradients copied off a GPU: one wait for every table
         return out
 
     @staticmethod
