@@ -189,10 +189,12 @@ def worker(args: argparse.Namespace) -> None:
     wire.clear()
     losses: list[torch.Tensor] = []
     steps, start, cpu, began = 0, time.perf_counter(), time.process_time(), time.time()
-    while time.perf_counter() - start < args.seconds:
+    while True:  # hybrid workers step together: they agree to stop (one step late)
         strategy.ahead(batches[(steps + 1) % len(batches)])  # as the Trainer tells it
         losses.append(strategy.run_step(loss_fn, batches[steps % len(batches)]).loss)
         steps += 1
+        if strategy.agree_to_stop(time.perf_counter() - start >= args.seconds):
+            break
     elapsed, cpu, ended = time.perf_counter() - start, time.process_time() - cpu, time.time()
     sums = {k: [0, 0] for k in ("pull", "push")}
     for method, (_, sent, received) in wire.items():

@@ -274,8 +274,24 @@ def test_on_a_ps_cluster_only_the_chief_saves(tmp_path, free_ports) -> None:
         dirs = [tmp_path / "w0", tmp_path / "w1"]
         supervisors = [Supervisor(is_chief=(i == 0), logdir=dirs[i], save_model_secs=None)
                        for i in range(2)]
+        other_done = threading.Event()
+
+        def chief() -> tuple[LinearRegression, int]:  # its final save after worker 1's pushes
+            model = LinearRegression(torch.Generator().manual_seed(0))
+            with supervisors[0].managed_session(servers[1], model=model, optimizer=OPT) as sess:
+                while sess.global_step < 30:
+                    sess.run_step(mse_loss, DATA)
+                assert other_done.wait(timeout=60)
+                return model, sess.global_step
+
+        def other() -> tuple[LinearRegression, int]:
+            try:
+                return run(supervisors[1], 30, None, servers[2])
+            finally:
+                other_done.set()
+
         with ThreadPoolExecutor(2) as pool:
-            runs = [pool.submit(run, supervisors[i], 30, None, servers[1 + i]) for i in range(2)]
+            runs = [pool.submit(chief), pool.submit(other)]
             steps = [r.result(timeout=120) for r in runs]
         assert all(step >= 30 for _, step in steps)
         assert not dirs[1].exists() or list(dirs[1].iterdir()) == []
