@@ -16,9 +16,11 @@
 - ``embedding_staleness=N`` bounds the tables' lag: a worker's rows are
   pulled with at most N of its own steps' pushes not yet applied (0, the
   default: every push goes with the next pull, one request per ps task and
-  step; N >= 1: a step's pushes leave in the background once its all-reduce is
-  done, overlapping the optimizer step and the next forward, and a step waits
-  for those older than N steps).
+  step; N >= 1: told the next step's batch (``ahead``; the ``Trainer`` reads
+  one batch ahead), a worker pulls its rows while this step runs, carrying the
+  pushes of the step before, on one background thread
+  (:mod:`~towerflow.strategies.hybrid_rows`): rows one step behind this
+  worker's pushes, and a step waits for pushes older than N steps).
 
 The workers form their process group from what started them: the chief (the
 ``chief`` task, else worker 0: rank 0) serves a ``TCPStore`` on a free port of
@@ -45,12 +47,10 @@ its workers find the new chief's store by its new ``Init``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -75,6 +75,7 @@ from towerflow.strategies.hybrid_dense import (
     timedelta_of,
     worker_device,
 )
+from towerflow.strategies.hybrid_rows import RowTraffic
 from towerflow.strategies.mirrored import first_line
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.strategies.ps_placement import check_trainable
@@ -137,8 +138,7 @@ class HybridParameterServer(ParameterServer):
         self._paused_at: int | None = None  # the chief paused the others after this step
         self._words: Words | None = None  # what the workers tell each other in the store
         self._starts = 0  # first steps synced (a restore syncs again)
-        self._pushes: collections.deque[tuple[int, Future]] = collections.deque()
-        self._pusher: ThreadPoolExecutor | None = None
+        self._rows: RowTraffic | None = None  # embedding_staleness >= 1: pushes, pulls ahead
         self._upcoming: Any = None  # the next step's batch (ahead()), and the one whose rows
         self._promised: Any = None  # were pulled during the step before
 
@@ -157,7 +157,7 @@ class HybridParameterServer(ParameterServer):
         """With ``embedding_staleness`` >= 1 the next step's rows are pulled while this step
         runs (its pushes are sent before, on the same thread: no pulled row lags more than
         one step of this worker's pushes)."""
-        return self._pusher is not None and self._tables.prefetcher is not None
+        return self._rows is not None and self._tables.prefetcher is not None
 
     def ahead(self, batch: Any) -> None:
         self._upcoming = batch
@@ -202,7 +202,7 @@ class HybridParameterServer(ParameterServer):
             on_bad_gradient=self._policy)
         self._model = model
         if self._staleness:  # pushes, then the next step's pull, on one thread
-            self._pusher = ThreadPoolExecutor(1, thread_name_prefix="towerflow-hybrid-push")
+            self._rows = RowTraffic(self._tables, self._outcome)
             self._tables.pull_ahead_always(model)
         self._join_group()
         return model
@@ -341,7 +341,9 @@ class HybridParameterServer(ParameterServer):
             raise FailedPreconditionError("ParameterServer.run_step before prepare(model, optimizer).")
         self._sync()
         self._release_pause()
-        self._bound_staleness(self._step - self._staleness)
+        rows_out = self._rows
+        if rows_out is not None:
+            rows_out.bound(self._step - self._staleness)
         dense, tables = self._dense, self._tables
         dense.zero_grads()
         twins: dict[int, torch.Tensor] = {}
@@ -352,9 +354,11 @@ class HybridParameterServer(ParameterServer):
             ready, self._promised = given is self._promised, upcoming
             tables.prefetcher.feed(  # type: ignore[union-attr]
                 batch, ready=ready, upcoming=upcoming,
-                later=lambda lookups: tables.pull_later(lookups, self._pusher.submit))  # type: ignore[union-attr]
+                later=rows_out.pull_later)  # type: ignore[union-attr]
         with host_copies(twins):
             loss = loss_fn(self._model, batch)
+        if rows_out is not None:  # the last step's pushes: with this forward's pull ahead
+            rows_out.send_riding()
         loss.backward()
         rate = float(lr if lr is not None else self._opt.lr)
         rows = tables.take()
@@ -381,8 +385,8 @@ class HybridParameterServer(ParameterServer):
             return StepResult(loss=loss.detach(), global_step=self._step, applied=False)
         if rows:  # after the all-reduce: no push of this step reaches a paused chief's reading
             tables.push(rows, lr=rate, step=self._step + 1)
-            if self._pusher is not None:  # out now, in the background
-                self._pushes.append((self._step + 1, self._pusher.submit(tables.flush)))
+            if rows_out is not None:  # in the background: with the next pull ahead, or now
+                rows_out.pushed(self._step + 1, ride=self._promised is not None)
         dense.step(lr)
         self._step += 1
         return StepResult(loss=loss.detach(), global_step=self._step)
@@ -413,9 +417,7 @@ class HybridParameterServer(ParameterServer):
     def _paused(self) -> None:
         """(Another worker, in a step the chief paused) this worker's pushes of the steps
         before applied, then wait for the chief's go."""
-        self._bound_staleness(self._step)
-        self._drain()
-        self._tables.flush()
+        self._settle_rows()
         self._words.say(f"ready/{self._step}")  # type: ignore[union-attr]
         self._listen(f"go/{self._step}", [0], _PAUSE_WAIT_S, "the chief's checkpoint")
 
@@ -423,12 +425,6 @@ class HybridParameterServer(ParameterServer):
         paused, self._paused_at = self._paused_at, None
         if paused is not None:
             self._words.say(f"go/{paused}")  # type: ignore[union-attr]
-
-    def _bound_staleness(self, oldest: int) -> None:
-        """Wait for this worker's pushes of steps up to ``oldest`` (``embedding_staleness``)."""
-        pushes = self._pushes
-        while pushes and pushes[0][0] <= oldest:
-            self._outcome(pushes.popleft()[1].result)
 
     def _group_failure(self, error: BaseException, what: str) -> UnavailableError:
         """The sentence of a collective that failed: the workers that do not answer."""
@@ -498,14 +494,14 @@ class HybridParameterServer(ParameterServer):
     def settle(self) -> None:
         """This worker's pushes in flight and its deferred ones applied on the ps tasks."""
         if self._client is not None and self._tables:
-            self._bound_staleness(self._step)
-            self._drain()
-            self._tables.flush()
+            self._settle_rows()
 
-    def _drain(self) -> None:
-        """Wait for the pusher's thread: pushes sent, and a pull ahead carrying some done."""
-        if self._pusher is not None:
-            self._pusher.submit(lambda: None).result()
+    def _settle_rows(self) -> None:
+        """Every push of this worker applied: the background thread's, then the deferred."""
+        if self._rows is not None:
+            self._rows.bound(self._step)
+            self._rows.drain()
+        self._tables.flush()
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -565,13 +561,9 @@ class HybridParameterServer(ParameterServer):
         try:
             with contextlib.suppress(Exception):  # a paused step goes on (and finds no chief)
                 self._release_pause()
-            pushes, self._pushes = self._pushes, collections.deque()
-            for _, push in pushes:
-                if not self._unfinished:
-                    push.result()
-            if self._pusher is not None:
-                self._pusher.shutdown(wait=True)
-                self._pusher = None
+            rows_out, self._rows = self._rows, None
+            if rows_out is not None:
+                rows_out.close(wait=not self._unfinished)
             super().shutdown()
         finally:
             if self._owns_group and dist.is_initialized():

@@ -128,18 +128,39 @@ def main() -> int:
             pushed.append(time.monotonic())
 
     tables.push, tables.flush = record_push, slow_flush
-    pulls: list[tuple[float, bool]] = []  # when each pull of a forward's rows began; ahead?
-    prefetch, later = tables._prefetch, tables.pull_later
+    # each pull of a forward's rows: when it began, whether ahead, and the steps whose pushes
+    # were applied on the ps when it read its rows (sent before it, or carried by it)
+    pulls: list[tuple[float, bool, list[int]]] = []
+    prefetch, later, client = tables._prefetch, tables.pull_later, tables.client
+    applied: set[int] = set()
+
+    def deferred_steps() -> set[int]:
+        with client._deferred_lock:
+            return {push.header.step for push in client._deferred.values()}
+
+    def sending(call):  # noqa: ANN001, ANN202
+        def send(*args):  # noqa: ANN002, ANN202
+            steps = deferred_steps()
+            out = call(*args)
+            with lock:
+                applied.update(steps)
+            return out
+        return send
+
+    client.pull_with_dense, client.flush = sending(client.pull_with_dense), sending(client.flush)
 
     def timed_prefetch(lookups) -> None:  # noqa: ANN001
-        pulls.append((time.monotonic(), False))
+        start = time.monotonic()
         prefetch(lookups)
+        pulls.append((start, False, sorted(applied)))
 
     def timed_later(lookups, submit):  # noqa: ANN001, ANN202
         def timed(pull):  # noqa: ANN001, ANN202
             def run():  # noqa: ANN202
-                pulls.append((time.monotonic(), True))
-                return pull()
+                start = time.monotonic()
+                out = pull()
+                pulls.append((start, True, sorted(applied)))
+                return out
             return submit(run)
         return later(lookups, timed)
 
