@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu_check.sh OUT_DIR                    # gpu-tests suite figures, < 9 minutes
 #
-# Each stage has its cap (GPU tests 110 s, suite 240 s, figures 190 s: 540 s in all); a stage
+# Each stage has its cap (GPU tests 100 s, suite 290 s, figures 170 s: 560 s in all); a stage
 # cut at its cap still names what failed and says how many tests did not finish.
 #   benchmarks/gpu_check.sh OUT_DIR suite              # one part (gpu-tests, suite, figures)
 #
@@ -46,13 +46,13 @@ echo "cores $cores, suite workers $workers, OMP_NUM_THREADS=${OMP_NUM_THREADS:-u
 
 if [[ $what == *" gpu-tests "* ]]; then
     stage "GPU tests"
-    timeout -s INT 110 python3 -m pytest -v -rfE -m gpu -p no:cacheprovider --timeout 120 tests \
+    timeout -s INT 100 python3 -m pytest -v -rfE -m gpu -p no:cacheprovider --timeout 120 tests \
         > "$out/gpu-tests.log" 2>&1
     grep -E "passed|failed" "$out/gpu-tests.log" | tail -1
 fi
 if [[ $what == *" suite "* ]]; then
     stage "the suite on $workers workers (GPU visible)"
-    timeout -s INT 240 python3 -m pytest -v -n "$workers" -rfE -m "not gpu" -p no:cacheprovider \
+    timeout -s INT 290 python3 -m pytest -v -n "$workers" -rfE -m "not gpu" -p no:cacheprovider \
         --timeout 150 tests > "$out/suite.log" 2>&1
     grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/suite.log" | tail -1 \
         || echo "the suite was cut off before its summary"
@@ -64,17 +64,17 @@ if [[ $what == *" figures "* ]]; then
     grep -A2 -E "^Device mapping|^=== an operation|OutOfMemoryError|allocated|^add.*GPU" \
         "$out/device-placement.log" | head -20
     stage "towerflow train cifar10 --num-gpus 1 vs a plain PyTorch loop"
-    timeout 50 python3 benchmarks/train_vs_plain.py --steps 300 --runs 1 2>&1 | tail -4
+    timeout 45 python3 benchmarks/train_vs_plain.py --steps 300 --runs 1 2>&1 | tail -4
     # each keeps its figures: towerflow's examples/s against the one-GPU-process ceiling
     keep="towerflow:|worker [0-9]:|Error|error:"
     stage "sparse click: GPU workers, tables on CPU ps tasks vs nn.EmbeddingBag on the GPU"
-    timeout 40 python3 benchmarks/sparse_embedding.py --device cuda --seconds 5 2>&1 \
+    timeout 35 python3 benchmarks/sparse_embedding.py --device cuda --seconds 5 2>&1 \
         | grep -E "$keep"
     stage "sparse click, hybrid: the table on CPU ps tasks, the dense layer all-reduced by the GPU workers"
-    timeout 35 python3 benchmarks/sparse_embedding.py --device cuda --dense allreduce --seconds 4 \
+    timeout 30 python3 benchmarks/sparse_embedding.py --device cuda --dense allreduce --seconds 4 \
         2>&1 | grep -E "$keep"
     stage "the same, the next step's rows pulled while a step runs (--embedding-staleness 1)"
-    timeout 35 python3 benchmarks/sparse_embedding.py --device cuda --dense allreduce \
+    timeout 30 python3 benchmarks/sparse_embedding.py --device cuda --dense allreduce \
         --embedding-staleness 1 --seconds 4 2>&1 | grep -E "$keep"
 fi
 
