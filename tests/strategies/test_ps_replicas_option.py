@@ -1,0 +1,152 @@
+"""``ParameterServer(replicas=...)``, ``--ps-replicas`` and run.yaml's ``ps_replicas``: checked
+before anything starts, and carried to the ps tasks in the chief's Init (real ps tasks served
+from this process, authenticated gRPC on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from towerflow.cli._train_options import strategy_options
+from towerflow.cluster import ClusterSpec, TaskInfo
+from towerflow.cluster.transport import Credentials, make_channel, unary, unary_stream
+from towerflow.errors import InvalidArgumentError
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import method_path
+from towerflow.ps.wire.messages import parse_message
+from towerflow.strategies import OptimizerConfig
+from towerflow.strategies.parameter_server import ParameterServer
+from towerflow.testing.inprocess import ps_tasks
+from towerflow.training.runconfig import MAY_CHANGE
+
+SECRET = Credentials(secret=b"replicas-secret")
+SPEC = ClusterSpec({"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:4", "h:5"]})
+
+
+def strategy(spec: ClusterSpec = SPEC, **kw) -> ParameterServer:
+    return ParameterServer(spec, TaskInfo("worker", 0), device="cpu", server=False,
+                           credentials=SECRET, **kw)
+
+
+@pytest.mark.parametrize(("replicas", "message"), [
+    (2, "replicas=2 with 2 ps task(s): a shard's live copies live on other ps tasks, so "
+        "replicas is an integer from 0 to 1."),
+    (-1, "replicas=-1 with 2 ps task(s)"),
+    ("1", "replicas='1' with 2 ps task(s)"),
+    (True, "replicas=True with 2 ps task(s)"),
+])
+def test_replicas_outside_0_to_the_ps_tasks_less_one_are_refused(replicas, message) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)) as info:
+        strategy(replicas=replicas)
+    assert "start at least 2 ps tasks for replicas=1" in str(info.value)
+
+
+def test_one_ps_task_has_nowhere_to_keep_a_replica() -> None:
+    one = ClusterSpec({"worker": ["h:2"], "ps": ["h:4"]})
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "replicas=1 with 1 ps task(s): a shard's live copies live on other ps tasks, so "
+            "replicas is an integer from 0 to 0.")):
+        strategy(one, replicas=1)
+    assert strategy(one).aggregation.replicas == 0  # the default: as before
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_replicas_of_sync_and_ssp_shards_are_not_built_yet(mode) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            f"replicas=1 with mode='{mode}': a {mode} shard's live replica is not built yet")):
+        strategy(mode=mode, replicas=1)
+
+
+def test_more_than_one_replica_is_not_built_yet() -> None:
+    three = ClusterSpec({"worker": ["h:2"], "ps": ["h:4", "h:5", "h:6"]})
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "replicas=2: one live copy per shard is built so far")):
+        strategy(three, replicas=2)
+
+
+def test_the_flag_and_the_run_file_reach_the_strategy() -> None:
+    import argparse
+
+    from towerflow.cli._train_options import add_train_arguments
+
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args(
+        ["digits", "--ps-replicas", "1"])
+    assert strategy_options(args, "ps")["replicas"] == 1
+    assert "ps_replicas" in MAY_CHANGE  # a resumed run may change it (the format is the same)
+
+
+def _status(address: str) -> pb.StatusReply:
+    channel = make_channel(address, SECRET)
+    try:
+        return parse_message(pb.StatusReply, unary(channel, method_path("Status"), b"",
+                                                   timeout=5.0), "StatusReply")
+    finally:
+        channel.close()
+
+
+def _call(address: str, method: str, request: bytes, stream: bool = False):
+    channel = make_channel(address, SECRET)
+    try:
+        if stream:
+            return list(unary_stream(channel, method_path(method), request, timeout=5.0))
+        return unary(channel, method_path(method), request, timeout=5.0)
+    finally:
+        channel.close()
+
+
+def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task() -> None:
+    with ps_tasks(SECRET) as spec:
+        one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
+        run = strategy(one, replicas=1)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+        try:
+            run.prepare(model, OptimizerConfig("adam", lr=0.01))
+            g = torch.Generator().manual_seed(0)
+            for _ in range(5):
+                x = torch.randn(16, 6, generator=g)
+                result = run.run_step(lambda m, b: m(b).square().mean(), x)
+            assert result.global_step == 5
+        finally:
+            run.shutdown()
+        ps = spec.job_tasks("ps")
+        statuses = [_status(address) for address in ps]
+        assert [(s.term, s.role) for s in statuses] == [(1, "primary")] * 2
+        assert [[(r.shard, r.role) for r in s.replicas] for s in statuses] == [
+            [(1, "replica")], [(0, "replica")]]
+        for task, status in enumerate(statuses):  # each copy is at its primary's step
+            assert status.replicas[0].step == statuses[1 - task].step == 5
+        primary = _call(ps[0], "Pull", pb.PullRequest().SerializeToString(), stream=True)
+        promoted = parse_message(pb.PromoteReply, _call(
+            ps[1], "Promote", pb.PromoteRequest(shard=0).SerializeToString()), "PromoteReply")
+        assert (promoted.term, promoted.step) == (2, 5)
+        copy = _call(ps[1], "Pull", pb.PullRequest(shard=0, term=2).SerializeToString(),
+                     stream=True)
+        np.testing.assert_array_equal(np.frombuffer(b"".join(copy[1:]), np.float32),
+                                      np.frombuffer(b"".join(primary[1:]), np.float32))
+
+
+class Clicks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(50, 4, sparse=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.item(ids)).squeeze(1)
+
+
+def test_a_model_with_sparse_tables_and_replicas_is_refused_with_a_sentence() -> None:
+    with ps_tasks(SECRET) as spec:
+        one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
+        run = strategy(one, replicas=1, whole_table_bytes=None)
+        try:
+            with pytest.raises(InvalidArgumentError, match=re.escape(
+                    "replicas=1 with sparse tables: a table shard has no live replica yet; "
+                    "train with replicas=0")):
+                run.prepare(Clicks(), OptimizerConfig("adagrad", lr=0.1))
+        finally:
+            run.shutdown()
