@@ -4,20 +4,21 @@ from this process, authenticated gRPC on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
+import replica_calls as calls
 import torch
 from torch import nn
 
 from towerflow.cli._train_options import strategy_options
 from towerflow.cluster import ClusterSpec, TaskInfo
-from towerflow.cluster.transport import Credentials, make_channel, unary, unary_stream
+from towerflow.cluster.transport import Credentials, make_channel
 from towerflow.errors import InvalidArgumentError
-from towerflow.ps.wire import ps_pb2 as pb
-from towerflow.ps.wire.calls import method_path
-from towerflow.ps.wire.messages import parse_message
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.inprocess import ps_tasks
@@ -79,21 +80,11 @@ def test_the_flag_and_the_run_file_reach_the_strategy() -> None:
     assert "ps_replicas" in MAY_CHANGE  # a resumed run may change it (the format is the same)
 
 
-def _status(address: str) -> pb.StatusReply:
+@contextlib.contextmanager
+def channel_to(address: str) -> Iterator[Any]:
     channel = make_channel(address, SECRET)
     try:
-        return parse_message(pb.StatusReply, unary(channel, method_path("Status"), b"",
-                                                   timeout=5.0), "StatusReply")
-    finally:
-        channel.close()
-
-
-def _call(address: str, method: str, request: bytes, stream: bool = False):
-    channel = make_channel(address, SECRET)
-    try:
-        if stream:
-            return list(unary_stream(channel, method_path(method), request, timeout=5.0))
-        return unary(channel, method_path(method), request, timeout=5.0)
+        yield channel
     finally:
         channel.close()
 
@@ -113,20 +104,17 @@ def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task() -> Non
         finally:
             run.shutdown()
         ps = spec.job_tasks("ps")
-        statuses = [_status(address) for address in ps]
-        assert [(s.term, s.role) for s in statuses] == [(1, "primary")] * 2
-        assert [[(r.shard, r.role) for r in s.replicas] for s in statuses] == [
-            [(1, "replica")], [(0, "replica")]]
-        for task, status in enumerate(statuses):  # each copy is at its primary's step
-            assert status.replicas[0].step == statuses[1 - task].step == 5
-        primary = _call(ps[0], "Pull", pb.PullRequest().SerializeToString(), stream=True)
-        promoted = parse_message(pb.PromoteReply, _call(
-            ps[1], "Promote", pb.PromoteRequest(shard=0).SerializeToString()), "PromoteReply")
-        assert (promoted.term, promoted.step) == (2, 5)
-        copy = _call(ps[1], "Pull", pb.PullRequest(shard=0, term=2).SerializeToString(),
-                     stream=True)
-        np.testing.assert_array_equal(np.frombuffer(b"".join(copy[1:]), np.float32),
-                                      np.frombuffer(b"".join(primary[1:]), np.float32))
+        with channel_to(ps[0]) as first, channel_to(ps[1]) as second:
+            statuses = [calls.status(first), calls.status(second)]
+            assert [(s.term, s.role) for s in statuses] == [(1, "primary")] * 2
+            assert [[(r.shard, r.role) for r in s.replicas] for s in statuses] == [
+                [(1, "replica")], [(0, "replica")]]
+            for task, status in enumerate(statuses):  # each copy is at its primary's step
+                assert status.replicas[0].step == statuses[1 - task].step == 5
+            primary = calls.pull(first)
+            promoted = calls.promote(second, 0)
+            assert (promoted.term, promoted.step) == (2, 5)
+            np.testing.assert_array_equal(calls.pull(second, shard=0, term=2), primary)
 
 
 class Clicks(nn.Module):

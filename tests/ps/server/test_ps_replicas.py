@@ -9,15 +9,14 @@ import re
 
 import numpy as np
 import pytest
+import replica_calls as calls
 
 from towerflow.cluster import ClusterSpec, Server
-from towerflow.cluster.transport import Credentials, unary, unary_stream
+from towerflow.cluster.transport import Credentials
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
 from towerflow.ps.wire import ps_pb2 as pb
-from towerflow.ps.wire.calls import APPLIED, method_path
-from towerflow.ps.wire.framing import pack, unpack
-from towerflow.ps.wire.messages import PushHeader, encode_push_header, parse_message
+from towerflow.ps.wire.calls import APPLIED
 
 SECRET = Credentials(secret=b"test-secret")
 SHAPES = {"emb": (40, 5), "w": (5, 3), "b": (3,)}
@@ -63,31 +62,18 @@ def channel(servers, task):
     return servers[0].channel("ps", task) if task else servers[1].channel("ps", 0)
 
 
-def push(servers, plan, *, task, shard=-1, seq, term=0, value=1.0, worker=0):
-    """One dense push of ``value`` everywhere to ``shard``'s layout, sent to ps task ``task``."""
-    layout = plan.shards[task if shard < 0 else shard]
-    header = PushHeader(worker, seq, 0, 0.1, layout.numel, incarnation=7,
-                        segments=layout.signature, term=term, shard=shard)
-    data = unary(channel(servers, task), method_path("PushPullSmall"),
-                 pack(encode_push_header(header), np.full(layout.numel, value,
-                                                          np.float32).tobytes()), timeout=10.0)
-    head, _ = unpack(data)
-    return parse_message(pb.PushReply, head, "PushReply")
+def push(servers, plan, *, task, shard=-1, **kw):
+    """A push to ``shard`` (-1: the task's own) sent to ps task ``task``."""
+    return calls.push(channel(servers, task), plan.shards[task if shard < 0 else shard],
+                      shard=shard, **kw)
 
 
-def pull(servers, *, task, shard=-1, term=0):
-    request = pb.PullRequest(term=term)
-    if shard >= 0:
-        request.shard = shard
-    replies = list(unary_stream(channel(servers, task), method_path("Pull"),
-                                request.SerializeToString(), timeout=10.0))
-    return np.frombuffer(b"".join(replies[1:]), np.float32)
+def pull(servers, *, task, **kw):
+    return calls.pull(channel(servers, task), **kw)
 
 
 def promote(servers, *, task, shard):
-    data = unary(channel(servers, task), method_path("Promote"),
-                 pb.PromoteRequest(shard=shard).SerializeToString(), timeout=10.0)
-    return parse_message(pb.PromoteReply, data, "PromoteReply")
+    return calls.promote(channel(servers, task), shard)
 
 
 def assert_same_shard(primary, copy):
@@ -116,8 +102,7 @@ def test_each_acknowledged_push_is_on_the_replica_bit_for_bit(replicated) -> Non
                 assert_same_shard(services[shard], copies[shard])
     assert services[0].shard.state.step == 3
     assert services[0].shard.state.admission.push_rows()[0][2] == 3  # seq 3 answered
-    status = parse_message(pb.StatusReply, unary(
-        channel(servers, 1), method_path("Status"), b"", timeout=5.0), "StatusReply")
+    status = calls.status(channel(servers, 1))
     assert (status.term, status.role) == (1, "primary")
     assert [(r.shard, r.role, r.step) for r in status.replicas] == [(0, "replica", 3)]
 

@@ -66,11 +66,13 @@ class ShardTerm:
         successor: the ps task that takes the shard over from this one (its replica).
     """
 
-    __slots__ = ("shard", "task", "role", "term", "successor", "_lock")
+    __slots__ = ("shard", "task", "role", "term", "held", "successor", "_lock")
 
     def __init__(self, shard: int, task: int, role: str = PRIMARY,
                  successor: int | None = None) -> None:
         self.shard, self.task, self.role, self.term = shard, task, role, 1
+        #: the term this task last held the shard at as its primary (0: never)
+        self.held = 1 if role == PRIMARY else 0
         self.successor = successor
         self._lock = threading.Lock()
 
@@ -101,6 +103,7 @@ class ShardTerm:
 
     def _depose(self, term: int, successor: int | None) -> None:
         if self.role == PRIMARY:
+            self.held = self.term
             logger.warning("ps task %d is no longer the primary of shard %d: term %d on ps "
                            "task %s", self.task, self.shard, term, successor)
         self.role, self.term, self.successor = DEPOSED, max(self.term, term), successor
@@ -111,6 +114,7 @@ class ShardTerm:
         with self._lock:
             if self.role == REPLICA:
                 self.role, self.term = PRIMARY, self.term + 1
+                self.held = self.term
                 logger.warning("ps task %d took shard %d over as its primary (term %d)",
                                self.task, self.shard, self.term)
             elif self.role == DEPOSED:
@@ -132,7 +136,7 @@ class ShardTerm:
                     f"{self.term}); its primary serves it until the replica is promoted.")
         where = "" if self.successor is None else f" on ps task {self.successor}"
         return (f"ps task {self.task} is no longer the primary of shard {self.shard} (term "
-                f"{self.term - 1 if self.term > 1 else 1}, now term {self.term}{where}): its "
+                f"{self.held}, now term {self.term}{where}): its "
                 f"replica took the shard over, and this task applies nothing more to it. Send "
                 f"the shard's pulls and pushes{where} with term {self.term}.")
 
