@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from towerflow.ps.server.dense.replication import REPLICA, scatter
+from towerflow.ps.server.dense.replication import REPLICA, TermBook, scatter
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.framing import receive_into
 from towerflow.ps.wire.messages import parse_message, push_rows
@@ -44,10 +44,12 @@ class ReplicaCopies:
     Args:
         task: this ps task's index.
         make_copy: ``make_copy(shard)`` -> a new service of ``shard`` in the replica role.
+        terms: the task's :class:`~towerflow.ps.server.dense.replication.TermBook` (the
+            copies' terms, shared with the task's table service).
     """
 
-    def __init__(self, task: int, make_copy: Callable[[int], Any]) -> None:
-        self.task = task
+    def __init__(self, task: int, make_copy: Callable[[int], Any], terms: TermBook) -> None:
+        self.task, self.terms = task, terms
         self._make = make_copy
         self._copies: dict[int, Any] = {}
         self._versions: dict[int, int] = {}
@@ -111,8 +113,7 @@ class ReplicaCopies:
         buffers = [np.empty(req.numel, np.float32) for _ in range(1 + len(slots))]
         receive_into(None, chunks, req.numel * len(buffers), who=f"shard {req.shard}'s primary",
                      on_chunk=lambda first, values: scatter(buffers, first, values))
-        with self._lock:
-            refusal = copy.term.refuse_copy(req.term)
+        with copy.term.copying(req.term) as refusal:
             if refusal:
                 return _refused(copy, refusal)
             if req.version > self._versions.get(req.shard, 0):
@@ -121,17 +122,19 @@ class ReplicaCopies:
             return pb.ReplicateReply(accepted=True, term=copy.term.term).SerializeToString()
 
     def promote(self, request: bytes) -> bytes:
-        """``Promote``: the copy of the shard becomes its primary at the next term."""
+        """``Promote``: the copy of the shard (dense and tables) becomes its primary at the
+        next term."""
         req = parse_message(pb.PromoteRequest, request, "PromoteRequest")
-        with self._lock:
-            copy = self._copies.get(req.shard)
-            if copy is None or not copy.initialized:
-                raise NotFoundError(
-                    f"ps task {self.task} holds no copy of shard {req.shard} to promote; the "
-                    f"shard's replica is on ps task {req.shard + 1} of the job (modulo the "
-                    "number of ps tasks), once its primary sent it the shard.")
-            term = copy.term.promote()
-            return pb.PromoteReply(term=term, step=copy.shard.state.step).SerializeToString()
+        term = self.terms.get(req.shard)
+        if term is None or req.shard == self.task:
+            raise NotFoundError(
+                f"ps task {self.task} holds no copy of shard {req.shard} to promote; the "
+                f"shard's replica is on ps task {req.shard + 1} of the job (modulo the "
+                "number of ps tasks), once its primary sent it the shard.")
+        copy = self._copies.get(req.shard)
+        return pb.PromoteReply(term=term.promote(),
+                               step=copy.current_step() or 0 if copy is not None else 0
+                               ).SerializeToString()
 
     def stats(self) -> list[pb.ReplicaStat]:
         """One ``ReplicaStat`` per copy (for ``Status``)."""

@@ -46,8 +46,9 @@ from towerflow.ps.wire.calls import method_path
 from towerflow.ps.wire.framing import CHUNK_BYTES
 from towerflow.ps.wire.messages import parse_message, push_records
 
-__all__ = ["ShardTerm", "ApplyGate", "ReplicaLink", "REPLICA_TIMEOUT", "PRIMARY", "REPLICA",
-           "DEPOSED", "buffer_chunks", "scatter", "replicate_header"]
+__all__ = ["ShardTerm", "TermBook", "GroupCommit", "ApplyGate", "ReplicaLink", "REPLICA_TIMEOUT",
+           "PRIMARY", "REPLICA", "DEPOSED", "buffer_chunks", "scatter", "replicate_header",
+           "send_copy", "deposed"]
 
 logger = logging.getLogger("towerflow.ps")
 
@@ -121,14 +122,22 @@ class ShardTerm:
                 raise FailedPreconditionError(self._not_primary())
             return self.term
 
-    def refuse_copy(self, term: int) -> str:
-        """Why a copy from the primary at ``term`` is not taken ("" when it is)."""
+    @contextlib.contextmanager
+    def copying(self, term: int) -> Iterator[str]:
+        """Hold the shard's role while a copy from the primary at ``term`` is written (a
+        promotion waits for it); yields why the copy is refused ("" when it is taken)."""
         with self._lock:
             if self.role == REPLICA and term >= self.term:
                 self.term = term
-                return ""
-            return (f"ps task {self.task} holds shard {self.shard} at term {self.term} as its "
-                    f"{self.role}; a copy from a primary at term {term} is refused.")
+                yield ""
+            else:
+                yield (f"ps task {self.task} holds shard {self.shard} at term {self.term} as "
+                       f"its {self.role}; a copy from a primary at term {term} is refused.")
+
+    def refusal(self) -> str:
+        """Why this task does not serve the shard (a sentence naming who does)."""
+        with self._lock:
+            return self._not_primary()
 
     def _not_primary(self) -> str:
         if self.role == REPLICA:
@@ -139,6 +148,97 @@ class ShardTerm:
                 f"{self.held}, now term {self.term}{where}): its "
                 f"replica took the shard over, and this task applies nothing more to it. Send "
                 f"the shard's pulls and pushes{where} with term {self.term}.")
+
+
+class TermBook:
+    """The :class:`ShardTerm` of every shard one ps task holds, its own and its copies: the
+    task's dense shard, its table shards and their copies share one per shard index.
+
+    Args:
+        task: the ps task's index (None: a table service serving any shard, in tests).
+        num_ps: the job's number of ps tasks (for the successor named in refusals).
+    """
+
+    def __init__(self, task: int | None, num_ps: int | None = None) -> None:
+        self.task, self.num_ps = task, num_ps
+        self._terms: dict[int, ShardTerm] = {}
+        self._lock = threading.Lock()
+
+    def of(self, shard: int, role: str | None = None) -> ShardTerm:
+        """The term of ``shard`` here (made on first use: this task's own shard, or any
+        shard of a table service serving all, as ``primary``; another as ``replica``)."""
+        with self._lock:
+            term = self._terms.get(shard)
+            if term is None:
+                own = self.task is None or shard == self.task
+                successor = None if not self.num_ps else (shard + 1) % self.num_ps
+                term = self._terms[shard] = ShardTerm(
+                    shard, shard if self.task is None else self.task,
+                    role or (PRIMARY if own else REPLICA), successor)
+            return term
+
+    def get(self, shard: int) -> ShardTerm | None:
+        """The term of ``shard`` when this task holds it (or a copy), else None."""
+        return self._terms.get(shard)
+
+
+class GroupCommit:
+    """Callers that ask together share one ``send()``: :meth:`wait` returns once a send
+    begun after it was called succeeded, or raises that send's error.
+
+    Args:
+        send: sends the state as it is when it is called (raises ``TowerflowError``).
+    """
+
+    def __init__(self, send: Callable[[], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        self._requested = self._sent = self._failed_upto = 0
+        self._failure: TowerflowError | None = None
+        self._busy = False
+
+    def wait(self) -> None:
+        """Return once a send begun after this call succeeded (see the class doc)."""
+        with self._cond:
+            self._requested += 1
+            ticket = self._requested
+            while True:
+                if self._sent >= ticket:
+                    return
+                if self._failed_upto >= ticket and self._failure is not None:
+                    raise self._failure
+                if not self._busy:
+                    break
+                self._cond.wait()
+            self._busy, target = True, self._requested
+        failure: TowerflowError | None = None
+        try:
+            self._send()
+        except TowerflowError as exc:
+            failure = exc
+        with self._cond:
+            self._busy = False
+            if failure is None:
+                self._sent = max(self._sent, target)
+            else:
+                self._failed_upto, self._failure = target, failure
+            self._cond.notify_all()
+        if failure is not None:
+            raise failure
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """Run the block while no send runs (and hold new ones off)."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
 
 class ApplyGate:
@@ -218,10 +318,7 @@ class ReplicaLink:
         self.term, self.replica_task = term, replica_task
         self._channel, self._snapshot, self.timeout = channel, snapshot, timeout
         self.gate = ApplyGate()
-        self._cond = threading.Condition()
-        self._requested = self._sent = self._failed_upto = 0
-        self._failure: TowerflowError | None = None
-        self._busy = False
+        self._commit = GroupCommit(self._copy)
         self.version = 0
         self._seeded = False
 
@@ -233,45 +330,12 @@ class ReplicaLink:
             UnavailableError: the replica did not acknowledge within the timeout.
             FailedPreconditionError: the replica was promoted: this task is deposed.
         """
-        with self._cond:
-            self._requested += 1
-            ticket = self._requested
-            while True:
-                if self._sent >= ticket:
-                    return
-                if self._failed_upto >= ticket and self._failure is not None:
-                    raise self._failure
-                if not self._busy:
-                    break
-                self._cond.wait()
-            self._busy, target = True, self._requested
-        failure: TowerflowError | None = None
-        try:
-            self._copy()
-        except TowerflowError as exc:
-            failure = exc
-        with self._cond:
-            self._busy = False
-            if failure is None:
-                self._sent = max(self._sent, target)
-            else:
-                self._failed_upto, self._failure = target, failure
-            self._cond.notify_all()
-        if failure is not None:
-            raise failure
+        self._commit.wait()
 
     def seed(self) -> None:
         """Send the whole shard (after an Init); the replica replaces its copy with it."""
-        with self._cond:
-            while self._busy:
-                self._cond.wait()
-            self._busy = True
-        try:
+        with self._commit.alone():
             self._send_init()
-        finally:
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
 
     def _copy(self) -> None:
         if not self._seeded:
@@ -288,8 +352,7 @@ class ReplicaLink:
         if reply.term == 0:  # the replica has no copy (it was restarted): the whole shard
             self._send_init()
             return
-        self.term.depose(reply.term, self.replica_task)
-        raise FailedPreconditionError(f"{self.term._not_primary()} ({reply.message})")
+        raise deposed(self.term, reply, self.replica_task)
 
     def _send_init(self) -> None:
         with self.gate.reading():
@@ -298,29 +361,46 @@ class ReplicaLink:
         data = self._call("ReplicaInit", header, buffers)
         reply = parse_message(pb.ReplicateReply, data, "ReplicateReply")
         if not reply.accepted:
-            self.term.depose(reply.term, self.replica_task)
-            raise FailedPreconditionError(f"{self.term._not_primary()} ({reply.message})")
+            raise deposed(self.term, reply, self.replica_task)
         self._seeded = True
         logger.info("ps task %d: shard %d copied whole to its replica on ps task %d",
                     self.term.task, self.term.shard, self.replica_task)
 
     def _call(self, method: str, header: Any, buffers: list[np.ndarray]) -> bytes:
-        from towerflow.cluster.transport import stream_unary
-
         chunks = [header.SerializeToString(), *buffer_chunks(buffers)]
-        try:
-            return stream_unary(self._channel(), method_path(method), chunks,
-                                timeout=self.timeout)
-        except FailedPreconditionError:
-            raise
-        except TowerflowError as exc:
-            raise UnavailableError(
-                f"ps task {self.term.task} applied the push to shard {self.term.shard}, but its "
-                f"replica on ps task {self.replica_task} did not acknowledge the copy within "
-                f"{self.timeout:g} s ({type(exc).__name__}: {exc}); the push is not "
-                "acknowledged. Its retry is answered from the push ledger once the replica "
-                f"has it: start ps task {self.replica_task} again, or train with replicas=0."
-            ) from None
+        return send_copy(self._channel(), method_path(method), chunks, self.term,
+                         self.replica_task, self.timeout)
+
+
+def send_copy(channel: Any, path: str, chunks: list[bytes], term: ShardTerm, replica_task: int,
+              timeout: float) -> bytes:
+    """Stream a copy's ``chunks`` to the replica's ``path``; its reply's bytes.
+
+    Raises:
+        UnavailableError: no acknowledgement within ``timeout`` (a sentence says what
+            became of the push and the way out).
+    """
+    from towerflow.cluster.transport import stream_unary
+
+    try:
+        return stream_unary(channel, path, chunks, timeout=timeout)
+    except FailedPreconditionError:
+        raise
+    except TowerflowError as exc:
+        raise UnavailableError(
+            f"ps task {term.task} applied the push to shard {term.shard}, but its replica on "
+            f"ps task {replica_task} did not acknowledge the copy within {timeout:g} s "
+            f"({type(exc).__name__}: {exc}); the push is not acknowledged. Its retry is "
+            "answered from the push ledger once the replica has it: start ps task "
+            f"{replica_task} again, or train with replicas=0."
+        ) from None
+
+
+def deposed(term: ShardTerm, reply: Any, replica_task: int) -> FailedPreconditionError:
+    """The replica refused a copy (``reply``, a ``ReplicateReply``) because it took the shard
+    over: depose this task and return the error to raise."""
+    term.depose(reply.term, replica_task)
+    return FailedPreconditionError(f"{term.refusal()} ({reply.message})")
 
 
 def replicate_header(shard: Any) -> pb.ReplicateRequest:

@@ -44,7 +44,7 @@ from towerflow.ps.server.dense.replication import (
     PRIMARY,
     REPLICA_TIMEOUT,
     ReplicaLink,
-    ShardTerm,
+    TermBook,
     replicate_header,
     scatter,
 )
@@ -138,6 +138,7 @@ class PSService:
         task_index: the ps task this service runs on (default ``shard_index``; a
             copy of another task's shard names its host).
         role: ``primary`` (the task's own shard) or ``replica`` (a copy).
+        terms: the task's shard terms (a copy shares its host's; default: new).
 
     Attributes:
         finished: replica -> how it finished ("" or its final checkpoint), from ``Done``.
@@ -160,17 +161,19 @@ class PSService:
                  confirm_join: Callable[[Any], None] | None = None,
                  peer_channel: Callable[[int], Any] | None = None, num_ps: int | None = None,
                  replica_timeout: float = REPLICA_TIMEOUT, task_index: int | None = None,
-                 role: str = PRIMARY) -> None:
+                 role: str = PRIMARY, terms: TermBook | None = None) -> None:
         tune_malloc(one_arena=True)
         task = shard_index if task_index is None else task_index
         self.peer_channel, self.num_ps, self.replica_timeout = peer_channel, num_ps, replica_timeout
-        successor = None if not num_ps else (shard_index + 1) % num_ps
+        #: the terms of the shards this task holds (its table service shares them)
+        self.terms = terms or TermBook(task, num_ps)
         #: the shard's term and this task's role for it
-        self.term = ShardTerm(shard_index, task, role, successor)
+        self.term = self.terms.of(shard_index, role)
         self._link: ReplicaLink | None = None
         self._init_request: Any = None
         #: the copies of other ps tasks' shards held here (a copy holds none itself)
-        self.copies = ReplicaCopies(task, self._make_copy) if role == PRIMARY else None
+        self.copies = ReplicaCopies(task, self._make_copy, self.terms) \
+            if role == PRIMARY else None
         self.describe_peer = describe_peer
         self.elastic = ElasticMembers(shard_index, confirm=confirm_join)
         self.workers = WorkerTable(replicas, self.elastic)
@@ -214,7 +217,7 @@ class PSService:
         """A service holding this task's copy of ``shard`` (:class:`ReplicaCopies`)."""
         return PSService(shard, chunk_bytes=self.chunk_bytes, replicas=self.replicas,
                          describe_worker=self.describe_worker, staging_bytes=self.staging_bytes,
-                         task_index=self.shard_index, role="replica")
+                         task_index=self.shard_index, role="replica", terms=self.terms)
 
     def _serving(self, shard: int, term: int) -> PSService:
         """The service that serves ``shard`` (-1: this task's own) at ``term`` here.
