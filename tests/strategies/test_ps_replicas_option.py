@@ -17,8 +17,9 @@ from torch import nn
 
 from towerflow.cli._train_options import strategy_options
 from towerflow.cluster import ClusterSpec, TaskInfo
-from towerflow.cluster.transport import Credentials, make_channel
+from towerflow.cluster.transport import Credentials, make_channel, unary_stream
 from towerflow.errors import InvalidArgumentError
+from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.inprocess import ps_tasks
@@ -127,14 +128,30 @@ class Clicks(nn.Module):
         return self.out(self.item(ids)).squeeze(1)
 
 
-def test_a_model_with_sparse_tables_and_replicas_is_refused_with_a_sentence() -> None:
+def export(channel: Any, table: str, shard: int) -> list[bytes]:
+    """Table ``table``'s shard ``shard`` as the task serves it: each chunk's rows and slots."""
+    chunks = unary_stream(channel, "/towerflow.ps.Tables/ExportRows", tpb.ExportRowsRequest(
+        table=table, shard=shard).SerializeToString(), timeout=10.0)
+    return [part for data in chunks for chunk in [tpb.RowChunk.FromString(data)]
+            for part in (chunk.ids, chunk.rows, *chunk.slots)]
+
+
+def test_a_click_model_trains_with_its_table_shards_replicated() -> None:
     with ps_tasks(SECRET) as spec:
         one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
         run = strategy(one, replicas=1, whole_table_bytes=None)
         try:
-            with pytest.raises(InvalidArgumentError, match=re.escape(
-                    "replicas=1 with sparse tables: a table shard has no live replica yet; "
-                    "train with replicas=0")):
-                run.prepare(Clicks(), OptimizerConfig("adagrad", lr=0.1))
+            run.prepare(Clicks(), OptimizerConfig("adagrad", lr=0.1))
+            g = torch.Generator().manual_seed(1)
+            for _ in range(4):
+                ids = torch.randint(0, 50, (16,), generator=g)
+                run.run_step(lambda m, b: m(b).square().mean(), ids)
+            run.settle()
+            (name,) = [module.config.name for _, module in run._tables.modules]
         finally:
             run.shutdown()
+        ps = spec.job_tasks("ps")
+        with channel_to(ps[0]) as first, channel_to(ps[1]) as second:
+            primary = export(first, name, 0)
+            calls.promote(second, 0)
+            assert export(second, name, 0) == primary  # rows and adagrad slots, bit for bit

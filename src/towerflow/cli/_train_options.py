@@ -263,8 +263,8 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--ps-replicas", type=int, default=0, metavar="N",
                        help="(the chief, async) live copies of each dense ps shard on other ps "
                        "tasks: 0 (default) none; 1: shard i's on ps task i+1, and a push is "
-                       "acknowledged once the copy has it (fewer than the ps tasks; no sparse "
-                       "tables yet)")
+                       "acknowledged once the copy has it (fewer than the ps tasks; fixed "
+                       "tables too, no dynamic ones yet)")
     add_lifecycle_arguments(group)
 
 

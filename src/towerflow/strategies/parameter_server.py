@@ -141,7 +141,7 @@ class ParameterServer(DenseModes, Strategy):
             ``backend``).
         replicas: (the chief, async) live copies of each dense shard: 0 (default) none; 1
             (below the number of ps tasks): shard ``i``'s on ps task ``(i + 1) % n``, a push
-            acknowledged once it has it (``towerflow.ps.server.dense.replication``; no tables yet).
+            acknowledged once it has it (``towerflow.ps.server.terms``; no dynamic tables yet).
     """
 
     name = "ps"

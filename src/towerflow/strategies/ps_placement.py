@@ -21,7 +21,7 @@ def check_replicas(replicas: Any, num_ps: int, mode: str = "async") -> int:
 
     A shard's copies live on other ps tasks (shard ``i``'s on ps task ``(i + 1) % n``),
     so ``replicas`` is below the number of ps tasks; one copy per shard, of an async
-    job's dense shards, is built so far.
+    job's dense and fixed table shards, is built so far.
 
     Example:
         >>> check_replicas(1, 2), check_replicas(0, 1)

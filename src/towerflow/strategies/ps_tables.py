@@ -74,8 +74,7 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
 
     Raises:
         InvalidArgumentError: a parameter built on the meta device (no values)
-            stays dense: only a table on the ps may start without values; or the
-            job asks ``replicas`` of its shards (tables have no replica yet).
+            stays dense: only a table on the ps may start without values.
     """
     aggregation = client_options.get("aggregation")
     for line in keep_small_tables(model, optimizer, sparse_threshold, whole_below,
@@ -85,12 +84,6 @@ def attach_tables(model: nn.Module, optimizer: Any, *, cluster: Any,
     _check_no_meta(model, sparse_threshold)
     addresses = [cluster.task_address("ps", i) for i in range(cluster.num_tasks("ps"))]
     tables = SparseTables(model, addresses, optimizer, **client_options)
-    if tables and getattr(aggregation, "replicas", 0):
-        tables.close()
-        raise InvalidArgumentError(
-            f"replicas={aggregation.replicas} with sparse tables: a table shard has no live "
-            "replica yet; train with replicas=0, or keep the embeddings dense "
-            "(sparse_threshold_bytes=None).")
     for path in swapped:
         log.warning("%s", describe_swap(model.get_submodule(path), len(addresses)))
     if not chief:

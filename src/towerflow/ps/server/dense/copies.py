@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from towerflow.ps.server.dense.replication import REPLICA, TermBook, scatter
+from towerflow.ps.server.dense.replication import scatter
+from towerflow.ps.server.terms import REPLICA, TermBook
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.framing import receive_into
 from towerflow.ps.wire.messages import parse_message, push_rows

@@ -39,18 +39,17 @@ from towerflow.ps.server.dense.admission import default_staging_limit
 from towerflow.ps.server.dense.copies import ReplicaCopies
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.replication import (
-    DEPOSED,
-    PRIMARY,
-    REPLICA_TIMEOUT,
-    ReplicaLink,
-    TermBook,
-    replicate_header,
-    scatter,
-)
+from towerflow.ps.server.dense.replication import ReplicaLink, replicate_header, scatter
 from towerflow.ps.server.dense.reservations import StepReservations
 from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.elastic import ElasticMembers
+from towerflow.ps.server.terms import (
+    DEPOSED,
+    PRIMARY,
+    REPLICA_TIMEOUT,
+    TermBook,
+    check_copies,
+)
 from towerflow.ps.server.workerstats import WorkerTable
 from towerflow.ps.spec.dense import SLOT_NAMES, canonical_name
 from towerflow.ps.wire import ps_pb2 as pb
@@ -250,11 +249,7 @@ class PSService:
         """The link to this shard's replica when the Init asks ``copies`` (None: no copy)."""
         if not copies or self.term.role != PRIMARY:
             return None
-        if self.peer_channel is None or not self.num_ps or copies >= self.num_ps:
-            raise InvalidArgumentError(
-                f"Init asked replicas={copies} of ps shard {self.shard_index}, but this job "
-                f"has {self.num_ps or 'an unknown number of'} ps task(s); replicas must be "
-                "below the number of ps tasks. Start more ps tasks or train with replicas=0.")
+        check_copies(copies, self.num_ps, self.peer_channel, f"Init of ps shard {self.shard_index}")
         task = replica_of(self.shard_index, self.num_ps)
         return ReplicaLink(self.term, task, lambda: self.peer_channel(task), self._snapshot,
                            self.replica_timeout)
