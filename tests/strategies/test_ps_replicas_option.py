@@ -13,13 +13,16 @@ import numpy as np
 import pytest
 import replica_calls as calls
 import torch
+from rich.console import Console
 from torch import nn
 
 from towerflow.cli._train_options import strategy_options
+from towerflow.cli.status import render
 from towerflow.cluster import ClusterSpec, TaskInfo
 from towerflow.cluster.transport import Credentials, make_channel, unary_stream
 from towerflow.errors import InvalidArgumentError
 from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.worker.observe import ClusterObserver
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing.inprocess import ps_tasks
@@ -116,6 +119,15 @@ def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task() -> Non
             promoted = calls.promote(second, 0)
             assert (promoted.term, promoted.step) == (2, 5)
             np.testing.assert_array_equal(calls.pull(second, shard=0, term=2), primary)
+        with ClusterObserver(spec, SECRET) as observer:  # what `towerflow status` shows
+            snapshot = observer.snapshot()
+        assert [(v["shard"], v["role"], v["term"], v["copies"]) for v in snapshot["ps"]] == [
+            (0, "primary", 1, [{"shard": 1, "role": "replica", "term": 1, "step": 5}]),
+            (1, "primary", 1, [{"shard": 0, "role": "primary", "term": 2, "step": 5}])]
+        console = Console(width=80, record=True)
+        console.print(render(snapshot))
+        assert re.search(r"shard replicas.*\n(.*\n)*.*0 +│ +1 +│ +primary +│ +2 +│ +5",
+                         console.export_text()), console.export_text()
 
 
 class Clicks(nn.Module):
