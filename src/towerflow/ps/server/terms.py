@@ -38,7 +38,8 @@ from towerflow.errors import (
     UnavailableError,
 )
 
-__all__ = ["ShardTerm", "TermBook", "GroupCommit", "send_copy", "deposed", "check_copies",
+__all__ = ["ShardTerm", "TermBook", "GroupCommit", "CopyStream", "send_copy", "deposed",
+           "check_copies",
            "REPLICA_TIMEOUT",
            "PRIMARY", "REPLICA", "DEPOSED"]
 
@@ -248,13 +249,70 @@ def send_copy(channel: Any, path: str, chunks: list[bytes], term: ShardTerm, rep
     except FailedPreconditionError:
         raise
     except TowerflowError as exc:
-        raise UnavailableError(
-            f"ps task {term.task} applied the push to shard {term.shard}, but its replica on "
-            f"ps task {replica_task} did not acknowledge the copy within {timeout:g} s "
-            f"({type(exc).__name__}: {exc}); the push is not acknowledged. Its retry is "
-            "answered from the push ledger once the replica has it: start ps task "
-            f"{replica_task} again, or train with replicas=0."
-        ) from None
+        raise _unacknowledged(term, replica_task, timeout, exc) from None
+
+
+def _unacknowledged(term: ShardTerm, replica_task: int, timeout: float,
+                    exc: TowerflowError) -> UnavailableError:
+    return UnavailableError(
+        f"ps task {term.task} applied the push to shard {term.shard}, but its replica on "
+        f"ps task {replica_task} did not acknowledge the copy within {timeout:g} s "
+        f"({type(exc).__name__}: {exc}); the push is not acknowledged. Its retry is "
+        "answered from the push ledger once the replica has it: start ps task "
+        f"{replica_task} again, or train with replicas=0.")
+
+
+class CopyStream:
+    """A primary's long-lived call to its replica's copy handler: one request per copy and
+    one reply each, in order (a call set up and authenticated per copy would cost both ends
+    far more CPU than the copy; see ``towerflow.cluster.transport.RequestStream``).
+
+    Its caller sends one copy at a time (:class:`GroupCommit`). A failed call is closed;
+    the next copy opens another.
+
+    Args:
+        channel: ``channel()`` -> an authenticated channel to the replica's ps task.
+        path: the stream method's full path.
+        term: the shard's term here (for the refusal's sentence).
+        replica_task: the replica's ps task.
+        timeout: seconds to wait for each acknowledgement.
+    """
+
+    def __init__(self, channel: Callable[[], Any], path: str, term: ShardTerm,
+                 replica_task: int, timeout: float) -> None:
+        self._channel, self._path, self.term = channel, path, term
+        self.replica_task, self.timeout = replica_task, timeout
+        self._stream: Any = None
+
+    def call(self, request: bytes) -> bytes:
+        """Send one copy; the replica's reply.
+
+        Raises:
+            UnavailableError: no acknowledgement within the timeout (a sentence says what
+                became of the push and the way out).
+        """
+        from towerflow.cluster.transport import RequestStream
+
+        stream = self._stream
+        try:
+            if stream is None or not stream.fresh:
+                self.close()
+                stream = self._stream = RequestStream(self._channel(), self._path,
+                                                      self.timeout, request)
+            else:
+                stream.send(request)
+            return stream.receive()
+        except TowerflowError as exc:
+            self.close()
+            if isinstance(exc, FailedPreconditionError):
+                raise
+            raise _unacknowledged(self.term, self.replica_task, self.timeout, exc) from None
+
+    def close(self) -> None:
+        """End the call (a later copy opens another)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
 
 
 def check_copies(copies: int, num_ps: int | None, peer_channel: Any, what: str) -> None:

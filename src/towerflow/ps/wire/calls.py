@@ -36,6 +36,8 @@ method                   kind             messages
                                           ``ReplicateReply``
 ``Replicate``            stream -> unary  ``ReplicateRequest``, params and slot
                                           chunks -> ``ReplicateReply``
+``ReplicateStream``      stream           many ``Replicate`` on one long-lived
+                                          call (each header and payload packed)
 ``Promote``              unary            ``PromoteRequest`` -> ``PromoteReply``
                                           (the copy becomes the primary)
 =======================  ===============  =====================================
@@ -110,7 +112,7 @@ SERVICE_NAME = "towerflow.ps.PS"
 #: the service's methods, in the order of the call sequence
 METHODS = ("Init", "Status", "Join", "Pull", "Push", "PushPull", "PushPullSmall",
            "PushPullSmallStream", "Done", "Ledger", "Reserve", "ReplicaInit", "Replicate",
-           "Promote")
+           "ReplicateStream", "Promote")
 
 APPLIED = "applied"      # the gradient changed the parameters
 STALE = "stale"          # sync: computed on an older step; dropped and counted

@@ -33,7 +33,7 @@ from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotF
 from towerflow.ps.server.dense.replication import scatter
 from towerflow.ps.server.terms import REPLICA, TermBook
 from towerflow.ps.wire import ps_pb2 as pb
-from towerflow.ps.wire.framing import receive_into
+from towerflow.ps.wire.framing import receive_into, unpack
 from towerflow.ps.wire.messages import parse_message, push_rows
 
 __all__ = ["ReplicaCopies"]
@@ -121,6 +121,15 @@ class ReplicaCopies:
                 self._versions[req.shard] = req.version
                 _install(copy.shard.state, buffers, req)
             return pb.ReplicateReply(accepted=True, term=copy.term.term).SerializeToString()
+
+    def replicate_stream(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+        """``ReplicateStream``: many ``Replicate`` on one long-lived call, each request a
+        :func:`~towerflow.ps.wire.framing.pack` of its header and payload, one reply each."""
+        from towerflow.cluster.transport import requests_until_closed
+
+        for request in requests_until_closed(iter(requests)):
+            head, payload = unpack(request)
+            yield self.replicate(iter((head, payload) if len(payload) else (head,)))
 
     def promote(self, request: bytes) -> bytes:
         """``Promote``: the copy of the shard (dense and tables) becomes its primary at the

@@ -38,6 +38,7 @@ import numpy as np
 
 from towerflow.ps.server.terms import (
     REPLICA_TIMEOUT,
+    CopyStream,
     GroupCommit,
     ShardTerm,
     deposed,
@@ -45,7 +46,7 @@ from towerflow.ps.server.terms import (
 )
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.calls import method_path
-from towerflow.ps.wire.framing import CHUNK_BYTES
+from towerflow.ps.wire.framing import CHUNK_BYTES, pack
 from towerflow.ps.wire.messages import parse_message, push_records
 
 __all__ = ["ApplyGate", "ReplicaLink", "buffer_chunks", "scatter", "replicate_header"]
@@ -131,6 +132,8 @@ class ReplicaLink:
         self._channel, self._snapshot, self.timeout = channel, snapshot, timeout
         self.gate = ApplyGate()
         self._commit = GroupCommit(self._copy)
+        self._stream = CopyStream(channel, method_path("ReplicateStream"), term, replica_task,
+                                  timeout)
         self.version = 0
         self._seeded = False
 
@@ -157,7 +160,8 @@ class ReplicaLink:
             header, buffers = self._snapshot(False)
             self.version += 1
         header.shard, header.term, header.version = self.term.shard, self.term.term, self.version
-        data = self._call("Replicate", header, buffers)
+        data = self._stream.call(pack(header.SerializeToString(),
+                                      b"".join(b.view(np.uint8).data for b in buffers)))
         reply = parse_message(pb.ReplicateReply, data, "ReplicateReply")
         if reply.accepted:
             return

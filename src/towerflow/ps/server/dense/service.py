@@ -209,6 +209,7 @@ class PSService:
             "Reserve": ("unary_unary", self.reserve),
             "ReplicaInit": ("stream_unary", self.copies.replica_init),
             "Replicate": ("stream_unary", self.copies.replicate),
+            "ReplicateStream": ("stream_stream", self.copies.replicate_stream),
             "Promote": ("unary_unary", self.copies.promote),
         })
 

@@ -32,6 +32,7 @@ from towerflow.errors import InvalidArgumentError
 from towerflow.ps.server.terms import (
     REPLICA,
     REPLICA_TIMEOUT,
+    CopyStream,
     GroupCommit,
     ShardTerm,
     deposed,
@@ -72,6 +73,8 @@ class RowReplica:
         self._made = False
         self._sent: list | None = None  # the push table the replica last acknowledged
         self._commit = GroupCommit(self._send)
+        self._stream = CopyStream(channel, path("ReplicateRowsStream"), term, replica_task,
+                                  timeout)
 
     def mark(self, ids: torch.Tensor) -> None:
         """Rows ``ids`` changed (the shard's lock held): the next copy carries them."""
@@ -100,8 +103,9 @@ class RowReplica:
             if chunks is None:
                 return  # nothing changed since the replica's last acknowledgement
             try:
-                data = send_copy(self._channel(), self._path("ReplicateRows"), chunks,
-                                 self.term, self.replica_task, self.timeout)
+                data = self._stream.call(chunks[0]) if len(chunks) == 1 else \
+                    send_copy(self._channel(), self._path("ReplicateRows"), chunks, self.term,
+                              self.replica_task, self.timeout)
             except BaseException:
                 self._give_back(taken)
                 raise

@@ -44,6 +44,8 @@ method                  kind             messages
                                          -> ``InitTableReply``
 ``ReplicateRows``       stream -> unary  ``RowChunk`` ... -> ``ReplicateReply``
                                          (:mod:`~towerflow.ps.server.tables.replica`)
+``ReplicateRowsStream`` stream-stream    many ``ReplicateRows`` of one chunk
+                                         each on one long-lived call
 ======================  ===============  ====================================
 
 The handlers are raw-bytes handlers of
@@ -174,6 +176,7 @@ class TableService:
             "TableStats": ("unary_unary", self.table_stats),
             "ReplicaInitTable": ("unary_unary", self.replica_init_table),
             "ReplicateRows": ("stream_unary", self.replicate_rows),
+            "ReplicateRowsStream": ("stream_stream", self.replicate_rows_stream),
         })
 
     def table(self, name: str, shard: int, term: int = 0) -> Any:
@@ -292,6 +295,11 @@ class TableService:
             return pb.ReplicateReply(accepted=False, term=0, message=(
                 f"ps task {self.task_index} holds no table copies")).SerializeToString()
         return self._copies.replicate(chunks)
+
+    def replicate_rows_stream(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+        """Many ``ReplicateRows`` of one chunk each on one long-lived call, one reply each."""
+        for request in requests_until_closed(iter(requests)):
+            yield self.replicate_rows(iter((request,)))
 
     @staticmethod
     def _forward(*shards: Any) -> None:
