@@ -32,12 +32,23 @@ TABLE = TableConfig("t", ModPartitioner(2, num_rows=20), 3, ADAGRAD, INIT)
 
 
 @pytest.fixture
-def replicated():
-    """Two whole ps tasks and a worker's table client asking ``replicas=1`` ->
-    (spec, table services, client). Everything started is closed at the end."""
+def servers():
+    """The ps task servers a test starts (in order), all stopped at its end."""
+    started: list[Server] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture
+def replicated(servers):
+    """Two whole ps tasks (``servers``) and a worker's table client asking ``replicas=1``
+    -> (spec, table services, client). Everything started is closed at the end."""
     spec = loopback_cluster(2, 1)
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
+    servers.extend(Server(spec, "ps", i, credentials=SECRET,
+                          options=ServerOptions(serve_forever=True)) for i in range(2))
     client = TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=0,
                          incarnation=100, timeout=10.0, aggregation=AggregationConfig(replicas=1))
     try:
@@ -46,8 +57,6 @@ def replicated():
         yield spec, tables, client
     finally:
         client._close()
-        for server in servers:
-            server.stop()
 
 
 def ps_call(spec: Any, task: int, call: Any, *args: Any, **kw: Any) -> Any:
@@ -150,3 +159,17 @@ def test_a_dynamic_table_asking_a_replica_is_refused_with_a_sentence(replicated)
             "InitTable of the dynamic table 'd' asks replicas=1; a dynamic table's live "
             "replica is not built yet.")):
         client.init_table(dynamic)
+
+
+def test_a_restarted_replica_task_gets_the_table_and_every_row_again_at_the_next_push(
+        replicated, servers) -> None:
+    spec, tables, client = replicated
+    client.init_table(TABLE)
+    assert push_rows(spec, 0, shard=0, seq=1, ids=[0, 4]).status == "applied"
+    servers[1].stop()  # ps task 1, shard 0's replica, ends; a new one starts in its place
+    servers.append(Server(spec, "ps", 1, credentials=SECRET,
+                          options=ServerOptions(serve_forever=True)))
+    copies = next(h for h in servers[-1].services if isinstance(h, TableHost)).service
+    assert copies._copies is None
+    assert push_rows(spec, 0, shard=0, seq=2, ids=[6]).status == "applied"
+    assert_same_rows(tables[0].table("t", 0), copies._copies.get("t", 0))

@@ -192,3 +192,23 @@ def test_without_replicas_nothing_is_copied(replicated) -> None:
     _, services, servers, plan = replicated(replicas=0)
     assert push(servers, plan, task=0, seq=1).status == APPLIED
     assert services[1].copies.get(0) is None and services[0].copies.get(1) is None
+
+
+def test_a_restarted_replica_task_gets_the_whole_shard_again_at_the_next_push(
+        replicated) -> None:
+    cluster, services, servers, plan = replicated()
+    assert push(servers, plan, task=0, seq=1).status == APPLIED
+    servers[1].stop()  # ps task 1, shard 0's replica, ends; a new one starts in its place
+    server = Server(cluster, "ps", 1, credentials=SECRET, start=False)
+    fresh = PSService(1, chunk_bytes=64, num_ps=2, replica_timeout=5.0,
+                      peer_channel=lambda k: server.channel("ps", k))
+    server.add_handlers([fresh.handlers()])
+    server.start()
+    servers.append(server)  # stopped at the end of the test with the others
+    assert fresh.copies.get(0) is None
+    reply = calls.push(servers[0].channel("ps", 0), plan.shards[0], seq=2)
+    # applied once (the channel may have sent the call again while the new task's
+    # identity was learnt: then it is answered from the ledger)
+    assert reply.status == APPLIED and reply.step == services[0].shard.state.step == 2
+    assert_same_shard(services[0], fresh.copies.get(0))  # the whole shard, then the push
+    assert fresh.copies.get(0).shard.state.admission.push_rows() == [(0, 7, 2, APPLIED)]

@@ -268,7 +268,8 @@ class CopyStream:
     far more CPU than the copy; see ``towerflow.cluster.transport.RequestStream``).
 
     Its caller sends one copy at a time (:class:`GroupCommit`). A failed call is closed;
-    the next copy opens another.
+    a copy that failed on a call opened before is sent once more on a new one (a copy is
+    taken whole or not at all, so twice is once), then the next copy opens another.
 
     Args:
         channel: ``channel()`` -> an authenticated channel to the replica's ps task.
@@ -293,20 +294,24 @@ class CopyStream:
         """
         from towerflow.cluster.transport import RequestStream
 
-        stream = self._stream
-        try:
-            if stream is None or not stream.fresh:
+        while True:  # a call opened before (its peer restarted since): once more, on a new one
+            stream = self._stream
+            reused = stream is not None and stream.fresh
+            try:
+                if not reused:
+                    self.close()
+                    stream = self._stream = RequestStream(self._channel(), self._path,
+                                                          self.timeout, request)
+                else:
+                    stream.send(request)
+                return stream.receive()
+            except TowerflowError as exc:
                 self.close()
-                stream = self._stream = RequestStream(self._channel(), self._path,
-                                                      self.timeout, request)
-            else:
-                stream.send(request)
-            return stream.receive()
-        except TowerflowError as exc:
-            self.close()
-            if isinstance(exc, FailedPreconditionError):
-                raise
-            raise _unacknowledged(self.term, self.replica_task, self.timeout, exc) from None
+                if isinstance(exc, FailedPreconditionError):
+                    raise
+                if not reused:
+                    raise _unacknowledged(self.term, self.replica_task, self.timeout,
+                                          exc) from None
 
     def close(self) -> None:
         """End the call (a later copy opens another)."""
