@@ -16,7 +16,7 @@ by that shard's primary (:class:`~towerflow.ps.server.dense.replication.ReplicaL
 
 A copy is a :class:`~towerflow.ps.server.dense.service.PSService` of the
 shard (made by the host's service), whose
-:class:`~towerflow.ps.server.dense.replication.ShardTerm` says ``replica``
+:class:`~towerflow.ps.server.terms.ShardTerm` says ``replica``
 until it is promoted.
 """
 
@@ -45,7 +45,7 @@ class ReplicaCopies:
     Args:
         task: this ps task's index.
         make_copy: ``make_copy(shard)`` -> a new service of ``shard`` in the replica role.
-        terms: the task's :class:`~towerflow.ps.server.dense.replication.TermBook` (the
+        terms: the task's :class:`~towerflow.ps.server.terms.TermBook` (the
             copies' terms, shared with the task's table service).
     """
 

@@ -365,7 +365,7 @@ class PSService:
 
         A push naming another shard (``header.shard``) goes to this task's copy of
         it once that copy was promoted; one naming a term is checked against the
-        shard's (:class:`~towerflow.ps.server.dense.replication.ShardTerm`). With a
+        shard's (:class:`~towerflow.ps.server.terms.ShardTerm`). With a
         replica, the push is answered once the replica holds the shard after it.
         """
         serving = self._serving(header.shard, header.term)

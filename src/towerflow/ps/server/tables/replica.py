@@ -11,7 +11,7 @@ table shard ``i`` has a copy on ps task ``(i + 1) % n``, kept as the dense shard
   slots and the shard's push table, read under the shard's lock (so a push is
   in both or in neither), travel as an import's chunks (``ReplicateRows``,
   ``RowChunk``), the applied values, not the gradients; pushes that finish
-  together share one copy (:class:`~towerflow.ps.server.dense.replication.GroupCommit`);
+  together share one copy (:class:`~towerflow.ps.server.terms.GroupCommit`);
 - a copy that did not reach the replica leaves its rows marked (the next copy
   carries them), and its push unanswered (``UNAVAILABLE``); a replica that took
   the shard over refuses the copy and deposes this task; one that has no copy
