@@ -16,7 +16,7 @@ import torch
 
 from towerflow.cluster import Server, ServerOptions
 from towerflow.cluster.transport import Credentials, make_channel, unary
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from towerflow.ps import AggregationConfig
 from towerflow.ps.partition import HashPartitioner, ModPartitioner
 from towerflow.ps.server.tables.service import TableHost
@@ -173,3 +173,15 @@ def test_a_restarted_replica_task_gets_the_table_and_every_row_again_at_the_next
     assert copies._copies is None
     assert push_rows(spec, 0, shard=0, seq=2, ids=[6]).status == "applied"
     assert_same_rows(tables[0].table("t", 0), copies._copies.get("t", 0))
+
+
+def test_a_table_push_is_not_acknowledged_while_the_replica_is_unreachable(
+        replicated, servers) -> None:
+    spec, tables, client = replicated
+    client.init_table(TABLE)
+    servers[1].stop()  # ps task 1 holds table shard 0's copy
+    with pytest.raises(UnavailableError, match=re.escape(
+            "ps task 0 applied the push to shard 0, but its replica on ps task 1 did not "
+            "acknowledge the copy")) as info:
+        push_rows(spec, 0, shard=0, seq=1, ids=[2])
+    assert "the push is not acknowledged" in str(info.value)
