@@ -16,6 +16,8 @@ cross entropy, Adagrad (lr 0.1, initial accumulator 0.1) — the workload of
 - ``plain``: ``nn.EmbeddingBag(1_000_000, 32, mode="sum")`` (128 MB: above the
   default size of a swapped embedding);
 - ``sharded``: ``towerflow.ps.ShardedEmbedding(1_000_000, 32, mode="sum")``;
+- ``replicated``: ``sparse`` under ``ParameterServer(replicas=1)`` (each ps task's
+  shards with a live copy on the other: the cost of a replica, against ``sparse``);
 
 against the one-process ceiling loop of ``sparse_embedding.py`` (one thread)
 and, with ``--tf-python``, TensorFlow 1's ps runtime (``sparse_embedding_tf.py``).
@@ -89,7 +91,7 @@ def click_model(variant: str, rows: int) -> nn.Module:
 
         table: nn.Module = ShardedEmbedding(rows, 32, mode="sum")
     else:
-        table = nn.EmbeddingBag(rows, 32, mode="sum", sparse=variant == "sparse")
+        table = nn.EmbeddingBag(rows, 32, mode="sum", sparse=variant in ("sparse", "replicated"))
     return nn.Sequential(table, nn.Linear(32, 1))
 
 
@@ -191,7 +193,8 @@ def task(args: argparse.Namespace) -> None:
         towerflow.Server(cluster, job_name="ps", task_index=info.task_index).join()
         return
     options = {"dense": {"sparse_threshold_bytes": None},
-               "rows": {"whole_table_bytes": None}}.get(args.variant, {})
+               "rows": {"whole_table_bytes": None},
+               "replicated": {"replicas": 1}}.get(args.variant, {})
     strategy = ParameterServer(cluster, info, **options)
     if args.workload == "click":
         model = click_model(args.variant, args.rows)
@@ -283,14 +286,15 @@ def baseline(args: argparse.Namespace) -> float:
 
 
 #: variants that are references, not ways a user writes the model (left out of the spread)
-_REFERENCES = ("rows", "twotables", "dense")
+_REFERENCES = ("rows", "twotables", "dense", "replicated")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("click", "deepfm", "movielens"), default="click")
     parser.add_argument("--variants", default=None,
-                        help="comma-separated (click: sparse,plain,sharded; deepfm: default,twotables,"
+                        help="comma-separated (click: sparse,plain,sharded,replicated; deepfm: "
+                        "default,twotables,"
                         "dense,rows; movielens: sparse,plain,rows)")
     parser.add_argument("--rows", type=int, default=1_000_000, help="click: the table's rows")
     parser.add_argument("--dense-rows-cap", type=int, default=0,

@@ -41,6 +41,7 @@ _STRATEGY_OPTIONS: dict[str, tuple[str, str]] = {
     "whole_tables": ("ps", "whole_table_bytes"),
     "table_part_bytes": ("ps", "table_part_bytes"),
     "join": ("ps", "join"), "max_elastic_workers": ("ps", "max_elastic_workers"),
+    "ps_replicas": ("ps", "replicas"),
     "dense": ("ps", "dense"), "embedding_staleness": ("ps", "embedding_staleness"),
     "backend": ("mirrored", "backend"), "collective_timeout": ("mirrored", "timeout_s"),
 }
@@ -259,6 +260,11 @@ def _add_ps_arguments(group: Any) -> None:
     group.add_argument("--max-elastic-workers", type=int, default=16, metavar="N",
                        help="(the chief, async) elastic workers (--join) each ps task admits "
                        "at once; 0: none (default 16, towerflow.ps.wire.calls')")
+    group.add_argument("--ps-replicas", type=int, default=0, metavar="N",
+                       help="(the chief, async) live copies of each dense ps shard on other ps "
+                       "tasks: 0 (default) none; 1: shard i's on ps task i+1, and a push is "
+                       "acknowledged once the copy has it (fewer than the ps tasks; fixed "
+                       "tables too, no dynamic ones yet)")
     add_lifecycle_arguments(group)
 
 

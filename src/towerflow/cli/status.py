@@ -163,7 +163,8 @@ _STATE_STYLE = {"up": "green", "dead": "bold red", "suspended": "bold yellow",
 
 
 def render(snapshot: dict[str, Any]) -> Any:
-    """The snapshot as ``rich`` tables (tasks, ps shards, workers).
+    """The snapshot as ``rich`` tables (tasks, ps shards, workers; sparse tables, and who
+    serves each shard when shards have replicas).
 
     What peers said (names, details, errors) is shown as plain text, never read as markup.
     """
@@ -211,7 +212,28 @@ def render(snapshot: dict[str, Any]) -> Any:
     parts = [f"[bold]towerflow status[/] at {stamp}", tasks, shards, workers]
     if snapshot.get("tables"):
         parts.append(_tables(snapshot["tables"]))
+    if any(s.get("copies") or s.get("role", "primary") != "primary" for s in snapshot["ps"]):
+        parts.append(_copies(snapshot["ps"]))
     return Group(*parts)
+
+
+def _copies(shards: list[dict[str, Any]]) -> Any:
+    """Who serves each shard (replicas=1): each ps task's own shard and the copies it holds,
+    with their role (primary, replica, deposed) and term; a promoted copy shows the switch."""
+    from rich.table import Table
+
+    table = Table(title="shard replicas", title_justify="left")
+    for column in ("shard", "ps task", "role", "term", "step"):
+        table.add_column(column, justify="right")
+    for view in shards:
+        if view.get("error") or not view.get("initialized", False):
+            continue
+        table.add_row(str(view["shard"]), str(view["shard"]), str(view.get("role") or "-"),
+                      _num(view.get("term")), _num(view.get("global_step")))
+        for copy in view.get("copies", ()):
+            table.add_row(str(copy["shard"]), str(view["shard"]), str(copy["role"]),
+                          _num(copy["term"]), _num(copy["step"]))
+    return table
 
 
 def _tables(rows: list[dict[str, Any]]) -> Any:

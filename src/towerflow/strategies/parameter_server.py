@@ -4,18 +4,16 @@ Article 003's roles: ps tasks hold the variables and apply updates; every worker
 parameters, computes gradients on its own device (its GPU when it has one) and pushes them;
 the chief (the ``chief`` job's task, else worker 0) creates the sparse tables on the ps tasks
 before :meth:`~ParameterServer.prepare` returns (a forward, an evaluation or a checkpoint
-works from then on) and initialises the dense parameters, or restores both from a
-checkpoint, at its first forward, step or checkpoint; the other workers' ``prepare`` waits
-until it has.
+works from then on) and initialises the dense parameters, or restores both from a checkpoint,
+at its first forward, step or checkpoint; the other workers' ``prepare`` waits until it has.
 
 On the worker, each ps shard's parameters and gradients are one flat buffer (``.data`` and
 ``.grad`` are views into them): a push sends the gradient buffer without a gather, and brings
 the fresh parameters back in the same round trip, landing in place (rows: pinned on a GPU).
 
 A worker runs its task's :class:`~towerflow.cluster.Server` while it trains (its own, started
-by :meth:`~ParameterServer.prepare` and stopped by :meth:`~ParameterServer.shutdown`, or the
-one given as ``server=``), so the ps tasks' heartbeats reach it and a dead or suspended
-worker is named.
+by :meth:`~ParameterServer.prepare`, stopped by :meth:`~ParameterServer.shutdown`, or
+``server=``), so the ps tasks' heartbeats reach it and a dead or suspended worker is named.
 
 An **elastic worker** (``join=True``; ``towerflow train --join``) joins a running ``async``
 job with no task of its own (:mod:`~towerflow.strategies.ps_elastic`). A model's sparse
@@ -65,6 +63,7 @@ from towerflow.strategies.ps_peers import task_server, wait_for_workers
 from towerflow.strategies.ps_placement import (
     DenseModes,
     check_dense_mode,
+    check_replicas,
     check_trainable,
     plan_variables,
 )
@@ -109,16 +108,13 @@ class ParameterServer(DenseModes, Strategy):
         is_chief: override the cluster's rule (the ``chief`` task, else worker 0).
         device_setter: a :func:`towerflow.replica_device_setter` result (its placement and
             worker device; a model built under it keeps the ps tasks it was given).
-        server: this task's running ``Server`` (used, not stopped); True
-            (default): start one in :meth:`prepare` and stop it in
-            :meth:`shutdown` — if it cannot listen (the port is taken, or a
-            non-loopback address has no cluster secret) training goes on
-            without it and a warning says the heartbeats will miss this task;
-            False: no server.
-        bind_host: the interface the server started here listens on instead of
-            the host the cluster names (``ServerOptions.bind_host``, e.g.
-            ``"0.0.0.0"`` in a pod whose Service name resolves only once it
-            runs); a server asked to listen there that cannot is an error.
+        server: this task's running ``Server`` (used, not stopped); True (default): start
+            one in :meth:`prepare` and stop it in :meth:`shutdown` — if it cannot listen (the
+            port is taken, or a non-loopback address has no cluster secret) training goes on
+            without it and a warning says the heartbeats will miss this task; False: none.
+        bind_host: the interface the server started here listens on instead of the host
+            the cluster names (``ServerOptions.bind_host``, e.g. ``"0.0.0.0"`` in a pod whose
+            Service name resolves only once it runs); one that cannot listen there is an error.
         sparse_threshold_bytes: every ``nn.Embedding`` / ``nn.EmbeddingBag``
             declared ``sparse=True`` or whose weight has this many bytes or more
             (default 64 MiB) becomes a sparse table on the ps tasks (only a
@@ -142,6 +138,9 @@ class ParameterServer(DenseModes, Strategy):
             tasks and the dense layers all-reduced among the workers
             (:mod:`towerflow.strategies.hybrid`, with ``embedding_staleness`` and
             ``backend``).
+        replicas: (the chief, async) live copies of each dense shard: 0 (default) none; 1
+            (below the number of ps tasks): shard ``i``'s on ps task ``(i + 1) % n``, a push
+            acknowledged once it has it (``towerflow.ps.server.terms``; no dynamic tables yet).
     """
 
     name = "ps"
@@ -160,7 +159,8 @@ class ParameterServer(DenseModes, Strategy):
                  table_part_bytes: int | None = None, join: bool = False,
                  max_elastic_workers: int = DEFAULT_MAX_ELASTIC,
                  dense_with_rows: bool = True, dense: str = "ps",
-                 embedding_staleness: int | None = None, backend: str | None = None) -> None:
+                 embedding_staleness: int | None = None, backend: str | None = None,
+                 replicas: int = 0) -> None:
         from towerflow.cluster import resolve_cluster
         from towerflow.ps.wire.messages import AggregationConfig
 
@@ -188,7 +188,8 @@ class ParameterServer(DenseModes, Strategy):
         self.aggregation = AggregationConfig(
             mode=mode, total_num_replicas=max(1, cluster.num_replicas),
             replicas_to_aggregate=replicas_to_aggregate, staleness=staleness,
-            timeout=step_timeout, max_elastic_workers=max_elastic_workers)
+            timeout=step_timeout, max_elastic_workers=max_elastic_workers,
+            replicas=check_replicas(replicas, cluster.num_tasks("ps"), mode))
         self._setter = device_setter
         if device_setter is not None:
             ps_strategy = ps_strategy or device_setter.strategy
@@ -255,20 +256,19 @@ class ParameterServer(DenseModes, Strategy):
     @property
     def model(self) -> nn.Module:
         """The prepared model (its parameters are views of the flat buffers)."""
-        if self._model is None:
-            raise FailedPreconditionError(
-                "ParameterServer has no model yet; call prepare(model, optimizer) first."
-            )
-        return self._model
+        return self._prepared(self._model)
 
     @property
     def client(self) -> Any:
         """The :class:`~towerflow.ps.worker.dense.client.PSClient` (after :meth:`prepare`)."""
-        if self._client is None:
+        return self._prepared(self._client)
+
+    @staticmethod
+    def _prepared(value: Any) -> Any:
+        if value is None:
             raise FailedPreconditionError(
-                "ParameterServer has no model yet; call prepare(model, optimizer) first."
-            )
-        return self._client
+                "ParameterServer has no model yet; call prepare(model, optimizer) first.")
+        return value
 
     # -- setup -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module,

@@ -9,10 +9,41 @@ from torch import nn
 
 from towerflow.errors import InvalidArgumentError
 
-__all__ = ["check_dense_mode", "check_trainable", "DenseModes", "plan_variables"]
+__all__ = ["check_dense_mode", "check_replicas", "check_trainable", "DenseModes",
+           "plan_variables"]
 
 #: where a ParameterServer's dense layers train: the class that trains them there
 DENSE_MODES = {"ps": None, "allreduce": "towerflow.strategies.hybrid:HybridParameterServer"}
+
+
+def check_replicas(replicas: Any, num_ps: int, mode: str = "async") -> int:
+    """The live copies of each ps shard that ``replicas`` asks, checked against the job.
+
+    A shard's copies live on other ps tasks (shard ``i``'s on ps task ``(i + 1) % n``),
+    so ``replicas`` is below the number of ps tasks; one copy per shard, of an async
+    job's dense and fixed table shards, is built so far.
+
+    Example:
+        >>> check_replicas(1, 2), check_replicas(0, 1)
+        (1, 0)
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or \
+            not 0 <= replicas < max(num_ps, 1):
+        raise InvalidArgumentError(
+            f"replicas={replicas!r} with {num_ps} ps task(s): a shard's live copies live on "
+            f"other ps tasks, so replicas is an integer from 0 to {max(num_ps - 1, 0)}. Use "
+            "replicas=0 (no copy), or start at least 2 ps tasks for replicas=1 "
+            "(--ps-replicas, run.yaml's ps_replicas).")
+    if replicas > 1:
+        raise InvalidArgumentError(
+            f"replicas={replicas}: one live copy per shard is built so far; use replicas=1 "
+            "or 0.")
+    if replicas and mode != "async":
+        raise InvalidArgumentError(
+            f"replicas={replicas} with mode={mode!r}: a {mode} shard's live replica is not "
+            "built yet (only async shards have one so far); train with mode='async', or "
+            "with replicas=0.")
+    return replicas
 
 
 def check_dense_mode(dense: str, staleness: int | None, backend: str | None, *,

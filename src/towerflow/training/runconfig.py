@@ -46,7 +46,7 @@ MAY_CHANGE = frozenset({
     "max_to_keep", "data_dir", "no_download", "ps_strategy", "partition_threshold", "ps_timeout",
     "step_timeout", "init_timeout", "on_bad_gradient", "ps_prefetch", "collective_timeout",
     "table_part_bytes", "serve_forever", "idle_timeout", "max_elastic_workers", "stop_deadline",
-    "export_dir", "export_every_secs", "dense", "embedding_staleness",
+    "export_dir", "export_every_secs", "dense", "embedding_staleness", "ps_replicas",
 })
 
 #: settings of this machine or this invocation: never taken from the record

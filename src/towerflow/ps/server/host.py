@@ -74,7 +74,9 @@ class ShardHost:
                                  on_worker_done=self._worker_done, replicas=replicas or None,
                                  describe_peer=peer_describer(server.cluster, self.monitor),
                                  confirm_join=None if server.task.task_index == 0 else
-                                 confirm_with_task0(lambda: server.channel("ps", 0)))
+                                 confirm_with_task0(lambda: server.channel("ps", 0)),
+                                 peer_channel=lambda k: server.channel("ps", k),
+                                 num_ps=len(server.cluster.job_tasks("ps")))
         self.lifecycle = JobLifecycle(server, self.service, self.monitor)
         if self.monitor is not None:  # a dead worker's kept step of the run's end is free
             self.service.reservations.alive = self._worker_alive

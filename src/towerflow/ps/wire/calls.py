@@ -31,6 +31,15 @@ method                   kind             messages
 ``Reserve``              unary            ``ReserveRequest`` -> ``ReserveReply``
                                           (ps task 0: a step of an async run's
                                           end kept for a worker's next push)
+``ReplicaInit``          stream -> unary  (a primary to its replica's ps task)
+                                          ``InitRequest`` + payload ->
+                                          ``ReplicateReply``
+``Replicate``            stream -> unary  ``ReplicateRequest``, params and slot
+                                          chunks -> ``ReplicateReply``
+``ReplicateStream``      stream           many ``Replicate`` on one long-lived
+                                          call (each header and payload packed)
+``Promote``              unary            ``PromoteRequest`` -> ``PromoteReply``
+                                          (the copy becomes the primary)
 =======================  ===============  =====================================
 
 The call sequence by role:
@@ -96,12 +105,14 @@ __all__ = [
     "bounded",
     "CHIEF_REPLICA",
     "failure_line",
+    "replica_of",
 ]
 
 SERVICE_NAME = "towerflow.ps.PS"
 #: the service's methods, in the order of the call sequence
 METHODS = ("Init", "Status", "Join", "Pull", "Push", "PushPull", "PushPullSmall",
-           "PushPullSmallStream", "Done", "Ledger", "Reserve")
+           "PushPullSmallStream", "Done", "Ledger", "Reserve", "ReplicaInit", "Replicate",
+           "ReplicateStream", "Promote")
 
 APPLIED = "applied"      # the gradient changed the parameters
 STALE = "stale"          # sync: computed on an older step; dropped and counted
@@ -140,6 +151,16 @@ def failure_line(error: str) -> str:
     lines = error.strip().splitlines()
     text = "".join(c if c.isprintable() else " " for c in (lines[0] if lines else ""))
     return bounded(text) if text else "an error it did not name"
+
+
+def replica_of(shard: int, num_ps: int) -> int:
+    """The ps task holding the live copy of ``shard`` (``replicas=1``): the next one.
+
+    Example:
+        >>> replica_of(0, 3), replica_of(2, 3)
+        (1, 0)
+    """
+    return (shard + 1) % num_ps
 
 
 #: the aggregation modes of a job (``AggregationSpec.mode``)

@@ -79,6 +79,9 @@ class PushHeader:
         last_step: an asynchronous run's last global step (0: none): ps task 0
             keeps a step of the run's end for the worker's next push
             (:mod:`~towerflow.ps.server.dense.reservations`).
+        term: the shard's term the worker believes in (0: not checked).
+        shard: the shard the push is for (-1: the ps task's own shard; another
+            index: a shard this ps task took over as its replica).
     """
 
     worker_id: int
@@ -91,6 +94,8 @@ class PushHeader:
     segments: tuple[tuple[str, tuple[int, ...]], ...] = ()
     finite: bool = False
     last_step: int = 0
+    term: int = 0
+    shard: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +144,9 @@ class AggregationConfig:
         rendezvous: hybrid training (dense layers all-reduced among the workers):
             ``host:port`` of the store where the workers' process group meets, set
             by the chief; empty otherwise.
+        replicas: live copies of each shard on other ps tasks (0: none; 1: shard
+            ``i``'s copy on ps task ``(i + 1) % n``): a push is acknowledged once
+            the copy has it too (:mod:`~towerflow.ps.server.dense.replication`).
     """
 
     mode: str = "async"
@@ -148,6 +156,7 @@ class AggregationConfig:
     timeout: float | None = DEFAULT_TIMEOUT
     max_elastic_workers: int = DEFAULT_MAX_ELASTIC
     rendezvous: str = ""
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -165,6 +174,7 @@ class AggregationConfig:
                 )
         _positive_int("staleness", self.staleness, 0)
         _positive_int("max_elastic_workers", self.max_elastic_workers, 0)
+        _positive_int("replicas", self.replicas, 0)
         t = self.timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)
                               or not math.isfinite(t) or t <= 0):
@@ -254,7 +264,10 @@ def encode_push_header(header: PushHeader, *, want_params: bool = False,
     req = pb.PushRequest(
         worker_id=header.worker_id, incarnation=header.incarnation, seq=header.seq,
         token=header.token, lr=header.lr, dtype=header.dtype, numel=header.numel,
-        want_params=want_params, finite=header.finite, last_step=header.last_step)
+        want_params=want_params, finite=header.finite, last_step=header.last_step,
+        term=header.term)
+    if header.shard >= 0:
+        req.shard = header.shard
     if not signature:
         req.segments.extend(pb.SegmentSignature(name=n, shape=s) for n, s in header.segments)
     return signature + req.SerializeToString()
@@ -271,7 +284,8 @@ def decode_push_header(data: bytes) -> tuple[PushHeader, bool]:
         worker_id=req.worker_id, seq=req.seq, token=req.token, lr=req.lr, numel=req.numel,
         dtype=req.dtype or "float32", incarnation=req.incarnation,
         segments=tuple((s.name, tuple(s.shape)) for s in req.segments), finite=req.finite,
-        last_step=max(0, req.last_step))
+        last_step=max(0, req.last_step), term=max(0, req.term),
+        shard=req.shard if req.HasField("shard") else -1)
     return header, req.want_params
 
 
@@ -297,7 +311,8 @@ def aggregation_to_proto(config: AggregationConfig) -> pb.AggregationSpec:
         mode=config.mode, total_num_replicas=config.total_num_replicas,
         replicas_to_aggregate=config.replicas_to_aggregate or 0, staleness=config.staleness,
         timeout=config.timeout or 0.0, wait_forever=config.timeout is None,
-        max_elastic_workers=config.max_elastic_workers, rendezvous=config.rendezvous)
+        max_elastic_workers=config.max_elastic_workers, rendezvous=config.rendezvous,
+        replicas=config.replicas)
 
 
 def optimizer_to_proto(config: Any, names: Iterable[str] = ()) -> pb.OptimizerSpec:

@@ -157,6 +157,13 @@ class Admission:
         with self._cond:
             self._table.merge(list(rows), step)
 
+    def adopt(self, step: int, rows: Iterable[tuple[int, int, int, str]]) -> None:
+        """A replica takes its primary's step and push table (newer facts win)."""
+        with self._cond:
+            self._step = max(self._step, int(step))
+            self._table.merge(list(rows), self._step)
+            self._cond.notify_all()
+
     def push_rows(self) -> list[tuple[int, int, int, str]]:
         """The push table: ``(worker, incarnation, highest answered seq, its status)``."""
         with self._cond:

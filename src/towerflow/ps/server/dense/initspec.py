@@ -213,10 +213,15 @@ def _aggregation(a: Any, replicas: int | None) -> AggregationConfig:
     if len(a.rendezvous) > MAX_RENDEZVOUS or any(c.isspace() for c in a.rendezvous):
         raise _fail("aggregation.rendezvous", a.rendezvous[:80],
                     f"a host:port of at most {MAX_RENDEZVOUS} characters")
+    copies = _count("aggregation.replicas", a.replicas, 0, 1)
+    if copies and a.mode != "async":
+        raise _fail("aggregation.replicas", a.replicas,
+                    f"0 in {a.mode} mode (a replica of a sync or ssp shard is not built yet; "
+                    "use mode='async' or replicas=0)")
     return AggregationConfig(mode=a.mode, total_num_replicas=total,
                              replicas_to_aggregate=to_aggregate or None, staleness=staleness,
                              timeout=timeout, max_elastic_workers=elastic,
-                             rendezvous=a.rendezvous)
+                             rendezvous=a.rendezvous, replicas=copies)
 
 
 def check_init(req: Any, shard_index: int, replicas: int | None = None) -> InitPlan:

@@ -19,6 +19,7 @@ range of the flat buffer, taken under that range's locks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -35,15 +36,31 @@ from towerflow.errors import (
 )
 from towerflow.ps.memory import check_free_memory, release_free_memory, tune_malloc
 from towerflow.ps.server.dense.admission import default_staging_limit
+from towerflow.ps.server.dense.copies import ReplicaCopies
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import make_optimizer
+from towerflow.ps.server.dense.replication import ReplicaLink, replicate_header, scatter
 from towerflow.ps.server.dense.reservations import StepReservations
 from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.elastic import ElasticMembers
+from towerflow.ps.server.terms import (
+    DEPOSED,
+    PRIMARY,
+    REPLICA_TIMEOUT,
+    TermBook,
+    check_copies,
+)
 from towerflow.ps.server.workerstats import WorkerTable
 from towerflow.ps.spec.dense import SLOT_NAMES, canonical_name
 from towerflow.ps.wire import ps_pb2 as pb
-from towerflow.ps.wire.calls import APPLIED, CHIEF_REPLICA, REFUSED, SERVICE_NAME, failure_line
+from towerflow.ps.wire.calls import (
+    APPLIED,
+    CHIEF_REPLICA,
+    REFUSED,
+    SERVICE_NAME,
+    failure_line,
+    replica_of,
+)
 from towerflow.ps.wire.framing import CHUNK_BYTES, pack, receive_into, unpack
 from towerflow.ps.wire.messages import (
     PushHeader,
@@ -72,18 +89,8 @@ def _receive_buffers(plan: InitPlan, chunks: Iterator[bytes], index: int
         f"Initialising ps shard {index}")
     buffers = [np.empty(numel, np.float32) for _ in range(1 + len(plan.slots))]
     receive_into(None, chunks, plan.payload_elements, who="the chief's Init",
-                 on_chunk=lambda first, values: _scatter(buffers, first, values))
+                 on_chunk=lambda first, values: scatter(buffers, first, values))
     return buffers[0], dict(zip(plan.slots, buffers[1:], strict=True))
-
-
-def _scatter(buffers: list[np.ndarray], first: int, values: np.ndarray) -> None:
-    """Copy ``values`` (elements ``first..`` of the buffers laid end to end) into place."""
-    size = buffers[0].size
-    while values.size:
-        index, offset = divmod(first, size)
-        take = min(values.size, size - offset)
-        buffers[index][offset:offset + take] = values[:take]
-        values, first = values[take:], first + take
 
 
 def _payload(chunks: Iterator[bytes]) -> Iterator[bytes]:
@@ -120,6 +127,17 @@ class PSService:
         confirm_join: on a ps task other than 0, asks ps task 0 whether it gave
             a joining elastic worker its id (see
             :class:`~towerflow.ps.server.elastic.ElasticMembers`).
+        peer_channel: ``peer_channel(k)`` -> an authenticated channel to ps task ``k``:
+            with it (and ``num_ps``) an Init asking ``replicas=1`` keeps a live copy of
+            the shard on the next ps task
+            (:mod:`~towerflow.ps.server.dense.replication`), and this task holds the
+            copy of the previous one's (:mod:`~towerflow.ps.server.dense.copies`).
+        num_ps: the job's number of ps tasks (for ``replicas``).
+        replica_timeout: seconds a push waits for the replica's acknowledgement.
+        task_index: the ps task this service runs on (default ``shard_index``; a
+            copy of another task's shard names its host).
+        role: ``primary`` (the task's own shard) or ``replica`` (a copy).
+        terms: the task's shard terms (a copy shares its host's; default: new).
 
     Attributes:
         finished: replica -> how it finished ("" or its final checkpoint), from ``Done``.
@@ -139,8 +157,22 @@ class PSService:
                  on_worker_done: Callable[[int], None] | None = None,
                  replicas: int | None = None, staging_bytes: int | None = None,
                  describe_peer: Callable[[int], tuple[str, str, float]] | None = None,
-                 confirm_join: Callable[[Any], None] | None = None) -> None:
+                 confirm_join: Callable[[Any], None] | None = None,
+                 peer_channel: Callable[[int], Any] | None = None, num_ps: int | None = None,
+                 replica_timeout: float = REPLICA_TIMEOUT, task_index: int | None = None,
+                 role: str = PRIMARY, terms: TermBook | None = None) -> None:
         tune_malloc(one_arena=True)
+        task = shard_index if task_index is None else task_index
+        self.peer_channel, self.num_ps, self.replica_timeout = peer_channel, num_ps, replica_timeout
+        #: the terms of the shards this task holds (its table service shares them)
+        self.terms = terms or TermBook(task, num_ps)
+        #: the shard's term and this task's role for it
+        self.term = self.terms.of(shard_index, role)
+        self._link: ReplicaLink | None = None
+        self._init_request: Any = None
+        #: the copies of other ps tasks' shards held here (a copy holds none itself)
+        self.copies = ReplicaCopies(task, self._make_copy, self.terms) \
+            if role == PRIMARY else None
         self.describe_peer = describe_peer
         self.elastic = ElasticMembers(shard_index, confirm=confirm_join)
         self.workers = WorkerTable(replicas, self.elastic)
@@ -175,7 +207,53 @@ class PSService:
             "Done": ("unary_unary", self.done),
             "Ledger": ("unary_unary", self.ledger),
             "Reserve": ("unary_unary", self.reserve),
+            "ReplicaInit": ("stream_unary", self.copies.replica_init),
+            "Replicate": ("stream_unary", self.copies.replicate),
+            "ReplicateStream": ("stream_stream", self.copies.replicate_stream),
+            "Promote": ("unary_unary", self.copies.promote),
         })
+
+    def _make_copy(self, shard: int) -> PSService:
+        """A service holding this task's copy of ``shard`` (:class:`ReplicaCopies`)."""
+        return PSService(shard, chunk_bytes=self.chunk_bytes, replicas=self.replicas,
+                         describe_worker=self.describe_worker, staging_bytes=self.staging_bytes,
+                         task_index=self.shard_index, role="replica", terms=self.terms)
+
+    def _serving(self, shard: int, term: int) -> PSService:
+        """The service that serves ``shard`` (-1: this task's own) at ``term`` here.
+
+        Raises:
+            FailedPreconditionError: this task does not serve it (a sentence says who does).
+        """
+        if shard < 0 or shard == self.shard_index or self.copies is None:
+            self.term.check(term)
+            return self
+        copy = self.copies.serving(shard)
+        copy.term.check(term)
+        return copy
+
+    def _snapshot(self, init: bool) -> tuple[Any, list[np.ndarray]]:
+        """The shard's state as it is now, for its replica (:class:`ReplicaLink`)."""
+        state = self.shard.state
+        buffers = [state.params.copy(), *(v.copy() for v in state.optimizer.slots.values())]
+        if not init:
+            return replicate_header(self.shard), buffers
+        req = pb.InitRequest()
+        req.CopyFrom(self._init_request)
+        req.step, req.optimizer_step = state.step, state.optimizer.step
+        del req.slots[:], req.pushes[:]
+        req.slots.extend(state.optimizer.slots)
+        req.pushes.extend(push_records(state.admission.push_rows()))
+        return req, buffers
+
+    def _replicate_to(self, copies: int) -> ReplicaLink | None:
+        """The link to this shard's replica when the Init asks ``copies`` (None: no copy)."""
+        if not copies or self.term.role != PRIMARY:
+            return None
+        check_copies(copies, self.num_ps, self.peer_channel, f"Init of ps shard {self.shard_index}")
+        task = replica_of(self.shard_index, self.num_ps)
+        return ReplicaLink(self.term, task, lambda: self.peer_channel(task), self._snapshot,
+                           self.replica_timeout)
 
     @property
     def initialized(self) -> bool:
@@ -211,11 +289,17 @@ class PSService:
         the live shard (if any) is replaced: a refused Init changes nothing.
         The push table of the replaced shard and the one the Init carries
         (from a checkpoint) are merged, so no push is applied twice across it.
+        With ``replicas=1`` the shard is then copied whole to its replica
+        (:class:`~towerflow.ps.server.dense.replication.ReplicaLink`); a deposed
+        primary refuses the Init.
         """
         chunks = iter(requests)
         self.last_call = time.monotonic()
         req = parse_message(pb.InitRequest, next(chunks, b""), "InitRequest")
+        if self.term.role == DEPOSED:
+            self.term.check()
         plan = check_init(req, self.shard_index, self.replicas)
+        link = self._replicate_to(plan.config.replicas)
         params, slots = _receive_buffers(plan, chunks, self.shard_index)
         optimizer = make_optimizer(plan.optimizer["name"], plan.layout.numel, slots=slots,
                                    **{k: v for k, v in plan.optimizer.items() if k != "name"})
@@ -228,12 +312,15 @@ class PSService:
             previous, self._shard = self._shard, shard
             self._generation += 1
             self.failure = ""  # a chief that failed before was restarted and initialised
+            self._init_request, self._link = req, link
             if previous is not None:
                 state.admission.merge_pushes(previous.state.admission.push_rows(), plan.step)
         if previous is not None:
             previous.close()
         del previous
         release_free_memory()  # the Init chunks
+        if link is not None:
+            link.seed()
         logger.info("ps shard %d initialised: %d variables, %.1f MiB, step %d, mode %s",
                     self.shard_index, len(plan.layout.segments), plan.layout.nbytes / 2**20,
                     state.step, plan.config.mode)
@@ -258,7 +345,9 @@ class PSService:
             generation=self._generation, shard=self.shard_index, refusals=figures.refusals,
             staged_bytes=figures.staged, workers=workers, uptime=uptime,
             pushes=push_records(figures.pushes), rendezvous=current.config.rendezvous,
-            segments=layout_to_proto(state.layout) if req.with_layout else ())
+            segments=layout_to_proto(state.layout) if req.with_layout else (),
+            term=self.term.term, role=self.term.role,
+            replicas=self.copies.stats() if self.copies is not None else ())
         return reply.SerializeToString()
 
     def dense_push(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
@@ -273,10 +362,21 @@ class PSService:
         (and the push not refused) ``params`` are the parameters to send back,
         in chunks of ``chunk_bytes`` (None: one chunk), and the reply says
         their ``numel``.
+
+        A push naming another shard (``header.shard``) goes to this task's copy of
+        it once that copy was promoted; one naming a term is checked against the
+        shard's (:class:`~towerflow.ps.server.terms.ShardTerm`). With a
+        replica, the push is answered once the replica holds the shard after it.
         """
-        shard = self.shard
-        outcome, params = shard.push(header, chunks, want_params=want_params, active=active,
-                                     chunk_bytes=chunk_bytes)
+        serving = self._serving(header.shard, header.term)
+        if serving is not self:
+            return serving.dense_push(header, chunks, want_params, active, chunk_bytes)
+        shard, link = self.shard, self._link
+        with link.gate.applying() if link is not None else contextlib.nullcontext():
+            outcome, params = shard.push(header, chunks, want_params=want_params,
+                                         active=active, chunk_bytes=chunk_bytes)
+        if link is not None:
+            link.forward()
         self.last_call = time.monotonic()
         self.elastic.seen(header.worker_id)
         self.workers.record(header.worker_id, header.token, outcome.step,
@@ -336,6 +436,10 @@ class PSService:
     def pull(self, request: bytes) -> Iterator[bytes]:
         """Stream the parameters (or an optimizer slot buffer)."""
         req = parse_message(pb.PullRequest, request, "PullRequest")
+        serving = self._serving(req.shard if req.HasField("shard") else -1, req.term)
+        if serving is not self:
+            yield from serving.pull(request)
+            return
         self.last_call = time.monotonic()
         state = self.shard.state
         name = req.buffer or "params"

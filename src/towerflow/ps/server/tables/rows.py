@@ -356,6 +356,13 @@ class DenseRowStore(RowStore):
                          {k: v[first:last].clone(memory_format=own)
                           for k, v in self._slots.items()})
 
+    def export_ids(self, ids: torch.Tensor) -> RowExport:
+        """The rows and slots of ``ids`` (owned here, each once), copies: what a push changed,
+        for the shard's replica."""
+        local = self._local(ids, checked=True)
+        return RowExport(ids, self._rows.index_select(0, local),
+                         {k: v.index_select(0, local) for k, v in self._slots.items()})
+
     def import_(self, ids: torch.Tensor, rows: torch.Tensor,
                 slots: Mapping[str, torch.Tensor] | None = None) -> None:
         local = self._local(ids)

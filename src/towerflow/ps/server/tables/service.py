@@ -39,6 +39,13 @@ method                  kind             messages
                                          ``TablesDoneReply``: a worker
                                          finished (sync and ssp stop
                                          waiting for it)
+``ReplicaInitTable``    unary            (a primary to its replica's ps task,
+                                         ``replicas=1``) ``InitTableRequest``
+                                         -> ``InitTableReply``
+``ReplicateRows``       stream -> unary  ``RowChunk`` ... -> ``ReplicateReply``
+                                         (:mod:`~towerflow.ps.server.tables.replica`)
+``ReplicateRowsStream`` stream-stream    many ``ReplicateRows`` of one chunk
+                                         each on one long-lived call
 ======================  ===============  ====================================
 
 The handlers are raw-bytes handlers of
@@ -71,6 +78,7 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps.server.tables.records import DenseNeighbour, JobWorkers
+from towerflow.ps.server.terms import PRIMARY, REPLICA_TIMEOUT, TermBook, check_copies
 from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.wire.framing import pack_parts, split_parts, unpack
 from towerflow.ps.wire.messages import AggregationConfig, parse_message, push_records
@@ -113,6 +121,11 @@ class TableService:
     Args:
         task_index: the ps task's index; an ``InitTable`` for another shard
             is refused. None: any shard (tests serving several in one process).
+        peer_channel: ``peer_channel(k)`` -> an authenticated channel to ps task ``k``:
+            with it (and ``num_ps``) a fixed table whose ``InitTable`` asks ``replicas=1``
+            keeps a live copy on the next ps task (:mod:`~towerflow.ps.server.tables.replica`).
+        num_ps: the job's number of ps tasks.
+        replica_timeout: seconds a push waits for the replica's acknowledgement.
 
     Attributes:
         workers: the job's current workers, whose pushes the tables take and keep
@@ -120,8 +133,14 @@ class TableService:
             until :meth:`serve_beside` points it at the task's dense shard).
     """
 
-    def __init__(self, task_index: int | None = None) -> None:
+    def __init__(self, task_index: int | None = None, *,
+                 peer_channel: Any = None, num_ps: int | None = None,
+                 replica_timeout: float = REPLICA_TIMEOUT) -> None:
         self.task_index = task_index
+        self.peer_channel, self.num_ps, self.replica_timeout = peer_channel, num_ps, replica_timeout
+        #: the terms of the shards held here (the dense shard's, once served beside it)
+        self.terms = TermBook(task_index, num_ps)
+        self._copies: Any = None  # the copies of other tasks' table shards (made on first use)
         self.workers = JobWorkers()
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
@@ -138,6 +157,7 @@ class TableService:
         ``RowBatch`` carries (its ``push_pull_small``, the dense shard's small-message carrier).
         """
         self.workers.ps = dense
+        self.terms = getattr(dense, "terms", self.terms)
 
     def handlers(self) -> Any:
         """The ``towerflow.ps.Tables`` gRPC service."""
@@ -154,16 +174,27 @@ class TableService:
             "TableStatus": ("unary_unary", self.table_status),
             "Done": ("unary_unary", self.done),
             "TableStats": ("unary_unary", self.table_stats),
+            "ReplicaInitTable": ("unary_unary", self.replica_init_table),
+            "ReplicateRows": ("stream_unary", self.replicate_rows),
+            "ReplicateRowsStream": ("stream_stream", self.replicate_rows_stream),
         })
 
-    def table(self, name: str, shard: int) -> Any:
-        """The :class:`~towerflow.ps.server.tables.shard.TableShard` ``(name, shard)``.
+    def table(self, name: str, shard: int, term: int = 0) -> Any:
+        """The :class:`~towerflow.ps.server.tables.shard.TableShard` ``(name, shard)`` this
+        task serves: its own, or its copy of another task's once promoted; a request naming
+        a ``term`` is checked against the shard's.
 
         Raises:
             NotFoundError: no such table shard here.
+            FailedPreconditionError: this task is not the shard's primary (a sentence
+                names the term and the task that is).
         """
         found = self._tables.get((name, shard))
-        if found is None:
+        if found is None and self._copies is not None:
+            found = self._copies.get(name, shard)
+        if found is not None:
+            self.terms.of(shard).check(term)
+        else:
             held = sorted(f"{n}[{s}]" for n, s in self._tables)
             raise NotFoundError(
                 f"Table {name!r} shard {shard} is not on this ps task (it holds "
@@ -185,6 +216,7 @@ class TableService:
                 "task i."
             )
         description = describe_table_spec(spec)
+        replicated = self._check_replicas(spec, description, aggregation)
         with self._lock:
             held = self._tables.get((spec.name, spec.shard))
             if held is not None:
@@ -202,9 +234,79 @@ class TableService:
                 created = True
                 logger.info("table %r shard %d: %d rows x %d (%d bytes with slots)", spec.name,
                             spec.shard, held.store.num_rows, held.store.dim, held.store.nbytes)
+                if replicated:
+                    held.replica = self._replica_of(held, data)
+        if held.replica is not None:
+            held.replica.forward()  # the replica's table and every row, before the answer
         status = held.status()
         return tpb.InitTableReply(created=created, rows=status["rows"],
                                   nbytes=status["nbytes"]).SerializeToString()
+
+    def _check_replicas(self, spec: Any, description: Any, aggregation: Any) -> bool:
+        """Whether the table shard keeps a copy on the next ps task (its InitTable asks
+        ``replicas``); refuse what cannot have one."""
+        copies = 0 if aggregation is None else aggregation.replicas
+        if not copies or self.terms.of(spec.shard).role != PRIMARY:
+            return False
+        if description["kind"] != "dense":
+            raise InvalidArgumentError(
+                f"InitTable of the dynamic table {spec.name!r} asks replicas={copies}; a "
+                "dynamic table's live replica is not built yet. Train with replicas=0, or make "
+                "it a fixed table (ShardedEmbedding) of num_rows rows.")
+        check_copies(copies, self.num_ps, self.peer_channel, f"InitTable of table {spec.name!r}")
+        return True
+
+    def _replica_of(self, shard: Any, init_request: bytes) -> Any:
+        """The primary's side of ``shard``'s copy on the next ps task."""
+        from towerflow.ps.server.tables.replica import RowReplica
+        from towerflow.ps.wire.calls import replica_of
+
+        task = replica_of(shard.shard, self.num_ps)
+        return RowReplica(shard, self.terms.of(shard.shard), task,
+                          lambda: self.peer_channel(task), init_request,
+                          lambda method: f"/{SERVICE_NAME}/{method}", self.replica_timeout)
+
+    def replica_init_table(self, data: bytes) -> bytes:
+        """``ReplicaInitTable``: make this task's copy of another task's table shard."""
+        from towerflow.ps.server.tables.replica import TableCopies
+        from towerflow.ps.server.tables.shard import TableShard
+
+        request = parse_message(tpb.InitTableRequest, data, "ReplicaInitTable")
+        if self.task_index is not None and request.spec.shard == self.task_index:
+            raise InvalidArgumentError(
+                f"ReplicaInitTable of shard {request.spec.shard} of table {request.spec.name!r} "
+                f"reached ps task {self.task_index}, its own primary; a shard's copy lives on "
+                "the next ps task.")
+        aggregation = _aggregation(request.aggregation)
+        with self._lock:
+            if self._copies is None:
+                self._copies = TableCopies(
+                    self.terms, lambda spec, config: TableShard(spec, config, self.workers))
+        held = self._copies.init_table(request, aggregation)
+        status = held.status()
+        return tpb.InitTableReply(created=True, rows=status["rows"],
+                                  nbytes=status["nbytes"]).SerializeToString()
+
+    def replicate_rows(self, chunks: Iterator[bytes]) -> bytes:
+        """``ReplicateRows``: a primary's changed rows for this task's copy of its shard."""
+        if self._copies is None:
+            from towerflow.ps.wire import ps_pb2 as pb
+
+            return pb.ReplicateReply(accepted=False, term=0, message=(
+                f"ps task {self.task_index} holds no table copies")).SerializeToString()
+        return self._copies.replicate(chunks)
+
+    def replicate_rows_stream(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+        """Many ``ReplicateRows`` of one chunk each on one long-lived call, one reply each."""
+        for request in requests_until_closed(iter(requests)):
+            yield self.replicate_rows(iter((request,)))
+
+    @staticmethod
+    def _forward(*shards: Any) -> None:
+        """Return once the replicas of ``shards`` hold what was applied to them (replicas=1)."""
+        for shard in dict.fromkeys(shards):
+            if shard.replica is not None:
+                shard.replica.forward()
 
     def done(self, data: bytes) -> bytes:
         """Worker ``worker_id`` has finished: no table shard here waits for it any more.
@@ -230,6 +332,7 @@ class TableService:
         request = parse_message(tpb.PushRowsRequest, data, "PushRows")
         shard = self.table(request.table, request.shard)
         outcome, applied = shard.push(request, _active(context))
+        self._forward(shard)
         return tpb.PushRowsReply(status=outcome.status, message=outcome.message,
                                  duplicate=outcome.duplicate,
                                  applied=applied).SerializeToString()
@@ -238,11 +341,13 @@ class TableService:
         request = parse_message(tpb.PushPullRowsRequest, data, "PushPullRows")
         shard, checked = self._check_item(request)
         outcome, applied, rows = shard.run(checked, _active(context))
+        if request.HasField("push"):
+            self._forward(shard)
         return self._item_reply(shard, request.pull, outcome, applied, encode(rows)
                                 ).SerializeToString()
 
-    def _check_item(self, request: Any, parts: Iterator[memoryview] | None = None
-                    ) -> tuple[Any, Any]:
+    def _check_item(self, request: Any, parts: Iterator[memoryview] | None = None,
+                    term: int = 0) -> tuple[Any, Any]:
         """The table shard of a ``PushPullRowsRequest`` and its checked push and pull (the
         buffers from ``parts``, a framed batch's, when given)."""
         pull = request.pull
@@ -257,7 +362,7 @@ class TableService:
         else:
             ids = next(parts)
             push_data = None if push is None else (next(parts), next(parts))
-        shard = self.table(pull.table, pull.shard)
+        shard = self.table(pull.table, pull.shard, term)
         return shard, shard.check(push, ids, pull.num_ids, push_data)
 
     @staticmethod
@@ -309,7 +414,7 @@ class TableService:
                 f"buffers, not {wanted}; client and ps must run the same towerflow version."
             )
         parts = iter(split_parts(payload, request.parts, "RowBatch"))
-        checked = [self._check_item(item, parts) for item in request.items]
+        checked = [self._check_item(item, parts, request.term) for item in request.items]
         reply_bytes = sum(item.pull.num_ids * shard.store.dim * shard.dtype.itemsize
                           for item, (shard, _) in zip(request.items, checked, strict=True))
         if reply_bytes > ROWS_REPLY_LIMIT:
@@ -324,6 +429,8 @@ class TableService:
             outcome, applied, rows = shard.run(ready, active)
             reply.items.append(self._item_reply(shard, item.pull, outcome, applied))
             out.append(raw_bytes(rows))
+        self._forward(*(shard for item, (shard, _) in zip(request.items, checked, strict=True)
+                        if item.HasField("push")))  # before any of it is answered
         if request.dense:  # the dense shard's push-and-pull of the same step, after the rows
             out.append(self._dense_step(next(parts), context))
         reply.parts.extend(len(part) for part in out)
@@ -384,7 +491,9 @@ class TableService:
             )
         spec = parsed[0].spec
         shard = self.table(spec.name, spec.shard)
-        return tpb.ImportRowsReply(rows=shard.import_chunks(parsed)).SerializeToString()
+        rows = shard.import_chunks(parsed)
+        self._forward(shard)
+        return tpb.ImportRowsReply(rows=rows).SerializeToString()
 
     def table_status(self, data: bytes) -> bytes:
         request = parse_message(tpb.TableStatusRequest, data, "TableStatus")
@@ -429,7 +538,9 @@ class TableHost:
 
     def __init__(self, server: Any) -> None:
         self.server = server
-        self.service = TableService(server.task.task_index)
+        self.service = TableService(server.task.task_index,
+                                    peer_channel=lambda k: server.channel("ps", k),
+                                    num_ps=len(server.cluster.job_tasks("ps")))
 
     def handlers(self) -> Any:
         """The ``towerflow.ps.Tables`` gRPC service."""

@@ -92,6 +92,8 @@ class TableShard:
         self._applied = 0
         self._pulled_rows = 0
         self._mode = make_row_aggregator(self, aggregation, workers)
+        #: the primary's side of this shard's copy on the next ps task (replicas=1), or None
+        self.replica: Any = None
 
     @property
     def shard(self) -> int:
@@ -271,10 +273,12 @@ class TableShard:
         if self._mode.knows_job():
             self._pushes.prune(self._mode.current)
 
-    def _live_records(self) -> list[tuple[int, int, int, str]]:
+    def live_records(self) -> list[tuple[int, int, int, str]]:
         """The push records of the job's current workers (``cond`` held): the others dropped."""
         self._prune()
         return self._pushes.rows()
+
+    _live_records = live_records
 
     def apply_rows(self, ids: torch.Tensor, grads: torch.Tensor, lr: float, step: int, *,
                    checked: bool = False) -> int:
@@ -285,6 +289,8 @@ class TableShard:
         """
         self.store.apply(ids, grads, lr, step, checked=checked)
         self._applied += 1
+        if self.replica is not None:
+            self.replica.mark(ids)
         return self._applied
 
     def settle(self, header: PushHeader, outcome: PushOutcome) -> None:
@@ -398,6 +404,8 @@ class TableShard:
                 self.store.import_counters(counter_ids, counts)  # type: ignore[attr-defined]
             self._pushes.merge(pushes, self._applied)
             self._prune()
+            if self.replica is not None:
+                self.replica.mark(ids)
         return ids.numel()
 
     def _counters(self, chunk: Any) -> tuple[torch.Tensor, torch.Tensor]:

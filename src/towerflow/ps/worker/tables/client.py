@@ -60,14 +60,16 @@ def _method(name: str) -> str:
 def _aggregation_json(config: Any) -> str:
     """The JSON of an ``AggregationConfig`` for ``InitTableRequest.aggregation``.
 
-    Async sends none (``""``): each push applies on arrival, from any worker id.
+    Async sends none (``""``): each push applies on arrival, from any worker id; unless the
+    job asks ``replicas`` (a live copy of each table shard on the next ps task).
     """
-    if config is None or config.mode == "async":
+    replicas = getattr(config, "replicas", 0)
+    if config is None or (config.mode == "async" and not replicas):
         return ""
-    return json.dumps({"mode": config.mode, "total_num_replicas": config.total_num_replicas,
-                       "replicas_to_aggregate": config.replicas_to_aggregate,
-                       "staleness": config.staleness, "timeout": config.timeout},
-                      sort_keys=True)
+    fields = {"mode": config.mode, "total_num_replicas": config.total_num_replicas,
+              "replicas_to_aggregate": config.replicas_to_aggregate,
+              "staleness": config.staleness, "timeout": config.timeout}
+    return json.dumps({**fields, "replicas": replicas} if replicas else fields, sort_keys=True)
 
 
 class TableClient:

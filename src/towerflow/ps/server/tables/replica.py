@@ -1,0 +1,213 @@
+"""A fixed table shard's live copy on the next ps task: the primary's side.
+
+With ``replicas=1`` (the chief's ``AggregationConfig``, in ``InitTableRequest.aggregation``)
+table shard ``i`` has a copy on ps task ``(i + 1) % n``, kept as the dense shard's is
+(:mod:`towerflow.ps.server.dense.replication`), under the same term per shard:
+
+- the copy's table is made as the primary's (``ReplicaInitTable``, the same
+  ``InitTableRequest``), then every row is copied with its slots;
+- a push marks the rows it changed (:meth:`RowReplica.mark`, under the shard's
+  lock); before the push is answered the changed rows, with their optimizer
+  slots and the shard's push table, read under the shard's lock (so a push is
+  in both or in neither), travel as an import's chunks (``ReplicateRows``,
+  ``RowChunk``), the applied values, not the gradients; pushes that finish
+  together share one copy (:class:`~towerflow.ps.server.terms.GroupCommit`);
+- a copy that did not reach the replica leaves its rows marked (the next copy
+  carries them), and its push unanswered (``UNAVAILABLE``); a replica that took
+  the shard over refuses the copy and deposes this task; one that has no copy
+  (restarted) gets the table and every row again.
+
+A dynamic table has no replica yet (its InitTable asking one is refused).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from towerflow.errors import InvalidArgumentError
+from towerflow.ps.server.terms import (
+    REPLICA,
+    REPLICA_TIMEOUT,
+    CopyStream,
+    GroupCommit,
+    ShardTerm,
+    deposed,
+    send_copy,
+)
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.wire.messages import parse_message, push_records
+from towerflow.ps.wire.tables import describe_table_spec
+from towerflow.ps.wire.tensors import encode
+
+__all__ = ["RowReplica", "TableCopies", "COPY_CHUNK_ROWS"]
+
+#: rows per chunk of a copy
+COPY_CHUNK_ROWS = 1 << 14
+
+
+class RowReplica:
+    """The primary's side of one table shard's copy (see the module doc).
+
+    Args:
+        shard: the primary's :class:`~towerflow.ps.server.tables.shard.TableShard`.
+        term: the shard's term on this task.
+        replica_task: the ps task holding the copy.
+        channel: ``channel()`` -> an authenticated channel to ``replica_task``.
+        init_request: the ``InitTableRequest`` bytes the table was made from.
+        path: ``path(method)`` -> the full path of a ``Tables`` method.
+        timeout: seconds to wait for the replica's acknowledgement.
+    """
+
+    def __init__(self, shard: Any, term: ShardTerm, replica_task: int,
+                 channel: Callable[[], Any], init_request: bytes, path: Callable[[str], str],
+                 timeout: float = REPLICA_TIMEOUT) -> None:
+        self.shard, self.term, self.replica_task = shard, term, replica_task
+        self._channel, self._init, self._path, self.timeout = channel, init_request, path, timeout
+        self._dirty: list[torch.Tensor] = []
+        self._whole = True  # every row, at first
+        self._made = False
+        self._sent: list | None = None  # the push table the replica last acknowledged
+        self._commit = GroupCommit(self._send)
+        self._stream = CopyStream(channel, path("ReplicateRowsStream"), term, replica_task,
+                                  timeout)
+
+    def mark(self, ids: torch.Tensor) -> None:
+        """Rows ``ids`` changed (the shard's lock held): the next copy carries them."""
+        if not self._whole:
+            self._dirty.append(ids.clone())
+
+    def forward(self) -> None:
+        """Return once the replica holds the shard's changed rows and push table as they are
+        now (pushes that ask together share one copy).
+
+        Raises:
+            UnavailableError: the replica did not acknowledge within the timeout.
+            FailedPreconditionError: the replica took the shard over: this task is deposed.
+        """
+        self._commit.wait()
+
+    def _send(self) -> None:
+        from towerflow.cluster.transport import unary
+
+        for _ in range(2):  # once more after making the table on a restarted replica
+            if not self._made:
+                unary(self._channel(), self._path("ReplicaInitTable"), self._init,
+                      timeout=self.timeout)
+                self._made = True
+            chunks, taken, records = self._take()
+            if chunks is None:
+                return  # nothing changed since the replica's last acknowledgement
+            try:
+                data = self._stream.call(chunks[0]) if len(chunks) == 1 else \
+                    send_copy(self._channel(), self._path("ReplicateRows"), chunks, self.term,
+                              self.replica_task, self.timeout)
+            except BaseException:
+                self._give_back(taken)
+                raise
+            reply = parse_message(pb.ReplicateReply, data, "ReplicateReply")
+            if reply.accepted:
+                self._sent = records
+                return
+            self._give_back(None)
+            self._sent = None
+            if reply.term:
+                raise deposed(self.term, reply, self.replica_task)
+            self._made = False  # the replica holds no copy: the table and every row again
+        raise deposed(self.term, reply, self.replica_task)
+
+    def _take(self) -> tuple[list[bytes] | None, torch.Tensor | None, list]:
+        """The copy's chunks (rows read under the shard's lock; None: nothing changed since
+        the last copy), the ids they carry (None: every row) and the push table."""
+        shard = self.shard
+        with shard.cond:
+            records = shard.live_records()
+            whole, dirty = self._whole, self._dirty
+            if not whole and not dirty and records == self._sent:
+                return None, None, records
+            self._whole, self._dirty = False, []
+            if whole:
+                export, ids = shard.store.export(), None
+            else:
+                ids = torch.unique(torch.cat(dirty)) if dirty else \
+                    torch.empty(0, dtype=torch.int64)
+                export = shard.store.export_ids(ids)
+        return list(_chunks(export, records, self.term.term, shard)), ids, records
+
+    def _give_back(self, ids: torch.Tensor | None) -> None:
+        """A copy that did not land: its rows are marked again (None: every row)."""
+        with self.shard.cond:
+            if ids is None:
+                self._whole, self._dirty = True, []
+            elif not self._whole:
+                self._dirty.append(ids)
+
+
+def _chunks(export: Any, records: list, term: int, shard: Any) -> Iterator[bytes]:
+    """``export`` as ``RowChunk`` messages of :data:`COPY_CHUNK_ROWS` rows; the first names
+    the table shard, its term and its push table."""
+    total = export.ids.numel()
+    names = list(export.slots)
+    for start in range(0, max(total, 1), COPY_CHUNK_ROWS):
+        stop = min(start + COPY_CHUNK_ROWS, total)
+        chunk = tpb.RowChunk(num_ids=stop - start, ids=encode(export.ids[start:stop]),
+                             rows=encode(export.rows[start:stop]), slot_names=names,
+                             slots=[encode(export.slots[k][start:stop]) for k in names])
+        if start == 0:
+            chunk.spec.CopyFrom(tpb.TableSpec.FromString(shard.spec_bytes))
+            chunk.total, chunk.term = total, term
+            chunk.pushes.extend(push_records(records))
+        yield chunk.SerializeToString()
+
+
+class TableCopies:
+    """The copies of other ps tasks' table shards one ps task holds (the replica's side).
+
+    Args:
+        terms: the task's shard terms (a copy's, ``replica`` until promoted).
+        make: ``make(spec, aggregation)`` -> a new table shard as ``InitTable`` makes one.
+    """
+
+    def __init__(self, terms: Any, make: Callable[[Any, Any], Any]) -> None:
+        self.terms, self._make = terms, make
+        self._copies: dict[tuple[str, int], Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, shard: int) -> Any | None:
+        """The copy of table ``name``'s shard ``shard`` held here, or None."""
+        return self._copies.get((name, shard))
+
+    def init_table(self, request: Any, aggregation: Any) -> Any:
+        """``ReplicaInitTable``: make the copy of the table shard ``request`` describes (the
+        same one again: kept); return it."""
+        spec = request.spec
+        term = self.terms.of(spec.shard, REPLICA)
+        with self._lock:
+            held = self._copies.get((spec.name, spec.shard))
+            if held is None or term.role == REPLICA and not held.same_table(
+                    describe_table_spec(spec), aggregation):
+                held = self._copies[(spec.name, spec.shard)] = self._make(spec, aggregation)
+            return held
+
+    def replicate(self, chunks: Iterator[bytes]) -> bytes:
+        """``ReplicateRows``: take a primary's changed rows, slots and push table."""
+        parsed = [parse_message(tpb.RowChunk, data, "ReplicateRows") for data in chunks]
+        if not parsed:
+            raise InvalidArgumentError("ReplicateRows got no chunk; the first names the shard.")
+        first = parsed[0]
+        copy = self._copies.get((first.spec.name, first.spec.shard))
+        if copy is None:
+            return pb.ReplicateReply(accepted=False, term=0, message=(
+                f"no copy of table {first.spec.name!r} shard {first.spec.shard} here"
+            )).SerializeToString()
+        term = self.terms.of(first.spec.shard, REPLICA)
+        with term.copying(first.term) as refusal:
+            if refusal:
+                return pb.ReplicateReply(accepted=False, term=term.term,
+                                         message=refusal).SerializeToString()
+            copy.import_chunks(parsed)
+        return pb.ReplicateReply(accepted=True, term=term.term).SerializeToString()

@@ -1,0 +1,187 @@
+"""A fixed table shard's live replica on the next ps task (``replicas=1``): two whole ps tasks
+(dense and table services) served from this process, authenticated gRPC on 127.0.0.1.
+
+Table shard 0's copy lives on ps task 1 and shard 1's on ps task 0, under the term of the
+task's shard (one with the dense shard's).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import replica_calls as calls
+import torch
+
+from towerflow.cluster import Server, ServerOptions
+from towerflow.cluster.transport import Credentials, make_channel, unary
+from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from towerflow.ps import AggregationConfig
+from towerflow.ps.partition import HashPartitioner, ModPartitioner
+from towerflow.ps.server.tables.service import TableHost
+from towerflow.ps.spec.tables import TableConfig
+from towerflow.ps.wire import tables_pb2 as tpb
+from towerflow.ps.worker.tables.client import TableClient
+from towerflow.testing.faults import loopback_cluster
+
+SECRET = Credentials(secret=b"table-replicas-secret")
+INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3}
+ADAGRAD = {"name": "adagrad", "hyper": {"initial_accumulator_value": 0.1, "epsilon": 1e-8}}
+TABLE = TableConfig("t", ModPartitioner(2, num_rows=20), 3, ADAGRAD, INIT)
+
+
+@pytest.fixture
+def servers():
+    """The ps task servers a test starts (in order), all stopped at its end."""
+    started: list[Server] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture
+def replicated(servers):
+    """Two whole ps tasks (``servers``) and a worker's table client asking ``replicas=1``
+    -> (spec, table services, client). Everything started is closed at the end."""
+    spec = loopback_cluster(2, 1)
+    servers.extend(Server(spec, "ps", i, credentials=SECRET,
+                          options=ServerOptions(serve_forever=True)) for i in range(2))
+    client = TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=0,
+                         incarnation=100, timeout=10.0, aggregation=AggregationConfig(replicas=1))
+    try:
+        tables = [next(h for h in s.services if isinstance(h, TableHost)).service
+                  for s in servers]
+        yield spec, tables, client
+    finally:
+        client._close()
+
+
+def ps_call(spec: Any, task: int, call: Any, *args: Any, **kw: Any) -> Any:
+    channel = make_channel(spec.task_address("ps", task), SECRET)
+    try:
+        return call(channel, *args, **kw)
+    finally:
+        channel.close()
+
+
+def table_call(spec: Any, task: int, method: str, request: Any) -> bytes:
+    return ps_call(spec, task, unary, f"/towerflow.ps.Tables/{method}",
+                   request.SerializeToString(), timeout=10.0)
+
+
+def push_rows(spec: Any, task: int, *, shard: int, seq: int, ids: list[int]) -> Any:
+    grads = torch.ones(len(ids), 3)
+    request = tpb.PushRowsRequest(table="t", shard=shard, worker_id=0, incarnation=100,
+                                  seq=seq, lr=0.5, step=seq, num_ids=len(ids), dtype="float32",
+                                  ids=torch.tensor(ids).numpy().tobytes(),
+                                  grads=grads.numpy().tobytes())
+    return tpb.PushRowsReply.FromString(table_call(spec, task, "PushRows", request))
+
+
+def pull_rows(spec: Any, task: int, *, shard: int, ids: list[int]) -> torch.Tensor:
+    request = tpb.PullRowsRequest(table="t", shard=shard, num_ids=len(ids),
+                                  ids=torch.tensor(ids).numpy().tobytes())
+    reply = tpb.PullRowsReply.FromString(table_call(spec, task, "PullRows", request))
+    return torch.frombuffer(bytearray(reply.rows), dtype=torch.float32).reshape(len(ids), 3)
+
+
+def assert_same_rows(primary: Any, copy: Any) -> None:
+    a, b = primary.store.export(), copy.store.export()
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.rows, b.rows)
+    assert list(a.slots) == list(b.slots) and a.slots
+    for name in a.slots:
+        assert torch.equal(a.slots[name], b.slots[name])
+    with primary.cond, copy.cond:
+        assert primary.live_records() == copy.live_records()
+
+
+def test_rows_a_push_changed_are_on_the_replica_with_their_slots_and_records(
+        replicated) -> None:
+    spec, tables, client = replicated
+    assert [r.created for r in client.init_table(TABLE)] == [True, True]
+    pairs = [(tables[0].table("t", 0), tables[1]._copies.get("t", 0)),
+             (tables[1].table("t", 1), tables[0]._copies.get("t", 1))]
+    for primary, copy in pairs:  # the table and every row, before InitTable answered
+        assert_same_rows(primary, copy)
+    for step in range(1, 4):
+        ids = torch.tensor([step, 7, 12, 19 - step])
+        client.push(TABLE, ids, torch.full((4, 3), 0.1 * step), lr=0.5, step=step)
+        for primary, copy in pairs:  # answered: the replica holds it already
+            assert_same_rows(primary, copy)
+    before = pairs[0][0].store.export()
+    assert not torch.equal(before.slots[next(iter(before.slots))],
+                           torch.full_like(before.rows, 0.1))  # the slots moved
+
+
+def test_a_promoted_table_copy_serves_rows_and_a_resent_push_applies_once(replicated) -> None:
+    spec, tables, client = replicated
+    client.init_table(TABLE)
+    assert push_rows(spec, 0, shard=0, seq=1, ids=[0, 4]).status == "applied"
+    before = pull_rows(spec, 0, shard=0, ids=[0, 4, 8])
+    assert ps_call(spec, 1, calls.promote, 0).term == 2
+    assert torch.equal(pull_rows(spec, 1, shard=0, ids=[0, 4, 8]), before)
+    again = push_rows(spec, 1, shard=0, seq=1, ids=[0, 4])  # the push in flight, sent again
+    assert again.status == "applied" and again.duplicate
+    assert torch.equal(pull_rows(spec, 1, shard=0, ids=[0, 4, 8]), before)
+    fresh = push_rows(spec, 1, shard=0, seq=2, ids=[8])
+    assert fresh.status == "applied" and not fresh.duplicate
+    after = pull_rows(spec, 1, shard=0, ids=[0, 4, 8])
+    assert torch.equal(after[:2], before[:2]) and not torch.equal(after[2], before[2])
+
+
+def test_the_stale_primary_refuses_table_pushes_and_pulls_after_the_promotion(
+        replicated) -> None:
+    spec, tables, client = replicated
+    client.init_table(TABLE)
+    ps_call(spec, 1, calls.promote, 0)
+    kept = tables[1]._copies.get("t", 0).store.export().rows
+    with pytest.raises(FailedPreconditionError, match=re.escape(
+            "ps task 0 is no longer the primary of shard 0 (term 1, now term 2 on ps task 1)")):
+        push_rows(spec, 0, shard=0, seq=1, ids=[2])
+    assert torch.equal(tables[1]._copies.get("t", 0).store.export().rows, kept)
+    with pytest.raises(FailedPreconditionError, match="no longer the primary of shard 0"):
+        pull_rows(spec, 0, shard=0, ids=[2])
+    with pytest.raises(FailedPreconditionError, match=re.escape(
+            "ps task 0 holds only a replica of shard 1 (term 1)")):
+        pull_rows(spec, 0, shard=1, ids=[1])  # ps task 0 holds a copy of shard 1 only
+    assert push_rows(spec, 1, shard=1, seq=1, ids=[1]).status == "applied"
+
+
+def test_a_dynamic_table_asking_a_replica_is_refused_with_a_sentence(replicated) -> None:
+    _, _, client = replicated
+    dynamic = TableConfig("d", HashPartitioner(2), 3, {"name": "sgd", "hyper": {}}, INIT,
+                          store={"kind": "dynamic", "admit_after": 1,
+                                 "evict_after_steps": None, "capacity": None})
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "InitTable of the dynamic table 'd' asks replicas=1; a dynamic table's live "
+            "replica is not built yet.")):
+        client.init_table(dynamic)
+
+
+def test_a_restarted_replica_task_gets_the_table_and_every_row_again_at_the_next_push(
+        replicated, servers) -> None:
+    spec, tables, client = replicated
+    client.init_table(TABLE)
+    assert push_rows(spec, 0, shard=0, seq=1, ids=[0, 4]).status == "applied"
+    servers[1].stop()  # ps task 1, shard 0's replica, ends; a new one starts in its place
+    servers.append(Server(spec, "ps", 1, credentials=SECRET,
+                          options=ServerOptions(serve_forever=True)))
+    copies = next(h for h in servers[-1].services if isinstance(h, TableHost)).service
+    assert copies._copies is None
+    assert push_rows(spec, 0, shard=0, seq=2, ids=[6]).status == "applied"
+    assert_same_rows(tables[0].table("t", 0), copies._copies.get("t", 0))
+
+
+def test_a_table_push_is_not_acknowledged_while_the_replica_is_unreachable(
+        replicated, servers) -> None:
+    spec, tables, client = replicated
+    client.init_table(TABLE)
+    servers[1].stop()  # ps task 1 holds table shard 0's copy
+    with pytest.raises(UnavailableError, match=re.escape(
+            "ps task 0 applied the push to shard 0, but its replica on ps task 1 did not "
+            "acknowledge the copy")) as info:
+        push_rows(spec, 0, shard=0, seq=1, ids=[2])
+    assert "the push is not acknowledged" in str(info.value)

@@ -1,0 +1,52 @@
+"""Raw calls of the ps service for the replica tests: a push, a pull, Promote and Status
+naming a shard and a term, on an authenticated channel to one ps task."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from towerflow.cluster.transport import unary, unary_stream
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import method_path
+from towerflow.ps.wire.framing import pack, unpack
+from towerflow.ps.wire.messages import PushHeader, encode_push_header, parse_message
+
+TIMEOUT = 10.0
+
+
+def push(channel: Any, layout: Any, *, seq: int, shard: int = -1, term: int = 0,
+         value: float = 1.0, worker: int = 0, incarnation: int = 7, lr: float = 0.1
+         ) -> pb.PushReply:
+    """One dense push of ``value`` in every element of ``layout`` (``PushPullSmall``)."""
+    header = PushHeader(worker, seq, 0, lr, layout.numel, incarnation=incarnation,
+                        segments=layout.signature, term=term, shard=shard)
+    payload = np.full(layout.numel, value, np.float32).tobytes()
+    data = unary(channel, method_path("PushPullSmall"),
+                 pack(encode_push_header(header), payload), timeout=TIMEOUT)
+    head, _ = unpack(data)
+    return parse_message(pb.PushReply, head, "PushReply")
+
+
+def pull(channel: Any, *, shard: int = -1, term: int = 0) -> np.ndarray:
+    """The parameters of ``shard`` (-1: the task's own) as the task serves them."""
+    request = pb.PullRequest(term=term)
+    if shard >= 0:
+        request.shard = shard
+    replies = list(unary_stream(channel, method_path("Pull"), request.SerializeToString(),
+                                timeout=TIMEOUT))
+    return np.frombuffer(b"".join(replies[1:]), np.float32)
+
+
+def promote(channel: Any, shard: int) -> pb.PromoteReply:
+    """Promote the task's copy of ``shard`` to its primary."""
+    data = unary(channel, method_path("Promote"),
+                 pb.PromoteRequest(shard=shard).SerializeToString(), timeout=TIMEOUT)
+    return parse_message(pb.PromoteReply, data, "PromoteReply")
+
+
+def status(channel: Any) -> pb.StatusReply:
+    """The task's ``Status``."""
+    return parse_message(pb.StatusReply, unary(channel, method_path("Status"), b"",
+                                               timeout=TIMEOUT), "StatusReply")
