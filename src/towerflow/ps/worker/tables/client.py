@@ -151,8 +151,7 @@ class TableClient:
         self.wire: dict[str, list[int]] = {}
         self._wire_lock = threading.Lock()
         self._views: dict[str, TableView] = {}
-        #: rows pulled into pinned memory (a GPU worker's: copied to it without waiting)
-        self.pin_memory = False
+        self.pin_memory = False  # rows pulled into pinned memory (a GPU worker's)
 
     def fuse(self, views: Mapping[str, TableView]) -> None:
         """Serve the tables named in ``views`` from the fused tables they point to
