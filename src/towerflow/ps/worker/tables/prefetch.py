@@ -281,12 +281,6 @@ class Prefetcher:
             self._upcoming = ([leaf for leaf in pytree.tree_leaves(upcoming)
                                if isinstance(leaf, torch.Tensor)], later)
 
-    def drop_ahead(self) -> Any:
-        """Forget the rows pulled for the next forward (a batch not the one announced); the
-        pull in flight, or None."""
-        ready, self._ready, self._upcoming = self._ready, None, None
-        return ready
-
     def _install_ready(self) -> bool:
         """This forward's rows pulled during the step before, left with the tables."""
         ready, self._ready = self._ready, None
