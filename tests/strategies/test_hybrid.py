@@ -306,3 +306,46 @@ def test_a_worker_training_through_the_ps_under_a_hybrid_chief_is_told_to_match_
                 worker.prepare(Dense(), OptimizerConfig("sgd", lr=0.1))
         finally:
             worker.shutdown()
+
+
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_the_trainer_reads_a_batch_ahead_for_the_rows_of_the_next_step(replicas) -> None:
+    """Under the Trainer (one worker, its group alone) with embedding_staleness=1: every step's
+    rows after the second are pulled during the step before; also with live replicas."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from towerflow.training.loop import Trainer
+    from towerflow.training.pipeline import ReadAhead
+
+    class Click(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = nn.EmbeddingBag(1000, 8, sparse=True), nn.Linear(8, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(ids)).squeeze(-1)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(model(batch[0]), batch[1])
+
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 1000, (32, 4), generator=gen), torch.rand(32, generator=gen).round())
+            for _ in range(6)]
+    secret = Credentials(secret=b"s" * 32)
+    with ps_tasks(secret, num_ps=2, num_workers=1) as spec:
+        strategy = ParameterServer(spec, TaskInfo("worker", 0), dense="allreduce",
+                                   embedding_staleness=1, credentials=secret, device="cpu",
+                                   replicas=replicas, server=False)
+        trainer = Trainer(Click(), loss_fn, data, strategy=strategy, max_steps=10)
+        try:
+            trainer._setup()
+            assert isinstance(trainer._pipeline, ReadAhead) and strategy.reads_ahead
+            tables, pulls = strategy._tables, []
+            later, now = tables.pull_later, tables.prefetcher._pull
+            tables.pull_later = lambda *a: (pulls.append("ahead"), later(*a))[1]
+            tables.prefetcher._pull = lambda *a: (pulls.append("now"), now(*a))[1]
+            assert trainer.fit().step == 10
+            assert pulls == ["now"] + ["ahead"] * 8  # step 1 records the recipe
+        finally:
+            trainer.close()
+            strategy.shutdown()
