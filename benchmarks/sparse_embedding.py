@@ -44,6 +44,7 @@ Commands::
     python benchmarks/sparse_embedding.py --dynamic --repeats 3 --seconds 10
     python benchmarks/sparse_embedding.py --dense allreduce --seconds 10   # hybrid training
     python benchmarks/sparse_embedding.py --dense allreduce --embedding-staleness 1 --seconds 10
+    python benchmarks/sparse_embedding.py --ps-replicas 1 --seconds 10   # live shard replicas
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
     cluster = ClusterSpec(json.loads(args.cluster))
     strategy = ParameterServer(cluster, TaskInfo("worker", args.index), device=args.device,
                                server=False, dense_with_rows=not args.dense_apart,
-                               dense=args.dense,
+                               dense=args.dense, replicas=args.ps_replicas,
                                **({"embedding_staleness": args.embedding_staleness}
                                   if args.dense == "allreduce" else {}))
     model = nn.Sequential()
@@ -268,6 +269,7 @@ def run_cluster(args: argparse.Namespace, table: str = "fixed", admit_after: int
             *([] if args.defer_push else ["--no-defer-push"]),
             *(["--dense-apart"] if args.dense_apart else []), "--table", table,
             "--dense", args.dense, "--embedding-staleness", str(args.embedding_staleness),
+            "--ps-replicas", str(args.ps_replicas),
             "--admit-after", str(admit_after), "--capacity", str(capacity),
             "--batches", str(batches), "--workers", str(args.workers)]
     ps = [subprocess.Popen([sys.executable, "-c", PS_CODE, json.dumps(spec), str(i)], env=env)
@@ -334,6 +336,9 @@ def main() -> None:
     parser.add_argument("--embedding-staleness", type=int, default=0,
                         help="with --dense allreduce: N >= 1 pulls the next step's rows while "
                         "a step runs (pushes in the background, at most N steps behind)")
+    parser.add_argument("--ps-replicas", type=int, default=0,
+                        help="live copies of each ps shard (ParameterServer(replicas=N)): "
+                        "1 keeps shard i's copy on ps task i + 1, a push answered once it has it")
     parser.add_argument("--no-defer-push", dest="defer_push", action="store_false",
                         help="a pull and a push per shard and step (default: push with the "
                         "next pull)")
@@ -408,7 +413,7 @@ def report(args: argparse.Namespace, result: dict, ceil: float, tf: dict | None)
     total = sum(w["examples_per_s"] for w in result["workers"])
     shard_bytes = args.rows // args.ps * DIM * 4 * 2  # rows + Adagrad accumulator per ps
     print(f"best of {args.repeats} round(s); {args.ps} ps + {args.workers} workers, {args.rows} "
-          f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, defer_push={args.defer_push}, dense "
+          f"x {DIM} table, batch {BATCH} x {IDS} Zipf(1.2), Adagrad, async, ps replicas {args.ps_replicas}, defer_push={args.defer_push}, dense "
           f"{f'all-reduced among the workers (embedding_staleness={args.embedding_staleness})' if args.dense == 'allreduce' else 'push apart' if args.dense_apart else 'push with the rows'}, workers on {args.device}")
     print(f"  towerflow: {total:,.0f} examples/s; one-process ceiling {ceil:,.0f} examples/s "
           f"(ratio {total / ceil:.2f})")

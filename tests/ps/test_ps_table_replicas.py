@@ -116,6 +116,27 @@ def test_rows_a_push_changed_are_on_the_replica_with_their_slots_and_records(
                            torch.full_like(before.rows, 0.1))  # the slots moved
 
 
+def test_a_shard_larger_than_a_copy_part_reaches_the_replica_whole_part_by_part(
+        replicated, monkeypatch) -> None:
+    from towerflow.ps.server.tables import replica
+
+    monkeypatch.setattr(replica, "COPY_CHUNK_ROWS", 4)  # 10 rows a shard: parts of 4, 4, 2
+    sent = []
+    call = replica.CopyStream.call
+    monkeypatch.setattr(replica.CopyStream, "call",
+                        lambda self, chunk: (sent.append(len(chunk)), call(self, chunk))[1])
+    spec, tables, client = replicated
+    client.init_table(TABLE)
+    assert len(sent) == 6  # 3 parts for each of the 2 shards, one call each
+    pairs = [(tables[0].table("t", 0), tables[1]._copies.get("t", 0)),
+             (tables[1].table("t", 1), tables[0]._copies.get("t", 1))]
+    for primary, copy in pairs:
+        assert_same_rows(primary, copy)
+    client.push(TABLE, torch.tensor([1, 2, 18]), torch.full((3, 3), 0.3), lr=0.5, step=1)
+    for primary, copy in pairs:
+        assert_same_rows(primary, copy)
+
+
 def test_a_promoted_table_copy_serves_rows_and_a_resent_push_applies_once(replicated) -> None:
     spec, tables, client = replicated
     client.init_table(TABLE)

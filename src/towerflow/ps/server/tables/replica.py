@@ -99,19 +99,23 @@ class RowReplica:
                 unary(self._channel(), self._path("ReplicaInitTable"), self._init,
                       timeout=self.timeout)
                 self._made = True
-            chunks, taken, records = self._take()
-            if chunks is None:
-                return  # nothing changed since the replica's last acknowledgement
-            try:
-                data = self._stream.call(chunks[0]) if len(chunks) == 1 else \
-                    send_copy(self._channel(), self._path("ReplicateRows"), chunks, self.term,
-                              self.replica_task, self.timeout)
-            except BaseException:
-                self._give_back(taken)
-                raise
-            reply = parse_message(pb.ReplicateReply, data, "ReplicateReply")
+            if self._whole:
+                reply = self._send_whole()
+            else:
+                chunks, taken, records = self._take()
+                if chunks is None:
+                    return  # nothing changed since the replica's last acknowledgement
+                try:
+                    data = self._stream.call(chunks[0]) if len(chunks) == 1 else \
+                        send_copy(self._channel(), self._path("ReplicateRows"), chunks,
+                                  self.term, self.replica_task, self.timeout)
+                except BaseException:
+                    self._give_back(taken)
+                    raise
+                reply = parse_message(pb.ReplicateReply, data, "ReplicateReply")
+                if reply.accepted:
+                    self._sent = records
             if reply.accepted:
-                self._sent = records
                 return
             self._give_back(None)
             self._sent = None
@@ -120,22 +124,41 @@ class RowReplica:
             self._made = False  # the replica holds no copy: the table and every row again
         raise deposed(self.term, reply, self.replica_task)
 
+    def _send_whole(self) -> Any:
+        """Every row and its slots, in parts of :data:`COPY_CHUNK_ROWS` rows, one call each
+        (the replica sets each as it comes: neither side holds a second copy of the shard),
+        the shard's lock held throughout so that no push falls between two parts; the push
+        table with every part. The replica's reply (the last, or the first refusal)."""
+        shard, reply = self.shard, None
+        with shard.cond:
+            records = shard.live_records()
+            owned = shard.store.partitioner.global_ids(shard.store.shard)
+            try:
+                for start in range(0, max(owned.numel(), 1), COPY_CHUNK_ROWS):
+                    part = shard.store.export_ids(owned[start:start + COPY_CHUNK_ROWS])
+                    (chunk,) = _chunks(part, records, self.term.term, shard)
+                    reply = parse_message(pb.ReplicateReply, self._stream.call(chunk),
+                                          "ReplicateReply")
+                    if not reply.accepted:
+                        return reply
+            except BaseException:
+                self._whole, self._dirty = True, []
+                raise
+            self._whole, self._dirty, self._sent = False, [], records
+        return reply
+
     def _take(self) -> tuple[list[bytes] | None, torch.Tensor | None, list]:
-        """The copy's chunks (rows read under the shard's lock; None: nothing changed since
-        the last copy), the ids they carry (None: every row) and the push table."""
+        """The copy's chunks of the rows changed since the last one (read under the shard's
+        lock; None: nothing changed), their ids and the push table."""
         shard = self.shard
         with shard.cond:
             records = shard.live_records()
-            whole, dirty = self._whole, self._dirty
-            if not whole and not dirty and records == self._sent:
+            dirty = self._dirty
+            if not dirty and records == self._sent:
                 return None, None, records
-            self._whole, self._dirty = False, []
-            if whole:
-                export, ids = shard.store.export(), None
-            else:
-                ids = torch.unique(torch.cat(dirty)) if dirty else \
-                    torch.empty(0, dtype=torch.int64)
-                export = shard.store.export_ids(ids)
+            self._dirty = []
+            ids = torch.unique(torch.cat(dirty)) if dirty else torch.empty(0, dtype=torch.int64)
+            export = shard.store.export_ids(ids)
         return list(_chunks(export, records, self.term.term, shard)), ids, records
 
     def _give_back(self, ids: torch.Tensor | None) -> None:
