@@ -300,7 +300,7 @@ class ParameterServer(DenseModes, Strategy):
             credentials=self._credentials,
             timeout=self._timeout, push_timeout=self._push_timeout(),
             push_wait=self.aggregation.timeout, on_bad_gradient=self._policy,
-            sync=self.aggregation.mode == "sync")
+            sync=self.aggregation.mode == "sync", replicas=self.aggregation.replicas)
         self._model = model
         if self._dense_with_rows and not self._prefetch \
                 and DenseCarrier.wanted(self._tables, self.client, self.aggregation):
