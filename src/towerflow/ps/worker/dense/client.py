@@ -58,8 +58,8 @@ from towerflow.ps.wire.calls import (
 )
 from towerflow.ps.wire.framing import CHUNK_BYTES
 from towerflow.ps.wire.messages import AggregationConfig, push_rows
-from towerflow.ps.worker.dense.failover import ShardRoute
 from towerflow.ps.worker.dense.shard_client import ShardClient
+from towerflow.ps.worker.failover import ShardRoute
 
 __all__ = ["PSClient", "PreparedPush", "PushResult", "ShardSnapshot", "tell_chief_failure"]
 
@@ -148,7 +148,7 @@ class PSClient:
         replicas: the job's live copies of each shard (``AggregationConfig.replicas``):
             with 1, every request names its shard and term, and a shard whose primary
             is gone is switched to its replica, the call in flight sent again
-            (:mod:`~towerflow.ps.worker.dense.failover`); 0: requests as before.
+            (:mod:`~towerflow.ps.worker.failover`); 0: requests as before.
     """
 
     def __init__(self, cluster: Any, placement: Placement, *, worker_id: int,

@@ -51,7 +51,7 @@ from towerflow.ps.wire.messages import (
     push_records,
     signature_bytes,
 )
-from towerflow.ps.worker.dense.failover import ShardRoute
+from towerflow.ps.worker.failover import ShardRoute, routed_push
 
 __all__ = ["ShardClient", "PUSH_RETRY_LOG_EVERY"]
 
@@ -99,7 +99,7 @@ class ShardClient:
         chunk_bytes: size of streamed chunks.
         route: with ``replicas=1``, where the shard is served and at which term (every
             request names both, and a primary that is gone is switched from to its
-            replica: :class:`~towerflow.ps.worker.dense.failover.ShardRoute`); None:
+            replica: :class:`~towerflow.ps.worker.failover.ShardRoute`); None:
             the ps task of ``channel``, requests as with no replica.
     """
 
@@ -135,13 +135,7 @@ class ShardClient:
         request itself when it does, or with no route)."""
         if self.route is None:
             return request
-        head, payload = unpack(request)
-        named = pb.PushRequest.FromString(bytes(head))
-        if named.term == self.route.term and named.HasField("shard"):
-            return request
-        # serialised messages merge: the appended fields win
-        return pack(bytes(head) + pb.PushRequest(**self._routing()).SerializeToString(),
-                    payload)
+        return routed_push(request, self.layout.index, self.route.term)
 
     def _switch(self, before: tuple[int, int] | None, exc: TowerflowError) -> bool:
         """After a failed call sent at ``before``: whether the shard is served elsewhere now

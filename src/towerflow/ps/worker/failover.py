@@ -40,9 +40,11 @@ from towerflow.errors import (
 )
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.calls import DEPOSED_MARK, method_path, replica_of
+from towerflow.ps.wire.framing import pack, unpack
 from towerflow.ps.wire.messages import parse_message
 
-__all__ = ["ShardRoute", "FAILOVER_GRACE", "FAILOVER_TIMEOUT", "failover_worthy"]
+__all__ = ["ShardRoute", "FAILOVER_GRACE", "FAILOVER_TIMEOUT", "failover_worthy",
+           "routed_push"]
 
 logger = logging.getLogger("towerflow.ps")
 
@@ -51,6 +53,17 @@ FAILOVER_GRACE = 1.0
 #: seconds the whole switch to the replica may take (probe, Promote)
 FAILOVER_TIMEOUT = 5.0
 _PROBE_S = 0.5
+
+
+def routed_push(request: bytes | memoryview, shard: int, term: int) -> bytes | memoryview:
+    """A packed dense push request (``PushPullSmall``) naming ``shard`` at ``term``: the
+    request itself when it does, else re-framed with both appended to its header
+    (serialised messages merge: the appended fields win)."""
+    head, payload = unpack(request)
+    named = pb.PushRequest.FromString(head)
+    if named.term == term and named.HasField("shard") and named.shard == shard:
+        return request
+    return pack(head + pb.PushRequest(shard=shard, term=term).SerializeToString(), payload)
 
 
 def failover_worthy(exc: BaseException) -> bool:
