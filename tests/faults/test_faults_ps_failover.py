@@ -136,6 +136,12 @@ def test_kill_9_of_a_primary_mid_run_the_workers_switch_to_its_replica(subproces
         status = workers[0].shards[0].status()  # routed: the shard's copy on ps task 1
         assert (status.shard, status.term, status.role) == (0, 2, "primary")
         assert status.step == (WORKERS * PUSHES if what != "tables" else 0)
+        snapshot = workers[0].snapshot()[0]  # a checkpoint's read: from the new primary
+        assert snapshot.step == status.step
+        np.testing.assert_array_equal(snapshot.params, np.full(
+            PLAN.shards[0].numel, -float(snapshot.step), np.float32))
+        if what != "dense":  # the table client switched too: its export reads the copy
+            assert sum(c.num_ids for c in tables[0].export_shard(TABLE, 0)) == 10
         copies = {r.shard: r for r in calls.status(workers[0].channels[1]).replicas}
         assert (copies[0].term, copies[0].role) == (2, "primary")
 
