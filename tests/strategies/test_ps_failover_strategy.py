@@ -1,0 +1,58 @@
+"""``ParameterServer(replicas=1)`` goes on training when a ps task stops mid-run: its steps and
+its checkpoint read each shard from the task serving it (real ps tasks served from this
+process, authenticated gRPC on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
+from towerflow.cluster.transport import Credentials
+from towerflow.strategies import OptimizerConfig
+from towerflow.strategies.parameter_server import ParameterServer
+from towerflow.testing.faults import loopback_cluster
+
+SECRET = Credentials(secret=b"failover-strategy-secret")
+
+
+class Clicks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(50, 4, sparse=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.item(ids)).squeeze(1)
+
+
+def test_training_goes_on_and_checkpoints_after_a_ps_task_stops() -> None:
+    spec = loopback_cluster(2, 1)
+    servers = [Server(spec, "ps", i, credentials=SECRET,
+                      options=ServerOptions(serve_forever=True)) for i in range(2)]
+    try:
+        one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")})
+        run = ParameterServer(one, TaskInfo("worker", 0), device="cpu", server=False,
+                              credentials=SECRET, replicas=1, whole_table_bytes=None)
+        try:
+            run.prepare(Clicks(), OptimizerConfig("adagrad", lr=0.1))
+            g = torch.Generator().manual_seed(1)
+
+            def step() -> int:
+                ids = torch.randint(0, 50, (16,), generator=g)
+                return run.run_step(lambda m, b: m(b).square().mean(), ids).global_step
+
+            for _ in range(4):
+                step()
+            servers[0].stop()  # ps task 0 ends: its shard's copy on ps task 1 takes over
+            steps = [step() for _ in range(4)]
+            run.settle()
+            state = run.state_dict()  # a checkpoint: shard 0 read from its new primary
+            assert run.state_metadata()["global_step"] == steps[-1] == 8
+            assert [s.route.where() for s in run.client.shards] == [(1, 2), (1, 1)]
+            assert "model" in state
+        finally:
+            run.shutdown()
+    finally:
+        for server in servers:
+            server.stop()
