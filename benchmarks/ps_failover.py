@@ -2,7 +2,7 @@
 
 Two ps tasks (``towerflow server`` processes) hold a dense shard and a table shard each,
 with ``replicas=1``; two workers (threads of this process, each its own dense and table
-client) push the dense gradient and every row of the table in each step. After some steps
+client sharing one route per shard, as ``ParameterServer`` makes them) push the dense gradient and every row of the table in each step. After some steps
 ps task 0 is killed with SIGKILL; the workers' clients switch shard 0 to its replica on ps
 task 1 (a probe of ``grace`` seconds, then ``Promote``) and ask ps task 1 to go on without
 its own replica (it was on ps task 0). Printed, per kill: seconds from the kill to the next
@@ -60,10 +60,10 @@ def one_kill(env: dict[str, str], grace: float, before: int) -> tuple[float, lis
         tables = [TableClient(spec.job_tasks("ps"), credentials=lc.credentials, worker_id=w,
                               timeout=2.0, retries=20, aggregation=aggregation)
                   for w in range(WORKERS)]
-        for client in tables:
+        for client, worker in zip(tables, dense, strict=True):
             stack.callback(client._close)
-        for route in [s.route for c in dense for s in c.shards] + \
-                [r for t in tables for r in t._routing.routes]:
+            client.share_routes([shard.route for shard in worker.shards])  # as the strategy
+        for route in [s.route for c in dense for s in c.shards]:
             route.grace = grace
         tables[0].init_table(TABLE)
         dense[0].initialize([np.zeros(s.numel, np.float32) for s in PLAN.shards],

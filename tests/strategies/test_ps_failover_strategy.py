@@ -50,6 +50,8 @@ def test_training_goes_on_and_checkpoints_after_a_ps_task_stops() -> None:
             state = run.state_dict()  # a checkpoint: shard 0 read from its new primary
             assert run.state_metadata()["global_step"] == steps[-1] == 8
             assert [s.route.where() for s in run.client.shards] == [(1, 2), (1, 1)]
+            # the table calls go by the same routes: one switch served both
+            assert run._tables.client._routing.routes[0] is run.client.shards[0].route
             assert "model" in state
         finally:
             run.shutdown()

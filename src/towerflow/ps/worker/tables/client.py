@@ -171,6 +171,10 @@ class TableClient:
         """Number of ps tasks (shards of every table)."""
         return len(self._channels)
 
+    def share_routes(self, routes: Sequence[Any]) -> None:
+        """Route the table calls by the dense client's shard routes (``replicas=1``)."""
+        self._routing.adopt(routes)
+
     def _call(self, shard: int, method: str, message: Any, reply: type) -> Any:
         data = unary(self._routing.channel(shard), _method(method), message.SerializeToString(),
                      timeout=self.timeout)

@@ -44,6 +44,12 @@ class TableRouting:
         self.routes = [ShardRoute(i, len(channels), channels.__getitem__)
                        for i in range(len(channels))] if replicas else None
 
+    def adopt(self, routes: Sequence[ShardRoute]) -> None:
+        """Share ``routes`` (one per shard, the worker's dense client's): a switch one client
+        makes serves the other's calls at once. No effect without replicas."""
+        if self.routes is not None and len(routes) == len(self.routes):
+            self.routes = list(routes)
+
     def channel(self, shard: int) -> Any:
         """The channel to the task serving ``shard`` now."""
         return self.channels[shard if self.routes is None else self.routes[shard].task]
