@@ -1,19 +1,19 @@
-"""``ParameterServer(replicas=1)`` goes on training when a ps task stops mid-run: its steps and
-its checkpoint read each shard from the task serving it (real ps tasks served from this
-process, authenticated gRPC on 127.0.0.1)."""
+"""``ParameterServer(replicas=1)`` goes on training when a ps task is killed (kill -9) mid-run:
+its steps and its checkpoint read each shard from the task serving it, and its dense and table
+calls share one route per shard (real ps processes on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 from torch import nn
 
-from towerflow.cluster import ClusterSpec, Server, ServerOptions, TaskInfo
-from towerflow.cluster.transport import Credentials
+from towerflow.cluster import ClusterSpec, TaskInfo
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
-from towerflow.testing.faults import loopback_cluster
-
-SECRET = Credentials(secret=b"failover-strategy-secret")
+from towerflow.testing import LocalCluster, loopback_cluster
 
 
 class Clicks(nn.Module):
@@ -26,14 +26,17 @@ class Clicks(nn.Module):
         return self.out(self.item(ids)).squeeze(1)
 
 
-def test_training_goes_on_and_checkpoints_after_a_ps_task_stops() -> None:
+@pytest.mark.slow
+def test_training_goes_on_and_checkpoints_after_a_ps_task_is_killed(subprocess_env) -> None:
     spec = loopback_cluster(2, 1)
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
-    try:
+    with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"],
+                      env=subprocess_env) as lc:
+        ps = [lc.start("ps", i) for i in range(2)]
+        for i, task in enumerate(ps):
+            task.wait_for_line(rf"ps task {i} serving at", timeout=60)
         one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")})
         run = ParameterServer(one, TaskInfo("worker", 0), device="cpu", server=False,
-                              credentials=SECRET, replicas=1, whole_table_bytes=None)
+                              credentials=lc.credentials, replicas=1, whole_table_bytes=None)
         try:
             run.prepare(Clicks(), OptimizerConfig("adagrad", lr=0.1))
             g = torch.Generator().manual_seed(1)
@@ -44,17 +47,14 @@ def test_training_goes_on_and_checkpoints_after_a_ps_task_stops() -> None:
 
             for _ in range(4):
                 step()
-            servers[0].stop()  # ps task 0 ends: its shard's copy on ps task 1 takes over
+            ps[0].kill()  # SIGKILL: its shard's copy on ps task 1 takes over
             steps = [step() for _ in range(4)]
             run.settle()
             state = run.state_dict()  # a checkpoint: shard 0 read from its new primary
             assert run.state_metadata()["global_step"] == steps[-1] == 8
+            assert "model" in state
             assert [s.route.where() for s in run.client.shards] == [(1, 2), (1, 1)]
             # the table calls go by the same routes: one switch served both
             assert run._tables.client._routing.routes[0] is run.client.shards[0].route
-            assert "model" in state
         finally:
             run.shutdown()
-    finally:
-        for server in servers:
-            server.stop()

@@ -1,18 +1,16 @@
 """A worker's route to each shard with ``replicas=1`` (:mod:`towerflow.ps.worker.failover`,
 :mod:`towerflow.ps.worker.tables.routing`): requests name the shard and term, re-framed after
-a switch; a switch to the replica (two ps tasks served from this process, authenticated gRPC on
-127.0.0.1); and the sentence when no switch is possible."""
+a switch; and the sentence when no switch is possible (the switch itself, with real ps processes:
+``tests/faults/test_faults_ps_failover.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import replica_calls as calls
 
-from towerflow.cluster import Server, ServerOptions
-from towerflow.cluster.transport import Credentials, make_channel
+from towerflow.cluster.transport import Credentials
 from towerflow.errors import DeadlineExceededError, FailedPreconditionError, UnavailableError
-from towerflow.ps import AggregationConfig, PSClient, plan_placement
+from towerflow.ps import plan_placement
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.wire.framing import pack, pack_parts, split_parts, unpack
@@ -20,7 +18,6 @@ from towerflow.ps.wire.messages import PushHeader, encode_push_header
 from towerflow.ps.worker.failover import ShardRoute, failover_worthy, routed_push
 from towerflow.ps.worker.tables.batch import Call
 from towerflow.ps.worker.tables.routing import TableRouting
-from towerflow.testing.faults import loopback_cluster
 
 SECRET = Credentials(secret=b"failover-secret")
 PLAN = plan_placement({"a": (64,), "b": (64,)}, 2)
@@ -80,38 +77,3 @@ def test_a_shard_on_its_copy_cannot_fail_over_again_and_says_so():
     route.task, route.term = 1, 2
     assert not route.fail_over((1, 2), UnavailableError("gone"))
     assert "has no replica of its own: the shard cannot fail over again" in route.refusal
-
-
-@pytest.fixture
-def two_ps():
-    """Two whole ps tasks served from this process -> (spec, servers); stopped at the end."""
-    spec = loopback_cluster(2, 1)
-    servers = [Server(spec, "ps", i, credentials=SECRET,
-                      options=ServerOptions(serve_forever=True)) for i in range(2)]
-    try:
-        yield spec, servers
-    finally:
-        for server in servers:
-            server.stop()
-
-
-def test_a_pull_switches_to_the_promoted_replica_when_the_primary_is_gone(two_ps):
-    spec, servers = two_ps
-    with PSClient(spec, PLAN, worker_id=0, credentials=SECRET, timeout=5.0,
-                  replicas=1) as client:
-        client.initialize([np.full(s.numel, 2.0, np.float32) for s in PLAN.shards],
-                          optimizer=pb.OptimizerSpec(name="sgd"),
-                          aggregation=AggregationConfig(replicas=1))
-        client.shards[0].route.grace = 0.2
-        servers[0].stop()  # shard 0's primary
-        params = [np.empty(s.numel, np.float32) for s in PLAN.shards]
-        client.pull(params)
-        np.testing.assert_array_equal(params[0], np.full(PLAN.shards[0].numel, 2.0))
-        assert client.shards[0].route.where() == (1, 2)
-        assert client.shards[0].status().term == 2  # the shard's status, routed
-        # a second worker's Promote of the promoted copy just says its term
-        channel = make_channel(spec.task_address("ps", 1), SECRET)
-        try:
-            assert calls.promote(channel, 0).term == 2
-        finally:
-            channel.close()

@@ -235,7 +235,8 @@ class PSClient:
             pending = []
             for shard in self.shards:
                 try:
-                    status = shard.status(timeout=min(5.0, shard.timeout))
+                    # a ps task starting is no reason to switch to its replica
+                    status = shard.status(timeout=min(5.0, shard.timeout), failover=False)
                 except UnavailableError as exc:
                     pending.append(f"/job:ps/task:{shard.layout.index} ({exc})")
                     continue

@@ -198,12 +198,15 @@ class ShardClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def status(self, timeout: float | None = None) -> pb.StatusReply:
-        """The shard's status (initialised, step, layout fingerprint, counters)."""
-        data = self._once(lambda: unary(  # no route: an empty request, as before replicas
-            self.channel, method_path("Status"),
-            pb.StatusRequest(**self._routing()).SerializeToString(),
-            timeout=timeout or self.timeout))
+    def status(self, timeout: float | None = None, *, failover: bool = True) -> pb.StatusReply:
+        """The shard's status (initialised, step, layout fingerprint, counters); with a route
+        and ``failover``, from its replica once its primary is gone."""
+        def call() -> bytes:  # no route: an empty request, as before replicas
+            return unary(self.channel, method_path("Status"),
+                         pb.StatusRequest(**self._routing()).SerializeToString(),
+                         timeout=timeout or self.timeout)
+
+        data = self._once(call) if failover else call()
         return parse_message(pb.StatusReply, data, "StatusReply")
 
     def init(self, params: np.ndarray, *, optimizer: Any,
