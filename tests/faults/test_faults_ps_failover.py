@@ -36,10 +36,10 @@ AGGREGATION = AggregationConfig(total_num_replicas=WORKERS, replicas=1)
 
 @contextlib.contextmanager
 def replicated_job(env: dict[str, str]) -> Iterator[tuple[Any, list[PSClient],
-                                                          list[TableClient]]]:
+                                                          list[TableClient], Any]]:
     """Two ps task processes initialised with ``replicas=1`` (sgd, zeros: a dense shard and a
     table shard each) and two workers' dense and table clients with ``replicas=1`` -> (ps
-    tasks, dense clients, table clients)."""
+    tasks, dense clients, table clients, (cluster, credentials))."""
     spec = loopback_cluster(2, WORKERS)
     with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"], env=env) as lc:
         ps = [lc.start("ps", i) for i in range(2)]
@@ -58,7 +58,7 @@ def replicated_job(env: dict[str, str]) -> Iterator[tuple[Any, list[PSClient],
             workers[0].initialize([np.zeros(s.numel, np.float32) for s in PLAN.shards],
                                   optimizer=pb.OptimizerSpec(name="sgd"),
                                   aggregation=AGGREGATION)
-            yield ps, workers, tables
+            yield ps, workers, tables, (spec, lc.credentials)
 
 
 class Pushers:
@@ -120,7 +120,7 @@ def _check_exactly_once(workers: list[PSClient], tables: list[TableClient],
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["dense", "tables", "both"])
 def test_kill_9_of_a_primary_mid_run_the_workers_switch_to_its_replica(subprocess_env, what):
-    with replicated_job(subprocess_env) as (ps, workers, tables):
+    with replicated_job(subprocess_env) as (ps, workers, tables, (spec, credentials)):
         with Pushers(workers, tables, what) as run:
             wait_until(lambda: len(run.acked) >= 10, timeout=60, what="10 acknowledged pushes")
             killed = time.monotonic()
@@ -144,12 +144,16 @@ def test_kill_9_of_a_primary_mid_run_the_workers_switch_to_its_replica(subproces
             assert sum(c.num_ids for c in tables[0].export_shard(TABLE, 0)) == 10
         copies = {r.shard: r for r in calls.status(workers[0].channels[1]).replicas}
         assert (copies[0].term, copies[0].role) == (2, "primary")
+        with PSClient(spec, PLAN, worker_id=1, credentials=credentials, timeout=10.0,
+                      replicas=1) as late:  # a worker started after the switch
+            assert late.wait_until_initialized(timeout=30, poll=0.05) == status.step
+            assert late.shards[0].route.where() == (1, 2)  # found the shard on its copy
 
 
 @pytest.mark.slow
 def test_a_suspended_primary_is_switched_from_and_refuses_pushes_once_resumed(
         subprocess_env):
-    with replicated_job(subprocess_env) as (ps, workers, tables):
+    with replicated_job(subprocess_env) as (ps, workers, tables, _):
         with Pushers(workers, tables) as run:
             wait_until(lambda: len(run.acked) >= 10, timeout=60, what="10 acknowledged pushes")
             ps[0].suspend()  # SIGSTOP: its calls run out of time; its replica takes over
@@ -169,7 +173,7 @@ def test_a_suspended_primary_is_switched_from_and_refuses_pushes_once_resumed(
 
 @pytest.mark.slow
 def test_a_primary_and_its_replica_both_gone_give_a_sentence(subprocess_env):
-    with replicated_job(subprocess_env) as (ps, workers, _tables):
+    with replicated_job(subprocess_env) as (ps, workers, _tables, _):
         ps[1].kill()  # the replica's task first: shard 0 has nowhere to go
         ps[0].kill()
         shard = workers[0].shards[0]

@@ -159,6 +159,27 @@ class ShardRoute:
                            time.monotonic() - started, exc)
             return True
 
+    def discover(self) -> bool:
+        """Whether the shard's replica's task serves it already (promoted before this worker
+        started): the shard's calls go there from now on, at its term. A worker that starts
+        after a switch asks this while its primary does not answer (a starting ps task is
+        no reason to promote anything)."""
+        successor = self.successor
+        if successor is None:
+            return False
+        try:
+            data = unary(self._channel_for(successor), method_path("Status"), b"",
+                         timeout=_PROBE_S)
+        except TowerflowError:
+            return False
+        for copy in parse_message(pb.StatusReply, data, "StatusReply").replicas:
+            if copy.shard == self.shard and copy.role == "primary":
+                with self._lock:
+                    if self.task == self.shard:
+                        self.task, self.term = successor, max(self.term, int(copy.term))
+                return True
+        return False
+
     def _alone(self, successor: int, started: float) -> bool:
         """The primary answers, but a push failed: when the shard's replica's task is gone
         (the primary cannot have its copies acknowledged), ask the primary to go on without

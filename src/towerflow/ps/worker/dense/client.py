@@ -238,7 +238,9 @@ class PSClient:
                     # a ps task starting is no reason to switch to its replica
                     status = shard.status(timeout=min(5.0, shard.timeout), failover=False)
                 except UnavailableError as exc:
-                    pending.append(f"/job:ps/task:{shard.layout.index} ({exc})")
+                    why = "its replica took it over: asked there next" if (  # before we started
+                        shard.route is not None and shard.route.discover()) else exc
+                    pending.append(f"/job:ps/task:{shard.layout.index} ({why})")
                     continue
                 if status.failure and not status.initialized:
                     self.close()  # its Done: the ps tasks end once every replica knows
