@@ -198,7 +198,7 @@ class ParameterServer(DenseModes, Strategy):
             if device is None:
                 device = device_setter.worker_device  # no device type: this task's default
         self._device = compute_device(device)
-        self._credentials = credentials
+        self._credentials, self._bind_host = credentials, bind_host
         self._ps_strategy = ps_strategy or (None if device_setter is not None
                                             else DEFAULT_PS_STRATEGY)
         self._threshold = partition_threshold_bytes
@@ -210,7 +210,6 @@ class ParameterServer(DenseModes, Strategy):
         self._server, self._owns_server = (None if isinstance(server, bool) else server), False
         self._serve = server is True and not join
         self._sigterm: Any = None  # an elastic worker's SIGTERM handler replaced
-        self._bind_host = bind_host
         self._model: nn.Module | None = None
         self._hooks: list[Any] = []  # on the model: inputs to the device, settle(), the Init
         self._pending: Future | None = None
@@ -297,10 +296,11 @@ class ParameterServer(DenseModes, Strategy):
         self._start_server()
         self._client = PSClient(
             self.cluster, placement, worker_id=-1 if self._elastic else self._rank,
-            credentials=self._credentials,
-            timeout=self._timeout, push_timeout=self._push_timeout(),
+            credentials=self._credentials, timeout=self._timeout, push_timeout=self._push_timeout(),
             push_wait=self.aggregation.timeout, on_bad_gradient=self._policy,
-            sync=self.aggregation.mode == "sync")
+            sync=self.aggregation.mode == "sync", replicas=self.aggregation.replicas)
+        if self._tables:  # one route per shard: a switch to its replica serves both clients
+            self._tables.share_routes([shard.route for shard in self._client.shards])
         self._model = model
         if self._dense_with_rows and not self._prefetch \
                 and DenseCarrier.wanted(self._tables, self.client, self.aggregation):

@@ -37,6 +37,7 @@ from towerflow.errors import (
     TowerflowError,
     UnavailableError,
 )
+from towerflow.ps.wire.calls import DEPOSED_MARK
 
 __all__ = ["ShardTerm", "TermBook", "GroupCommit", "CopyStream", "send_copy", "deposed",
            "check_copies",
@@ -60,7 +61,7 @@ class ShardTerm:
         successor: the ps task that takes the shard over from this one (its replica).
     """
 
-    __slots__ = ("shard", "task", "role", "term", "held", "successor", "_lock")
+    __slots__ = ("shard", "task", "role", "term", "held", "successor", "alone", "_lock")
 
     def __init__(self, shard: int, task: int, role: str = PRIMARY,
                  successor: int | None = None) -> None:
@@ -68,6 +69,8 @@ class ShardTerm:
         #: the term this task last held the shard at as its primary (0: never)
         self.held = 1 if role == PRIMARY else 0
         self.successor = successor
+        #: the primary serves the shard without its replica (the replica's task is gone)
+        self.alone = False
         self._lock = threading.Lock()
 
     def check(self, term: int = 0) -> None:
@@ -115,6 +118,24 @@ class ShardTerm:
                 raise FailedPreconditionError(self._not_primary())
             return self.term
 
+    def go_alone(self) -> int:
+        """The shard's replica's task is gone (a worker found it so): this primary goes on
+        without a copy, acknowledging what it applied; return its term.
+
+        Raises:
+            FailedPreconditionError: this task is not the shard's primary.
+        """
+        with self._lock:
+            if self.role != PRIMARY:
+                raise FailedPreconditionError(self._not_primary())
+            if not self.alone:
+                logger.warning(
+                    "ps task %d serves shard %d without its replica on ps task %s (gone): "
+                    "its acknowledged pushes are on this task only from now on",
+                    self.task, self.shard, self.successor)
+            self.alone = True
+            return self.term
+
     @contextlib.contextmanager
     def copying(self, term: int) -> Iterator[str]:
         """Hold the shard's role while a copy from the primary at ``term`` is written (a
@@ -137,7 +158,7 @@ class ShardTerm:
             return (f"ps task {self.task} holds only a replica of shard {self.shard} (term "
                     f"{self.term}); its primary serves it until the replica is promoted.")
         where = "" if self.successor is None else f" on ps task {self.successor}"
-        return (f"ps task {self.task} is no longer the primary of shard {self.shard} (term "
+        return (f"ps task {self.task} {DEPOSED_MARK} {self.shard} (term "
                 f"{self.held}, now term {self.term}{where}): its "
                 f"replica took the shard over, and this task applies nothing more to it. Send "
                 f"the shard's pulls and pushes{where} with term {self.term}.")

@@ -106,6 +106,7 @@ __all__ = [
     "CHIEF_REPLICA",
     "failure_line",
     "replica_of",
+    "DEPOSED_MARK",
 ]
 
 SERVICE_NAME = "towerflow.ps.PS"
@@ -161,6 +162,11 @@ def replica_of(shard: int, num_ps: int) -> int:
         (1, 0)
     """
     return (shard + 1) % num_ps
+
+
+#: the words of a deposed primary's refusal (``FAILED_PRECONDITION``) that tell a worker
+#: to send the shard's calls to its replica (which took it over)
+DEPOSED_MARK = "is no longer the primary of shard"
 
 
 #: the aggregation modes of a job (``AggregationSpec.mode``)

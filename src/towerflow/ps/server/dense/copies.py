@@ -47,10 +47,12 @@ class ReplicaCopies:
         make_copy: ``make_copy(shard)`` -> a new service of ``shard`` in the replica role.
         terms: the task's :class:`~towerflow.ps.server.terms.TermBook` (the
             copies' terms, shared with the task's table service).
+        own_step: ``own_step()`` -> the step of this task's own shard (None: not initialised).
     """
 
-    def __init__(self, task: int, make_copy: Callable[[int], Any], terms: TermBook) -> None:
-        self.task, self.terms = task, terms
+    def __init__(self, task: int, make_copy: Callable[[int], Any], terms: TermBook,
+                 own_step: Callable[[], int | None] = lambda: None) -> None:
+        self.task, self.terms, self._own_step = task, terms, own_step
         self._make = make_copy
         self._copies: dict[int, Any] = {}
         self._versions: dict[int, int] = {}
@@ -133,10 +135,14 @@ class ReplicaCopies:
 
     def promote(self, request: bytes) -> bytes:
         """``Promote``: the copy of the shard (dense and tables) becomes its primary at the
-        next term."""
+        next term. Of this task's own shard: its replica's task is gone, and this primary
+        goes on without a copy (:meth:`~towerflow.ps.server.terms.ShardTerm.go_alone`)."""
         req = parse_message(pb.PromoteRequest, request, "PromoteRequest")
         term = self.terms.get(req.shard)
-        if term is None or req.shard == self.task:
+        if req.shard == self.task:
+            own = self.terms.of(self.task)
+            return pb.PromoteReply(term=own.go_alone(), step=self._own_step() or 0).SerializeToString()
+        if term is None:
             raise NotFoundError(
                 f"ps task {self.task} holds no copy of shard {req.shard} to promote; the "
                 f"shard's replica is on ps task {req.shard + 1} of the job (modulo the "

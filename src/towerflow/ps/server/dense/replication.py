@@ -145,7 +145,8 @@ class ReplicaLink:
             UnavailableError: the replica did not acknowledge within the timeout.
             FailedPreconditionError: the replica was promoted: this task is deposed.
         """
-        self._commit.wait()
+        if not self.term.alone:  # alone: its replica's task is gone (ShardTerm.go_alone)
+            self._commit.wait()
 
     def seed(self) -> None:
         """Send the whole shard (after an Init); the replica replaces its copy with it."""

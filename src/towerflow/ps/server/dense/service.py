@@ -171,7 +171,7 @@ class PSService:
         self._link: ReplicaLink | None = None
         self._init_request: Any = None
         #: the copies of other ps tasks' shards held here (a copy holds none itself)
-        self.copies = ReplicaCopies(task, self._make_copy, self.terms) \
+        self.copies = ReplicaCopies(task, self._make_copy, self.terms, self.current_step) \
             if role == PRIMARY else None
         self.describe_peer = describe_peer
         self.elastic = ElasticMembers(shard_index, confirm=confirm_join)
@@ -330,6 +330,10 @@ class PSService:
         """Report whether the shard is initialised, its step, layout, counters and push table
         (and its variables' segments when the request asks ``with_layout``)."""
         req = parse_message(pb.StatusRequest, request, "StatusRequest")
+        if req.HasField("shard"):  # a shard this task may have taken over (checked)
+            serving = self._serving(req.shard, req.term)
+            if serving is not self:
+                return serving.status(request)
         current = self._shard
         workers = self.workers.to_proto(self.replicas, self.describe_peer, self.finished)
         uptime = time.monotonic() - self._started
@@ -467,6 +471,10 @@ class PSService:
         """``Reserve`` (ps task 0): keep a step of an asynchronous run's end for a worker's
         next push (:mod:`~towerflow.ps.server.dense.reservations`)."""
         req = parse_message(pb.ReserveRequest, request, "ReserveRequest")
+        if req.HasField("shard"):  # shard 0, on the task that took it over
+            serving = self._serving(req.shard, req.term)
+            if serving is not self:
+                return serving.reserve(request)
         if self.shard_index != 0:
             raise InvalidArgumentError(
                 f"Reserve was sent to ps task {self.shard_index}; the global step, and the "

@@ -89,7 +89,8 @@ class RowReplica:
             UnavailableError: the replica did not acknowledge within the timeout.
             FailedPreconditionError: the replica took the shard over: this task is deposed.
         """
-        self._commit.wait()
+        if not self.term.alone:  # alone: its replica's task is gone (ShardTerm.go_alone)
+            self._commit.wait()
 
     def _send(self) -> None:
         from towerflow.cluster.transport import unary

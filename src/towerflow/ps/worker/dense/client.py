@@ -59,6 +59,7 @@ from towerflow.ps.wire.calls import (
 from towerflow.ps.wire.framing import CHUNK_BYTES
 from towerflow.ps.wire.messages import AggregationConfig, push_rows
 from towerflow.ps.worker.dense.shard_client import ShardClient
+from towerflow.ps.worker.failover import ShardRoute
 
 __all__ = ["PSClient", "PreparedPush", "PushResult", "ShardSnapshot", "tell_chief_failure"]
 
@@ -144,13 +145,18 @@ class PSClient:
             its pushes) goes only to the shards at the lowest of them, and is
             stale on the others, so every shard completes the same steps (see
             :meth:`push`).
+        replicas: the job's live copies of each shard (``AggregationConfig.replicas``):
+            with 1, every request names its shard and term, and a shard whose primary
+            is gone is switched to its replica, the call in flight sent again
+            (:mod:`~towerflow.ps.worker.failover`); 0: requests as before.
     """
 
     def __init__(self, cluster: Any, placement: Placement, *, worker_id: int,
                  credentials: Credentials | None = None, timeout: float = 30.0,
                  push_timeout: float | None = None, push_wait: float | None = 0.0,
                  on_bad_gradient: str = "raise", chunk_bytes: int = CHUNK_BYTES, tune_malloc: bool = True,
-                 channel_options: ChannelOptions | None = None, sync: bool = False) -> None:
+                 channel_options: ChannelOptions | None = None, sync: bool = False,
+                 replicas: int = 0) -> None:
         if on_bad_gradient not in ("raise", "skip"):
             raise InvalidArgumentError(
                 f"on_bad_gradient={on_bad_gradient!r}; use 'raise' or 'skip'."
@@ -171,11 +177,14 @@ class PSClient:
         self.elastic_ticket = b""
         self.on_bad_gradient = on_bad_gradient
         self.sync = sync
+        #: one channel per ps task (a shard's calls go to the task serving it)
+        self.channels = [make_channel(cluster.task_address("ps", i), credentials,
+                                      options=channel_options) for i in range(num_ps)]
         self.shards = [
-            ShardClient(make_channel(cluster.task_address("ps", i), credentials,
-                                     options=channel_options), layout,
+            ShardClient(self.channels[i], layout,
                         timeout=timeout, push_timeout=push_timeout, push_wait=push_wait,
-                        chunk_bytes=chunk_bytes)
+                        chunk_bytes=chunk_bytes, route=ShardRoute(
+                            i, num_ps, self.channels.__getitem__) if replicas else None)
             for i, layout in enumerate(placement.shards)
         ]
         self._seq = 0
@@ -226,9 +235,12 @@ class PSClient:
             pending = []
             for shard in self.shards:
                 try:
-                    status = shard.status(timeout=min(5.0, shard.timeout))
+                    # a ps task starting is no reason to switch to its replica
+                    status = shard.status(timeout=min(5.0, shard.timeout), failover=False)
                 except UnavailableError as exc:
-                    pending.append(f"/job:ps/task:{shard.layout.index} ({exc})")
+                    why = "its replica took it over: asked there next" if (  # before we started
+                        shard.route is not None and shard.route.discover()) else exc
+                    pending.append(f"/job:ps/task:{shard.layout.index} ({why})")
                     continue
                 if status.failure and not status.initialized:
                     self.close()  # its Done: the ps tasks end once every replica knows
@@ -463,6 +475,8 @@ class PSClient:
         self._prefetcher.shutdown(wait=True)
         if done or failure:
             for shard in self.shards:
+                if shard.route is not None and shard.route.task != shard.layout.index:
+                    continue  # its primary is gone; the task serving it has its own Done
                 try:
                     shard.done(self.worker_id, checkpoint_step, self.elastic_ticket,
                                failure=failure)
@@ -472,7 +486,8 @@ class PSClient:
         self._pool.shutdown(wait=True)
         for shard in self.shards:
             shard.close_stream()
-            shard.channel.close()
+        for channel in self.channels:
+            channel.close()
 
     def __enter__(self) -> PSClient:
         return self

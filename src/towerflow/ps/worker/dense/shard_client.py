@@ -31,6 +31,7 @@ from towerflow.cluster.transport import (
 from towerflow.errors import (
     DataLossError,
     DeadlineExceededError,
+    FailedPreconditionError,
     TowerflowError,
     UnavailableError,
 )
@@ -50,6 +51,7 @@ from towerflow.ps.wire.messages import (
     push_records,
     signature_bytes,
 )
+from towerflow.ps.worker.failover import ShardRoute, routed_push
 
 __all__ = ["ShardClient", "PUSH_RETRY_LOG_EVERY"]
 
@@ -95,12 +97,17 @@ class ShardClient:
             first attempt's outcome, so it is applied once); None: for ever; 0:
             never.
         chunk_bytes: size of streamed chunks.
+        route: with ``replicas=1``, where the shard is served and at which term (every
+            request names both, and a primary that is gone is switched from to its
+            replica: :class:`~towerflow.ps.worker.failover.ShardRoute`); None:
+            the ps task of ``channel``, requests as with no replica.
     """
 
     def __init__(self, channel: grpc.Channel, layout: ShardLayout, *, timeout: float = 30.0,
                  push_timeout: float | None = None, push_wait: float | None = 0.0,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.channel = channel
+                 chunk_bytes: int = CHUNK_BYTES, route: ShardRoute | None = None) -> None:
+        self._channel = channel
+        self.route = route
         self.layout = layout
         self.timeout = timeout
         self.push_timeout = push_timeout or timeout
@@ -113,12 +120,53 @@ class ShardClient:
         self._signature = signature_bytes(layout)
 
     @property
+    def channel(self) -> grpc.Channel:
+        """The channel to the ps task serving the shard now."""
+        return self._channel if self.route is None else self.route.channel
+
+    def _routing(self) -> dict[str, int]:
+        """The fields naming the shard and its term in a request (none with no route)."""
+        if self.route is None:
+            return {}
+        return {"shard": self.layout.index, "term": self.route.term}
+
+    def _routed(self, request: bytes) -> bytes:
+        """A packed push request (:meth:`encode_small`) naming the shard's term now (the
+        request itself when it does, or with no route)."""
+        if self.route is None:
+            return request
+        return routed_push(request, self.layout.index, self.route.term)
+
+    def _switch(self, before: tuple[int, int] | None, exc: TowerflowError) -> bool:
+        """After a failed call sent at ``before``: whether the shard is served elsewhere now
+        (its replica took it over: send again; the push stream is dropped)."""
+        if before is None or not self.route.fail_over(before, exc):
+            return False
+        if self._stream_lock.acquire(blocking=False):
+            try:
+                self.close_stream()
+            finally:
+                self._stream_lock.release()
+        return True
+
+    def _once(self, call: Callable[[], _T]) -> _T:
+        """Run ``call``; sent again on the shard's replica when its primary is gone."""
+        while True:
+            before = None if self.route is None else self.route.where()
+            try:
+                return call()
+            except (UnavailableError, DeadlineExceededError, FailedPreconditionError) as exc:
+                if not self._switch(before, exc):
+                    raise
+
+    @property
     def address(self) -> str:
         """The ps task's address."""
         return channel_address(self.channel)
 
-    def _retrying(self, call: Callable[[], _T], timeout: float) -> _T:
-        """Run ``call``, retrying while the ps is unavailable, until ``timeout``.
+    def _retrying(self, call: Callable[[], _T], timeout: float, *, failover: bool = True) -> _T:
+        """Run ``call``, retrying while the ps is unavailable, until ``timeout`` (with a
+        route and ``failover``, on the shard's replica once its primary is gone).
 
         While it waits, a line every few seconds says for what; when it gives up,
         the error says how long it tried.
@@ -127,14 +175,22 @@ class ShardClient:
         deadline, note = start + timeout, start + _NOTE_AFTER_S
         delay = 0.05
         while True:
+            before = None if self.route is None or not failover else self.route.where()
             try:
                 return call()
+            except (DeadlineExceededError, FailedPreconditionError) as exc:
+                if not self._switch(before, exc):
+                    raise
+                continue
             except UnavailableError as exc:
+                if self._switch(before, exc):
+                    continue
                 now = time.monotonic()
                 if now + delay >= deadline:
+                    why = f" {self.route.refusal}" if self.route and self.route.refusal else ""
                     raise UnavailableError(
                         f"the ps task at {self.address} did not answer for {now - start:.0f} s: "
-                        f"{exc}") from None
+                        f"{exc}{why}") from None
                 if now >= note:
                     logger.info("waiting for the ps task at %s to answer (%.0f s of %.0f s); "
                                 "is it running?", self.address, now - start, timeout)
@@ -142,9 +198,15 @@ class ShardClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def status(self, timeout: float | None = None) -> pb.StatusReply:
-        """The shard's status (initialised, step, layout fingerprint, counters)."""
-        data = unary(self.channel, method_path("Status"), b"", timeout=timeout or self.timeout)
+    def status(self, timeout: float | None = None, *, failover: bool = True) -> pb.StatusReply:
+        """The shard's status (initialised, step, layout fingerprint, counters); with a route
+        and ``failover``, from its replica once its primary is gone."""
+        def call() -> bytes:  # no route: an empty request, as before replicas
+            return unary(self.channel, method_path("Status"),
+                         pb.StatusRequest(**self._routing()).SerializeToString(),
+                         timeout=timeout or self.timeout)
+
+        data = self._once(call) if failover else call()
         return parse_message(pb.StatusReply, data, "StatusReply")
 
     def init(self, params: np.ndarray, *, optimizer: Any,
@@ -173,7 +235,7 @@ class ShardClient:
                 yield from chunks(np.asarray(buf, np.float32).reshape(-1), self.chunk_bytes)
 
         self._retrying(lambda: stream_unary(self.channel, method_path("Init"), messages(),
-                                            timeout=self.timeout), self.timeout)
+                                            timeout=self.timeout), self.timeout, failover=False)
         self.version = step
 
     def pull(self, into: np.ndarray, buffer: str = "params", *, track: bool = True) -> pb.PullReply:
@@ -183,9 +245,8 @@ class ShardClient:
         next push says its gradient was computed on; a snapshot for a
         checkpoint passes ``track=False``.
         """
-        req = pb.PullRequest(buffer=buffer).SerializeToString()
-
         def call() -> pb.PullReply:
+            req = pb.PullRequest(buffer=buffer, **self._routing()).SerializeToString()
             replies = unary_stream(self.channel, method_path("Pull"), req, timeout=self.timeout)
             first = next(replies, None)
             if first is None:
@@ -211,7 +272,7 @@ class ShardClient:
             dtype="float32" if grad.dtype == np.float32 else str(grad.dtype), numel=grad.size,
             # informative: the ps checks every chunk itself
             finite=not self.small and grad.dtype == np.float32 and all_finite(grad),
-            last_step=last_step)
+            last_step=last_step, **self._routing())
         return header, encode_push_header(header, want_params=want_params,
                                           signature=self._signature)
 
@@ -235,7 +296,7 @@ class ShardClient:
         if not self.small or not self._stream_lock.acquire(blocking=False):
             return False
         try:
-            self._send_on_stream(request)
+            self._send_on_stream(self._routed(request))
         except BaseException:
             self.close_stream()
             self._stream_lock.release()
@@ -261,6 +322,9 @@ class ShardClient:
         self._stream_lock.release()
         if data is not None:
             return self.small_reply(data, pull_into)
+        if failure is not None and self._switch(
+                None if self.route is None else self.route.where(), failure):
+            return self.push_small(request, pull_into=pull_into, what=what)  # on the replica
         if isinstance(failure, DeadlineExceededError) and self.push_wait is not None \
                 and time.monotonic() - self._sent_at >= self.push_wait:
             raise failure
@@ -291,11 +355,9 @@ class ShardClient:
                 grad, worker_id=worker_id, incarnation=incarnation, seq=seq, lr=lr,
                 want_params=pull_into is not None, last_step=last_step), pull_into=pull_into,
                 what=what)
-        _, head = self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
-                             lr=lr, want_params=pull_into is not None, last_step=last_step)
-
-        def messages() -> Iterator[bytes]:
-            yield head
+        def messages() -> Iterator[bytes]:  # the head names the shard's term at each try
+            yield self._head(grad, worker_id=worker_id, incarnation=incarnation, seq=seq,
+                             lr=lr, want_params=pull_into is not None, last_step=last_step)[1]
             yield from chunks(grad, self.chunk_bytes)
 
         def call() -> pb.PushReply:
@@ -332,6 +394,7 @@ class ShardClient:
                     waited, retries, self.push_timeout, limit)
 
     def _push_pull_small(self, request: bytes, into: np.ndarray | None) -> pb.PushReply:
+        request = self._routed(request)
         if self._stream_lock.acquire(blocking=False):
             try:
                 data = self._stream_round_trip(request)
@@ -408,8 +471,8 @@ class ShardClient:
         """``Reserve`` (ps task 0): keep a step of the run's end for this worker's next push."""
         data = self._retrying(lambda: unary(
             self.channel, method_path("Reserve"), pb.ReserveRequest(
-                worker_id=worker_id, incarnation=incarnation,
-                last_step=last_step).SerializeToString(), timeout=self.timeout), self.timeout)
+                worker_id=worker_id, incarnation=incarnation, last_step=last_step,
+                **self._routing()).SerializeToString(), timeout=self.timeout), self.timeout)
         return parse_message(pb.ReserveReply, data, "ReserveReply")
 
     def ledger(self, since: int = 0) -> pb.LedgerReply:

@@ -32,6 +32,7 @@ from towerflow.cluster.transport import Credentials, make_channel, stream_unary,
 from towerflow.errors import (
     DataLossError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
 )
@@ -44,6 +45,7 @@ from towerflow.ps.wire.tables import table_spec
 from towerflow.ps.wire.tensors import decode, encode
 from towerflow.ps.worker.tables.batch import Call, Item, Push, group_calls
 from towerflow.ps.worker.tables.fusion import TableView
+from towerflow.ps.worker.tables.routing import TableRouting, send_calls
 from towerflow.ps.worker.tables.stream import RowStream
 
 __all__ = ["TableClient"]
@@ -129,6 +131,7 @@ class TableClient:
             raise InvalidArgumentError("A table client needs the ps tasks' addresses.")
         credentials = Credentials.from_env() if credentials is None else credentials
         self._channels = [make_channel(a, credentials) for a in addresses]
+        self._routing = TableRouting(self._channels, getattr(aggregation, "replicas", 0))
         self._pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="towerflow-tables")
         self.worker_id = worker_id
         self.incarnation = time.time_ns() & ((1 << 63) - 1) if incarnation is None \
@@ -168,8 +171,12 @@ class TableClient:
         """Number of ps tasks (shards of every table)."""
         return len(self._channels)
 
+    def share_routes(self, routes: Sequence[Any]) -> None:
+        """Route the table calls by the dense client's shard routes (``replicas=1``)."""
+        self._routing.adopt(routes)
+
     def _call(self, shard: int, method: str, message: Any, reply: type) -> Any:
-        data = unary(self._channels[shard], _method(method), message.SerializeToString(),
+        data = unary(self._routing.channel(shard), _method(method), message.SerializeToString(),
                      timeout=self.timeout)
         return reply.FromString(data)
 
@@ -224,10 +231,10 @@ class TableClient:
                 stream = None
             for call in queue:
                 if stream is None:
-                    stream = self._streams[shard] = RowStream(self._channels[shard],
-                                                              self.timeout, call.payload)
+                    stream = self._streams[shard] = RowStream(
+                        self._routing.channel(shard), self.timeout, self._routing.payload(call))
                 else:
-                    stream.send(call.payload)
+                    stream.send(self._routing.payload(call))
             return stream
         except BaseException:
             self._drop_stream(shard)
@@ -247,10 +254,12 @@ class TableClient:
         try:
             for _ in queue:
                 replies.append(stream.receive())
-        except (UnavailableError, DeadlineExceededError, DataLossError):
+        except (UnavailableError, DeadlineExceededError, DataLossError,
+                FailedPreconditionError) as exc:  # the last: a deposed primary, maybe
             self._drop_stream(queue[0].shard)
             rest = queue[len(replies):]
-            if not all(call.retry for call in rest) or not self.retries:
+            if not all(call.retry for call in rest) or not self.retries or isinstance(
+                    exc, FailedPreconditionError) and self._routing.routes is None:
                 raise
             logger.info("row stream to ps task %d failed; %d request(s) sent again",
                         queue[0].shard, len(rest))
@@ -264,23 +273,8 @@ class TableClient:
 
     def _send(self, queue: list[Call]) -> list[bytes]:
         """The replies of ``queue``'s calls, sent one after the other as unary calls."""
-        replies = []
-        for call in queue:
-            for attempt in itertools.count():
-                try:
-                    replies.append(unary(self._channels[call.shard], _method("RowBatch"),
-                                         call.payload, timeout=self.timeout))
-                    break
-                except (UnavailableError, DeadlineExceededError) as exc:
-                    forever = self._wait_forever and isinstance(exc, DeadlineExceededError)
-                    if not call.retry or (attempt >= self.retries and not forever):
-                        raise
-                    if forever:
-                        logger.warning("a push to ps task %d still waits for the other workers "
-                                       "(step_timeout=None); sent again (retry %d, the ps "
-                                       "applies it once)", call.shard, attempt + 1)
-                    time.sleep(min(2.0, 0.1 * 2**attempt))
-        return replies
+        return send_calls(queue, self._routing, timeout=self.timeout, retries=self.retries,
+                          wait_forever=self._wait_forever)
 
     def init_table(self, config: TableConfig, *, wait: float = 300.0) -> list[Any]:
         """Create the table's shard on every ps task (idempotent); the ``InitTableReply``s.
@@ -522,7 +516,7 @@ class TableClient:
         request = tpb.ExportRowsRequest(table=table.name, shard=shard, chunk_rows=chunk_rows)
         if table is not config:
             request.id_start, request.id_stop = offset, offset + config.num_rows
-        for data in unary_stream(self._channels[shard], _method("ExportRows"),
+        for data in unary_stream(self._routing.channel(shard), _method("ExportRows"),
                                  request.SerializeToString(), timeout=self.timeout * 10):
             chunk = tpb.RowChunk.FromString(data)
             if table is not config:
@@ -566,7 +560,7 @@ class TableClient:
                     first = False
                 yield chunk.SerializeToString()
 
-        data = stream_unary(self._channels[shard], _method("ImportRows"), chunks(),
+        data = stream_unary(self._routing.channel(shard), _method("ImportRows"), chunks(),
                             timeout=self.timeout * 10)
         return tpb.ImportRowsReply.FromString(data).rows
 

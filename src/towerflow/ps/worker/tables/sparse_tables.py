@@ -10,7 +10,7 @@ forward pulled in one request per ps task (:mod:`towerflow.ps.worker.tables.pref
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +95,12 @@ class SparseTables:
         #: a dense push-and-pull per ps task for the next prefetched pull to carry, and who
         #: takes its replies (:meth:`carry`)
         self._carried: tuple[Mapping[int, bytes], Callable[[dict[int, bytes]], None]] | None = None
+
+    def share_routes(self, routes: Sequence[Any]) -> None:
+        """Route the table calls by the dense client's shard routes (``replicas=1``: one
+        switch to a shard's replica serves both)."""
+        if self.client is not None:
+            self.client.share_routes(routes)
 
     def pull_ahead_always(self, model: nn.Module) -> None:
         """Pull the tables before each forward also for a single table (so that a dense push

@@ -1,0 +1,227 @@
+"""Where a worker sends one shard's calls with ``replicas=1``, and its switch to the replica.
+
+With ``replicas=1`` ps task ``i``'s shard has a live copy on ps task
+``(i + 1) % n`` (:func:`~towerflow.ps.wire.calls.replica_of`). A
+:class:`ShardRoute` holds, for one shard, the ps task that serves it and the
+term the worker believes; every request of the shard names both (a ps task
+checks the term, so a primary that its replica took over refuses).
+
+When a call to the primary fails UNAVAILABLE or DEADLINE_EXCEEDED, the route
+checks that the primary is really gone (it answers no ``Status`` for
+``grace`` seconds), then asks the replica's task to ``Promote`` the shard (a
+second worker's ``Promote`` of a copy promoted already gets the same term),
+and switches the shard's calls there with the new term; the caller sends the
+call in flight again, as the same push (its ``(worker_id, incarnation, seq)``
+unchanged), which the promoted copy's push ledger applies once. A primary
+that says it was deposed (``FAILED_PRECONDITION``) is switched from at once. A
+primary that answers while its pushes fail, because its own replica's task is
+gone (it cannot have a copy acknowledged), is asked to go on without that
+replica (``Promote`` of its own shard), so that training goes on.
+The whole switch is bounded by ``timeout``; when it cannot happen (no
+replica, the replica's task down too, or the shard already on its copy,
+which has no replica of its own) the route keeps a sentence saying why, and
+the caller's error carries it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from towerflow.cluster.transport import unary
+from towerflow.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    TowerflowError,
+    UnavailableError,
+)
+from towerflow.ps.wire import ps_pb2 as pb
+from towerflow.ps.wire.calls import DEPOSED_MARK, method_path, replica_of
+from towerflow.ps.wire.framing import pack, unpack
+from towerflow.ps.wire.messages import parse_message
+
+__all__ = ["ShardRoute", "FAILOVER_GRACE", "FAILOVER_TIMEOUT", "failover_worthy",
+           "routed_push"]
+
+logger = logging.getLogger("towerflow.ps")
+
+#: seconds a primary must answer no Status before its replica is promoted
+FAILOVER_GRACE = 1.0
+#: seconds the whole switch to the replica may take (probe, Promote)
+FAILOVER_TIMEOUT = 5.0
+_PROBE_S = 0.5
+
+
+def routed_push(request: bytes | memoryview, shard: int, term: int) -> bytes | memoryview:
+    """A packed dense push request (``PushPullSmall``) naming ``shard`` at ``term``: the
+    request itself when it does, else re-framed with both appended to its header
+    (serialised messages merge: the appended fields win)."""
+    head, payload = unpack(request)
+    named = pb.PushRequest.FromString(head)
+    if named.term == term and named.HasField("shard") and named.shard == shard:
+        return request
+    return pack(head + pb.PushRequest(shard=shard, term=term).SerializeToString(), payload)
+
+
+def failover_worthy(exc: BaseException) -> bool:
+    """Whether ``exc`` of a call to a shard's ps task may mean that the task is gone (or
+    deposed), so that the shard's replica should take it over."""
+    if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+        return True
+    return isinstance(exc, FailedPreconditionError) and DEPOSED_MARK in str(exc)
+
+
+class ShardRoute:
+    """The ps task serving one shard and the shard's term, as this worker believes.
+
+    Args:
+        shard: the shard's index (its primary is ps task ``shard``).
+        num_ps: the job's number of ps tasks.
+        channel_for: ``channel_for(task)`` -> the worker's channel to ps task ``task``.
+        grace: seconds the primary must answer no ``Status`` before it is given up.
+        timeout: seconds the whole switch may take.
+
+    Example:
+        >>> route = ShardRoute(0, 2, lambda task: None)
+        >>> route.task, route.term, route.successor
+        (0, 1, 1)
+    """
+
+    def __init__(self, shard: int, num_ps: int, channel_for: Callable[[int], Any], *,
+                 grace: float = FAILOVER_GRACE, timeout: float = FAILOVER_TIMEOUT) -> None:
+        self.shard, self.num_ps = shard, num_ps
+        self.task, self.term = shard, 1
+        self.grace, self.timeout = grace, timeout
+        self._channel_for = channel_for
+        #: why the last switch could not happen ("" when none failed)
+        self.refusal = ""
+        #: the primary was asked to serve without its replica (the replica's task is gone)
+        self.alone = False
+        #: (monotonic time of the failure that started it, of the first call that
+        #: succeeded afterwards) of the last switch, for the failover figure
+        self.switched_at: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def successor(self) -> int | None:
+        """The ps task holding the shard's copy (None: the shard is on its copy already,
+        which has no replica of its own)."""
+        return replica_of(self.shard, self.num_ps) if self.task == self.shard else None
+
+    @property
+    def channel(self) -> Any:
+        """The channel to the task serving the shard now."""
+        return self._channel_for(self.task)
+
+    def where(self) -> tuple[int, int]:
+        """``(task, term)`` now (a caller compares it after a failed call)."""
+        return self.task, self.term
+
+    def fail_over(self, before: tuple[int, int], exc: TowerflowError) -> bool:
+        """A call sent at ``before`` (:meth:`where`) failed with ``exc``: switch the shard to
+        its replica when its primary is gone. True: the shard is served elsewhere now
+        (switched here or by another thread): send the call again. False: stay (the
+        primary answers, or no switch is possible: :attr:`refusal` says why).
+        """
+        with self._lock:
+            if (self.task, self.term) != before:
+                return True
+            if not failover_worthy(exc):
+                return False
+            started = time.monotonic()
+            deposed = isinstance(exc, FailedPreconditionError)
+            successor = self.successor
+            if successor is None:
+                self.refusal = (
+                    f"shard {self.shard} is served by its copy on ps task {self.task} (term "
+                    f"{self.term}), which has no replica of its own: the shard cannot fail "
+                    f"over again. Start ps task {self.task} again from the last checkpoint.")
+                return False
+            if not deposed and self._answers(self.task):
+                return self._alone(successor, started)
+            try:
+                self.term = self._promote(successor, started + self.timeout)
+            except TowerflowError as promote_error:
+                self.refusal = (
+                    f"shard {self.shard}'s primary, ps task {self.task}, is not answering "
+                    f"({type(exc).__name__}), and its replica on ps task {successor} could "
+                    f"not take it over within {self.timeout:g} s ({type(promote_error).__name__}"
+                    f": {promote_error}). Start ps task {successor} or {self.task} again.")
+                logger.warning("%s", self.refusal)
+                return False
+            old, self.task = self.task, successor
+            self.refusal, self.switched_at = "", started
+            logger.warning("shard %d failed over from ps task %d to its replica on ps task %d "
+                           "(term %d) in %.2f s: %s", self.shard, old, self.task, self.term,
+                           time.monotonic() - started, exc)
+            return True
+
+    def discover(self) -> bool:
+        """Whether the shard's replica's task serves it already (promoted before this worker
+        started): the shard's calls go there from now on, at its term. A worker that starts
+        after a switch asks this while its primary does not answer (a starting ps task is
+        no reason to promote anything)."""
+        successor = self.successor
+        if successor is None:
+            return False
+        try:
+            data = unary(self._channel_for(successor), method_path("Status"), b"",
+                         timeout=_PROBE_S)
+        except TowerflowError:
+            return False
+        for copy in parse_message(pb.StatusReply, data, "StatusReply").replicas:
+            if copy.shard == self.shard and copy.role == "primary":
+                with self._lock:
+                    if self.task == self.shard:
+                        self.task, self.term = successor, max(self.term, int(copy.term))
+                return True
+        return False
+
+    def _alone(self, successor: int, started: float) -> bool:
+        """The primary answers, but a push failed: when the shard's replica's task is gone
+        (the primary cannot have its copies acknowledged), ask the primary to go on without
+        it (``Promote`` of its own shard). True when it does."""
+        if self.alone or self._answers(successor):
+            return False
+        try:
+            self._promote(self.task, started + self.timeout)
+        except TowerflowError as exc:
+            logger.warning("shard %d's replica on ps task %d is gone, and its primary did not "
+                           "go on without it: %s", self.shard, successor, exc)
+            return False
+        self.alone = True
+        logger.warning("shard %d's replica on ps task %d is gone: its primary, ps task %d, "
+                       "goes on without it (%.2f s)", self.shard, successor, self.task,
+                       time.monotonic() - started)
+        return True
+
+    def _answers(self, task: int) -> bool:
+        """Whether ps task ``task`` answers a ``Status`` within the grace period."""
+        deadline = time.monotonic() + self.grace
+        while True:
+            try:
+                unary(self._channel_for(task), method_path("Status"), b"", timeout=_PROBE_S)
+                return True
+            except (UnavailableError, DeadlineExceededError):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
+            except TowerflowError:
+                return True  # it answered, with an error of its own
+
+    def _promote(self, task: int, deadline: float) -> int:
+        """Ask ps task ``task`` to promote its copy of the shard; the shard's new term."""
+        request = pb.PromoteRequest(shard=self.shard).SerializeToString()
+        while True:  # (a Promote of its own shard on the primary: go on without the replica)
+            left = deadline - time.monotonic()
+            try:
+                data = unary(self._channel_for(task), method_path("Promote"), request,
+                             timeout=max(0.1, left))
+                return int(parse_message(pb.PromoteReply, data, "PromoteReply").term)
+            except UnavailableError:
+                if time.monotonic() + 0.1 >= deadline:
+                    raise
+                time.sleep(0.1)
