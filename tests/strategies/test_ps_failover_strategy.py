@@ -7,23 +7,13 @@ from __future__ import annotations
 import sys
 
 import pytest
+import replica_calls as calls
 import torch
-from torch import nn
 
 from towerflow.cluster import ClusterSpec, TaskInfo
 from towerflow.strategies import OptimizerConfig
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.testing import LocalCluster, loopback_cluster
-
-
-class Clicks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.item = nn.Embedding(50, 4, sparse=True)
-        self.out = nn.Linear(4, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(self.item(ids)).squeeze(1)
 
 
 @pytest.mark.slow
@@ -38,7 +28,7 @@ def test_training_goes_on_and_checkpoints_after_a_ps_task_is_killed(subprocess_e
         run = ParameterServer(one, TaskInfo("worker", 0), device="cpu", server=False,
                               credentials=lc.credentials, replicas=1, whole_table_bytes=None)
         try:
-            run.prepare(Clicks(), OptimizerConfig("adagrad", lr=0.1))
+            run.prepare(calls.Clicks(), OptimizerConfig("adagrad", lr=0.1))
             g = torch.Generator().manual_seed(1)
 
             def step() -> int:

@@ -130,16 +130,6 @@ def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task() -> Non
                          console.export_text()), console.export_text()
 
 
-class Clicks(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.item = nn.Embedding(50, 4, sparse=True)
-        self.out = nn.Linear(4, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(self.item(ids)).squeeze(1)
-
-
 def export(channel: Any, table: str, shard: int) -> list[bytes]:
     """Table ``table``'s shard ``shard`` as the task serves it: each chunk's rows and slots."""
     chunks = unary_stream(channel, "/towerflow.ps.Tables/ExportRows", tpb.ExportRowsRequest(
@@ -153,7 +143,7 @@ def test_a_click_model_trains_with_its_table_shards_replicated() -> None:
         one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
         run = strategy(one, replicas=1, whole_table_bytes=None)
         try:
-            run.prepare(Clicks(), OptimizerConfig("adagrad", lr=0.1))
+            run.prepare(calls.Clicks(), OptimizerConfig("adagrad", lr=0.1))
             g = torch.Generator().manual_seed(1)
             for _ in range(4):
                 ids = torch.randint(0, 50, (16,), generator=g)

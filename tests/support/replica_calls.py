@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
+from torch import nn
 
 from towerflow.cluster.transport import unary, unary_stream
 from towerflow.ps.wire import ps_pb2 as pb
@@ -50,3 +52,15 @@ def status(channel: Any) -> pb.StatusReply:
     """The task's ``Status``."""
     return parse_message(pb.StatusReply, unary(channel, method_path("Status"), b"",
                                                timeout=TIMEOUT), "StatusReply")
+
+
+class Clicks(nn.Module):
+    """A click model with a table on the ps (``sparse=True``) and a dense layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(50, 4, sparse=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.item(ids)).squeeze(1)
