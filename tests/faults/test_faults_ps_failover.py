@@ -6,115 +6,24 @@ resumed acknowledges nothing more."""
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 import replica_calls as calls
-import torch
+from replica_job import (
+    PLAN,
+    PUSHES,
+    TABLE,
+    WORKERS,
+    Pushers,
+    check_exactly_once,
+    replicated_job,
+)
 
 from towerflow.errors import FailedPreconditionError, UnavailableError
-from towerflow.ps import AggregationConfig, PSClient, plan_placement
-from towerflow.ps.partition import ModPartitioner
-from towerflow.ps.spec.tables import TableConfig
-from towerflow.ps.wire import ps_pb2 as pb
-from towerflow.ps.worker.tables.client import TableClient
-from towerflow.testing import LocalCluster, loopback_cluster, wait_until
-
-PLAN = plan_placement({"a": (256,), "b": (256,)}, 2)
-TABLE = TableConfig("t", ModPartitioner(2, num_rows=20), 3, {"name": "sgd", "hyper": {}},
-                    {"kind": "constant", "value": 0.0})
-IDS = torch.arange(20)
-WORKERS, PUSHES = 2, 40
-AGGREGATION = AggregationConfig(total_num_replicas=WORKERS, replicas=1)
-
-
-@contextlib.contextmanager
-def replicated_job(env: dict[str, str]) -> Iterator[tuple[Any, list[PSClient],
-                                                          list[TableClient], Any]]:
-    """Two ps task processes initialised with ``replicas=1`` (sgd, zeros: a dense shard and a
-    table shard each) and two workers' dense and table clients with ``replicas=1`` -> (ps
-    tasks, dense clients, table clients, (cluster, credentials))."""
-    spec = loopback_cluster(2, WORKERS)
-    with LocalCluster(spec, [sys.executable, "-m", "towerflow", "server"], env=env) as lc:
-        ps = [lc.start("ps", i) for i in range(2)]
-        for i, task in enumerate(ps):
-            task.wait_for_line(rf"ps task {i} serving at", timeout=60)
-        with contextlib.ExitStack() as stack:
-            workers = [stack.enter_context(PSClient(
-                spec, PLAN, worker_id=w, credentials=lc.credentials, timeout=10.0,
-                push_timeout=2.0, push_wait=30.0, replicas=1)) for w in range(WORKERS)]
-            tables = [TableClient(spec.job_tasks("ps"), credentials=lc.credentials,
-                                  worker_id=w, timeout=2.0, retries=20,
-                                  aggregation=AGGREGATION) for w in range(WORKERS)]
-            for client in tables:
-                stack.callback(client._close)
-            tables[0].init_table(TABLE)
-            workers[0].initialize([np.zeros(s.numel, np.float32) for s in PLAN.shards],
-                                  optimizer=pb.OptimizerSpec(name="sgd"),
-                                  aggregation=AGGREGATION)
-            yield ps, workers, tables, (spec, lc.credentials)
-
-
-class Pushers:
-    """Each worker pushes a gradient of ones ``PUSHES`` times in its own thread (to the
-    dense shards, to every row of the table, or both: ``what``); the time of every
-    acknowledged push is kept."""
-
-    def __init__(self, workers: list[PSClient], tables: list[TableClient],
-                 what: str = "dense") -> None:
-        self.what = what
-        self.acked: list[float] = []
-        self.failures: list[BaseException] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(w, t), daemon=True)
-                         for w, t in zip(workers, tables, strict=True)]
-
-    def _run(self, worker: PSClient, table: TableClient) -> None:
-        params = [np.empty(s.numel, np.float32) for s in PLAN.shards]
-        grads = [np.ones(s.numel, np.float32) for s in PLAN.shards]
-        try:
-            for step in range(1, PUSHES + 1):
-                if self.what in ("dense", "both"):
-                    result = worker.push(grads, lr=1.0, pull_into=params)
-                    assert result.applied, result.messages
-                if self.what in ("tables", "both"):
-                    replies = table.push(TABLE, IDS, torch.ones(len(IDS), 3), lr=1.0,
-                                         step=step)
-                    assert all(r.status == "applied" for r in replies), replies
-                with self._lock:
-                    self.acked.append(time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.failures.append(exc)
-
-    def __enter__(self) -> Pushers:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for thread in self._threads:
-            thread.join(timeout=60)
-        assert not any(t.is_alive() for t in self._threads), "a pusher did not end"
-
-
-def _check_exactly_once(workers: list[PSClient], tables: list[TableClient],
-                        what: str = "dense") -> None:
-    """Every shard holds -(every acknowledged push): sgd, lr 1, gradient 1, each push once."""
-    params = [np.empty(s.numel, np.float32) for s in PLAN.shards]
-    workers[0].pull(params)
-    pushed = WORKERS * PUSHES
-    for values in params:
-        np.testing.assert_array_equal(values, np.full(values.size, -pushed if what in (
-            "dense", "both") else 0.0, np.float32))
-    rows = tables[0].pull(TABLE, IDS)
-    assert torch.equal(rows, torch.full((len(IDS), 3), -float(pushed) if what in (
-        "tables", "both") else 0.0))
+from towerflow.ps import PSClient
+from towerflow.testing import wait_until
 
 
 @pytest.mark.slow
@@ -129,7 +38,7 @@ def test_kill_9_of_a_primary_mid_run_the_workers_switch_to_its_replica(subproces
         assert len(run.acked) == WORKERS * PUSHES
         after = [t for t in run.acked if t > killed]
         assert after and after[0] - killed < 5.0  # the next completed push, within 5 s
-        _check_exactly_once(workers, tables, what)
+        check_exactly_once(workers, tables, what)
         routes = [w.shards[0].route for w in workers if what != "tables"] + \
             [t._routing.routes[0] for t in tables if what != "dense"]
         assert {(route.task, route.term) for route in routes} == {(1, 2)}
@@ -163,7 +72,7 @@ def test_a_suspended_primary_is_switched_from_and_refuses_pushes_once_resumed(
             finally:
                 ps[0].resume()  # SIGCONT: it comes back believing it is the primary
         assert not run.failures, run.failures
-        _check_exactly_once(workers, tables)
+        check_exactly_once(workers, tables)
         # the old primary acknowledges nothing more: a push with the old term is refused
         with pytest.raises(FailedPreconditionError, match="no longer the primary of shard 0"):
             calls.push(workers[0].channels[0], PLAN.shards[0], seq=1, lr=1.0, worker=1,

@@ -43,7 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a worker or the chief fails, stop the workers and the chief "
                         "and start them again, N times at most (the ps tasks go on serving; "
-                        "the command resumes from its last checkpoint); default 0")
+                        "the command resumes from its last checkpoint); a ps task that fails "
+                        "is started again alone (with --ps-replicas 1 it rejoins as the copy "
+                        "of its shards while training goes on); default 0")
     parser.add_argument(
         "--no-prefix", action="store_true", help="do not prefix output lines with the task"
     )

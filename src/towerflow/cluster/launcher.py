@@ -78,6 +78,7 @@ class _Child:
     prefix: str | None
     finishing: bool = True
     critical: bool = False  # its failure ends the launch (the chief: nothing goes on without it)
+    restartable: bool = False  # a ps task: started again alone when it fails (max_restarts)
     process: subprocess.Popen | None = None
     reader: threading.Thread | None = field(default=None, repr=False)
 
@@ -168,6 +169,22 @@ def _start(children: list[_Child], command: Sequence[str], output: IO[str] | Non
             child.reader.start()
 
 
+def _restart_failed_ps(children: Sequence[_Child], command: Sequence[str],
+                       output: IO[str] | None, pass_fds: Sequence[int], left: int) -> int:
+    """Start again each ps task that failed, ``left`` at most; how many were."""
+    started = 0
+    for child in children:
+        code = child.process.poll() if child.restartable and child.process else None
+        if code in (None, 0) or started >= left:
+            continue
+        started += 1
+        logger.info("%s failed (status %d); starting it again: with --ps-replicas 1 it "
+                    "rejoins as the copy of its shards while training goes on", child.name,
+                    exit_status(code))
+        _start([child], command, output, pass_fds)
+    return started
+
+
 def _stop(children: Sequence[_Child], grace: float) -> None:
     """Stop the finishing children first (the chief saves while the ps serve), then the rest."""
     for group in ([c for c in children if c.finishing], [c for c in children if not c.finishing]):
@@ -184,7 +201,9 @@ def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_f
     With ``max_restarts``, a finishing child that fails has every finishing child (the
     workers and the chief) stopped and started again, that many times at most (as
     torchrun restarts its group): the ps tasks go on serving, and the command started
-    again resumes from its last checkpoint."""
+    again resumes from its last checkpoint. A ps task that fails is started again alone
+    (within the same ``max_restarts``): with ``--ps-replicas 1`` it rejoins as the copy of
+    its shards while training goes on; without, the workers it stops resume as above."""
     failed: set[str] = set()
     finishing = [c for c in children if c.finishing]
     restarts = 0
@@ -192,6 +211,8 @@ def _run(command: Sequence[str], children: list[_Child], *, grace: float, fail_f
         with _Signals(children) as signals:
             _start(children, command, output, pass_fds)
             while not signals.event.wait(_POLL_SECONDS):
+                restarts += _restart_failed_ps(children, command, output, pass_fds,
+                                               max_restarts - restarts)
                 codes = [c.process.poll() for c in finishing]
                 if all(code is not None for code in codes) and \
                         (restarts >= max_restarts or not any(codes)):
@@ -330,7 +351,7 @@ def launch_cluster(
     children = [
         _Child(str(task), {**base_env, "TF_CONFIG": cluster.tf_config(task)},
                f"[{task}] " if prefix_output else None, task.job_name in _FINISHING_JOBS,
-               critical=cluster.is_chief(task))
+               critical=cluster.is_chief(task), restartable=task.job_name == "ps")
         for task in tasks
     ]
     logger.info("launching %s with cluster %s", [c.name for c in children], cluster.as_dict())

@@ -67,13 +67,19 @@ def test_without_replicas_table_calls_go_to_their_own_task_unchanged():
 @pytest.mark.parametrize(("error", "worthy"), [
     (UnavailableError("gone"), True), (DeadlineExceededError("stalled"), True),
     (FailedPreconditionError("ps task 0 is no longer the primary of shard 0 (term 1)"), True),
+    (FailedPreconditionError("ps task 0 holds only a replica of shard 0 (term 2)"), True),
+    (FailedPreconditionError("ps shard 0 is not initialised yet; the chief ..."), True),
     (FailedPreconditionError("the chief failed"), False)])
 def test_what_makes_a_worker_consider_a_switch(error, worthy):
     assert failover_worthy(error) is worthy
 
 
-def test_a_shard_on_its_copy_cannot_fail_over_again_and_says_so():
-    route = ShardRoute(0, 2, lambda task: None)
+def test_a_shard_on_its_copy_fails_over_back_to_its_own_task_where_its_copy_rejoins():
+    route = ShardRoute(0, 3, lambda task: None)
+    assert route.successor == 1
     route.task, route.term = 1, 2
-    assert not route.fail_over((1, 2), UnavailableError("gone"))
-    assert "has no replica of its own: the shard cannot fail over again" in route.refusal
+    assert route.successor == 0
+    last = ShardRoute(2, 3, lambda task: None)
+    assert last.successor == 0
+    last.task = 0
+    assert last.successor == 2

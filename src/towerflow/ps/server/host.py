@@ -6,6 +6,9 @@
   job's :class:`~towerflow.ps.server.lifecycle.JobLifecycle`;
 - :func:`run_ps_task` — the same, until the job has finished or SIGTERM / SIGINT.
 
+With more than one ps task, a :class:`~towerflow.ps.server.rejoin.Rejoin`
+brings back the copy of a shard this task serves alone (``replicas=1``).
+
 The sparse tables' service is hosted next to it by
 :class:`~towerflow.ps.server.tables.service.TableHost`.
 
@@ -27,6 +30,7 @@ from towerflow.errors import InvalidArgumentError
 from towerflow.ps.server.dense.service import PSService, _worker_describer, replica_task
 from towerflow.ps.server.elastic import confirm_with_task0
 from towerflow.ps.server.lifecycle import JobLifecycle, peer_describer
+from towerflow.ps.server.rejoin import Rejoin
 from towerflow.ps.server.tables.service import TableHost
 
 __all__ = ["ShardHost", "run_ps_task"]
@@ -56,7 +60,7 @@ class ShardHost:
         lifecycle: the job's :class:`~towerflow.ps.server.lifecycle.JobLifecycle`.
     """
 
-    __slots__ = ("server", "service", "monitor", "lifecycle")
+    __slots__ = ("server", "service", "monitor", "lifecycle", "rejoin")
 
     #: it logs the task's one "serving at" line itself (the server's own is not repeated)
     announces_serving = True
@@ -78,6 +82,7 @@ class ShardHost:
                                  peer_channel=lambda k: server.channel("ps", k),
                                  num_ps=len(server.cluster.job_tasks("ps")))
         self.lifecycle = JobLifecycle(server, self.service, self.monitor)
+        self.rejoin: Rejoin | None = None
         if self.monitor is not None:  # a dead worker's kept step of the run's end is free
             self.service.reservations.alive = self._worker_alive
 
@@ -110,9 +115,14 @@ class ShardHost:
         task's table service beside this dense shard service (it counts the job's workers
         as this shard does, and hands the dense push a ``RowBatch`` carries to
         :meth:`~towerflow.ps.server.dense.service.PSService.push_pull_small`)."""
+        tables = None
         for hosted in self.server.services:
             if isinstance(hosted, TableHost):
                 hosted.service.serve_beside(self.service)
+                tables = hosted.service
+        if self.service.num_ps and self.service.num_ps > 1:  # a shard's copy may rejoin
+            self.rejoin = Rejoin(self.service, tables)
+            self.rejoin.start()
         if self.monitor is not None:
             self.monitor.start()
         self.lifecycle.start()
@@ -123,6 +133,8 @@ class ShardHost:
     def stop(self) -> None:
         """Stop the heartbeats and the lifecycle watcher (before the server stops)."""
         self.lifecycle.stop()
+        if self.rejoin is not None:
+            self.rejoin.stop()
         if self.monitor is not None:
             self.monitor.stop()
 

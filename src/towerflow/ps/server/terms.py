@@ -37,7 +37,7 @@ from towerflow.errors import (
     TowerflowError,
     UnavailableError,
 )
-from towerflow.ps.wire.calls import DEPOSED_MARK
+from towerflow.ps.wire.calls import DEPOSED_MARK, REPLICA_MARK, partner_of
 
 __all__ = ["ShardTerm", "TermBook", "GroupCommit", "CopyStream", "send_copy", "deposed",
            "check_copies",
@@ -59,13 +59,17 @@ class ShardTerm:
         task: the ps task holding this copy of it.
         role: ``primary`` (its own shard) or ``replica`` (a copy of another's).
         successor: the ps task that takes the shard over from this one (its replica).
+        num_ps: the job's ps tasks (a promoted copy's own copy then goes to the shard's
+            own task: :func:`~towerflow.ps.wire.calls.partner_of`).
     """
 
-    __slots__ = ("shard", "task", "role", "term", "held", "successor", "alone", "_lock")
+    __slots__ = ("shard", "task", "role", "term", "held", "successor", "alone", "num_ps",
+                 "_lock")
 
     def __init__(self, shard: int, task: int, role: str = PRIMARY,
-                 successor: int | None = None) -> None:
+                 successor: int | None = None, num_ps: int | None = None) -> None:
         self.shard, self.task, self.role, self.term = shard, task, role, 1
+        self.num_ps = num_ps
         #: the term this task last held the shard at as its primary (0: never)
         self.held = 1 if role == PRIMARY else 0
         self.successor = successor
@@ -107,16 +111,56 @@ class ShardTerm:
 
     def promote(self) -> int:
         """A replica becomes the shard's primary at the next term; return that term
-        (a primary already: its term, unchanged)."""
+        (a primary already: its term, unchanged). It has no copy of its own until the
+        task it took the shard over from (or its replacement) rejoins as the copy
+        (:meth:`rejoin` there, :meth:`joined` here): it serves alone till then."""
         with self._lock:
             if self.role == REPLICA:
                 self.role, self.term = PRIMARY, self.term + 1
-                self.held = self.term
+                self.held, self.alone = self.term, True
+                if self.successor is not None:
+                    self.successor = self._partner()
                 logger.warning("ps task %d took shard %d over as its primary (term %d)",
                                self.task, self.shard, self.term)
             elif self.role == DEPOSED:
                 raise FailedPreconditionError(self._not_primary())
             return self.term
+
+    def _partner(self) -> int | None:
+        """The ps task that holds this shard's copy while this task serves it."""
+        if self.num_ps is None:
+            return self.successor
+        return partner_of(self.shard, self.task, self.num_ps)
+
+    def rejoin(self, term: int) -> str:
+        """This task takes a copy of the shard from its primary at ``term``: a replica that
+        was restarted, or the primary the copy took the shard over from (its replacement, or
+        itself brought back), becomes the shard's replica at that term. Return why it is
+        refused ("" when taken): a primary at ``term`` or later, or a replica of a newer one."""
+        with self._lock:
+            if term < self.term or term == self.term and self.role == PRIMARY:
+                return (f"ps task {self.task} holds shard {self.shard} at term {self.term} as "
+                        f"its {self.role}; a copy from a primary at term {term} is refused.")
+            if self.role != REPLICA:
+                logger.warning("ps task %d holds shard %d as its replica from now on (term %d "
+                               "on ps task %s)", self.task, self.shard, term,
+                               self._other_task())
+            self.role, self.term, self.alone = REPLICA, term, False
+            if self.num_ps is not None:
+                self.successor = self._partner()
+            return ""
+
+    def _other_task(self) -> int | None:
+        return None if self.num_ps is None else partner_of(self.shard, self.task, self.num_ps)
+
+    def joined(self) -> None:
+        """The shard's copy is whole on its replica again (a catch-up ended): every push is
+        acknowledged once the copy has it, from now on."""
+        with self._lock:
+            if self.role == PRIMARY and self.alone:
+                self.alone = False
+                logger.warning("ps task %d: shard %d has a live copy on ps task %s again "
+                               "(term %d)", self.task, self.shard, self.successor, self.term)
 
     def go_alone(self) -> int:
         """The shard's replica's task is gone (a worker found it so): this primary goes on
@@ -155,7 +199,7 @@ class ShardTerm:
 
     def _not_primary(self) -> str:
         if self.role == REPLICA:
-            return (f"ps task {self.task} holds only a replica of shard {self.shard} (term "
+            return (f"ps task {self.task} {REPLICA_MARK} {self.shard} (term "
                     f"{self.term}); its primary serves it until the replica is promoted.")
         where = "" if self.successor is None else f" on ps task {self.successor}"
         return (f"ps task {self.task} {DEPOSED_MARK} {self.shard} (term "
@@ -188,12 +232,18 @@ class TermBook:
                 successor = None if not self.num_ps else (shard + 1) % self.num_ps
                 term = self._terms[shard] = ShardTerm(
                     shard, shard if self.task is None else self.task,
-                    role or (PRIMARY if own else REPLICA), successor)
+                    role or (PRIMARY if own else REPLICA), successor,
+                    None if self.task is None else self.num_ps)
             return term
 
     def get(self, shard: int) -> ShardTerm | None:
         """The term of ``shard`` when this task holds it (or a copy), else None."""
         return self._terms.get(shard)
+
+    def held(self) -> list[ShardTerm]:
+        """The terms of every shard held here (its own and its copies)."""
+        with self._lock:
+            return list(self._terms.values())
 
 
 class GroupCommit:

@@ -106,7 +106,10 @@ __all__ = [
     "CHIEF_REPLICA",
     "failure_line",
     "replica_of",
+    "partner_of",
     "DEPOSED_MARK",
+    "REPLICA_MARK",
+    "NOT_INITIALISED_MARK",
 ]
 
 SERVICE_NAME = "towerflow.ps.PS"
@@ -164,9 +167,27 @@ def replica_of(shard: int, num_ps: int) -> int:
     return (shard + 1) % num_ps
 
 
+def partner_of(shard: int, task: int, num_ps: int) -> int:
+    """The ps task that holds (or takes) the copy of ``shard`` while ps task ``task`` serves
+    it: a shard lives on the pair of its own task and the next one, one of them its primary
+    and the other its copy (a replacement of the task that died rejoins as the copy).
+
+    Example:
+        >>> partner_of(0, 0, 3), partner_of(0, 1, 3)
+        (1, 0)
+    """
+    return replica_of(shard, num_ps) if task == shard else shard
+
+
 #: the words of a deposed primary's refusal (``FAILED_PRECONDITION``) that tell a worker
 #: to send the shard's calls to its replica (which took it over)
 DEPOSED_MARK = "is no longer the primary of shard"
+#: the words of a ps task's refusal of a shard it holds only a copy of (it rejoined as the
+#: shard's replica after its replica took the shard over): send to the shard's primary
+REPLICA_MARK = "holds only a replica of shard"
+#: the words of a ps task's refusal before the chief initialised its shard (after a push
+#: had been answered: the task restarted, and its shard's copy serves it)
+NOT_INITIALISED_MARK = "is not initialised yet"
 
 
 #: the aggregation modes of a job (``AggregationSpec.mode``)

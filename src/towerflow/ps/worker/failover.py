@@ -1,7 +1,9 @@
 """Where a worker sends one shard's calls with ``replicas=1``, and its switch to the replica.
 
 With ``replicas=1`` ps task ``i``'s shard has a live copy on ps task
-``(i + 1) % n`` (:func:`~towerflow.ps.wire.calls.replica_of`). A
+``(i + 1) % n`` (:func:`~towerflow.ps.wire.calls.replica_of`); once that copy
+took the shard over, its copy is made again on ps task ``i`` when that task
+(or its replacement) is back (:func:`~towerflow.ps.wire.calls.partner_of`). A
 :class:`ShardRoute` holds, for one shard, the ps task that serves it and the
 term the worker believes; every request of the shard names both (a ps task
 checks the term, so a primary that its replica took over refuses).
@@ -17,10 +19,11 @@ that says it was deposed (``FAILED_PRECONDITION``) is switched from at once. A
 primary that answers while its pushes fail, because its own replica's task is
 gone (it cannot have a copy acknowledged), is asked to go on without that
 replica (``Promote`` of its own shard), so that training goes on.
-The whole switch is bounded by ``timeout``; when it cannot happen (no
-replica, the replica's task down too, or the shard already on its copy,
-which has no replica of its own) the route keeps a sentence saying why, and
-the caller's error carries it.
+A task that says it holds only the shard's copy, or that restarted and holds
+nothing, is switched from at once too (to the shard's other task, which serves
+it). The whole switch is bounded by ``timeout``; when it cannot happen (no
+copy, or the copy's task down too, or its copy not caught up yet) the route
+keeps a sentence saying why, and the caller's error carries it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ from towerflow.errors import (
     UnavailableError,
 )
 from towerflow.ps.wire import ps_pb2 as pb
-from towerflow.ps.wire.calls import DEPOSED_MARK, method_path, replica_of
+from towerflow.ps.wire.calls import (
+    DEPOSED_MARK,
+    NOT_INITIALISED_MARK,
+    REPLICA_MARK,
+    method_path,
+    partner_of,
+)
 from towerflow.ps.wire.framing import pack, unpack
 from towerflow.ps.wire.messages import parse_message
 
@@ -68,10 +77,17 @@ def routed_push(request: bytes | memoryview, shard: int, term: int) -> bytes | m
 
 def failover_worthy(exc: BaseException) -> bool:
     """Whether ``exc`` of a call to a shard's ps task may mean that the task is gone (or
-    deposed), so that the shard's replica should take it over."""
+    deposed, or holds only the shard's copy, or restarted and holds nothing), so that the
+    shard's other task should serve it."""
     if isinstance(exc, (UnavailableError, DeadlineExceededError)):
         return True
-    return isinstance(exc, FailedPreconditionError) and DEPOSED_MARK in str(exc)
+    return isinstance(exc, FailedPreconditionError) and _elsewhere(exc)
+
+
+def _elsewhere(exc: FailedPreconditionError) -> bool:
+    """Whether the task that refused with ``exc`` says the shard is not served there."""
+    text = str(exc)
+    return DEPOSED_MARK in text or REPLICA_MARK in text or NOT_INITIALISED_MARK in text
 
 
 class ShardRoute:
@@ -106,10 +122,10 @@ class ShardRoute:
         self._lock = threading.Lock()
 
     @property
-    def successor(self) -> int | None:
-        """The ps task holding the shard's copy (None: the shard is on its copy already,
-        which has no replica of its own)."""
-        return replica_of(self.shard, self.num_ps) if self.task == self.shard else None
+    def successor(self) -> int:
+        """The ps task holding the shard's copy while ``task`` serves it (the other task of
+        the shard's pair: :func:`~towerflow.ps.wire.calls.partner_of`)."""
+        return partner_of(self.shard, self.task, self.num_ps)
 
     @property
     def channel(self) -> Any:
@@ -134,22 +150,18 @@ class ShardRoute:
             started = time.monotonic()
             deposed = isinstance(exc, FailedPreconditionError)
             successor = self.successor
-            if successor is None:
-                self.refusal = (
-                    f"shard {self.shard} is served by its copy on ps task {self.task} (term "
-                    f"{self.term}), which has no replica of its own: the shard cannot fail "
-                    f"over again. Start ps task {self.task} again from the last checkpoint.")
-                return False
             if not deposed and self._answers(self.task):
                 return self._alone(successor, started)
             try:
                 self.term = self._promote(successor, started + self.timeout)
             except TowerflowError as promote_error:
                 self.refusal = (
-                    f"shard {self.shard}'s primary, ps task {self.task}, is not answering "
+                    f"shard {self.shard}'s primary, ps task {self.task}, is not serving it "
                     f"({type(exc).__name__}), and its replica on ps task {successor} could "
                     f"not take it over within {self.timeout:g} s ({type(promote_error).__name__}"
-                    f": {promote_error}). Start ps task {successor} or {self.task} again.")
+                    f": {promote_error}). A shard whose two tasks both lost it (its copy was "
+                    f"not caught up yet) is back only from the last checkpoint: start ps task "
+                    f"{successor} or {self.task} again and restart the job from it.")
                 logger.warning("%s", self.refusal)
                 return False
             old, self.task = self.task, successor
@@ -165,8 +177,6 @@ class ShardRoute:
         after a switch asks this while its primary does not answer (a starting ps task is
         no reason to promote anything)."""
         successor = self.successor
-        if successor is None:
-            return False
         try:
             data = unary(self._channel_for(successor), method_path("Status"), b"",
                          timeout=_PROBE_S)
@@ -175,8 +185,8 @@ class ShardRoute:
         for copy in parse_message(pb.StatusReply, data, "StatusReply").replicas:
             if copy.shard == self.shard and copy.role == "primary":
                 with self._lock:
-                    if self.task == self.shard:
-                        self.task, self.term = successor, max(self.term, int(copy.term))
+                    if copy.term > self.term:
+                        self.task, self.term = successor, int(copy.term)
                 return True
         return False
 
@@ -184,10 +194,10 @@ class ShardRoute:
         """The primary answers, but a push failed: when the shard's replica's task is gone
         (the primary cannot have its copies acknowledged), ask the primary to go on without
         it (``Promote`` of its own shard). True when it does."""
-        if self.alone or self._answers(successor):
+        if self._answers(successor):
             return False
         try:
-            self._promote(self.task, started + self.timeout)
+            self._promote(self.task, started + self.timeout, alone=True)
         except TowerflowError as exc:
             logger.warning("shard %d's replica on ps task %d is gone, and its primary did not "
                            "go on without it: %s", self.shard, successor, exc)
@@ -212,9 +222,10 @@ class ShardRoute:
             except TowerflowError:
                 return True  # it answered, with an error of its own
 
-    def _promote(self, task: int, deadline: float) -> int:
-        """Ask ps task ``task`` to promote its copy of the shard; the shard's new term."""
-        request = pb.PromoteRequest(shard=self.shard).SerializeToString()
+    def _promote(self, task: int, deadline: float, *, alone: bool = False) -> int:
+        """Ask ps task ``task`` to promote its copy of the shard (``alone``: to serve it
+        without its copy); the shard's term."""
+        request = pb.PromoteRequest(shard=self.shard, alone=alone).SerializeToString()
         while True:  # (a Promote of its own shard on the primary: go on without the replica)
             left = deadline - time.monotonic()
             try:

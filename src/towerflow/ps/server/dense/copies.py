@@ -22,7 +22,6 @@ until it is promoted.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,7 +30,7 @@ import numpy as np
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from towerflow.ps.server.dense.replication import scatter
-from towerflow.ps.server.terms import REPLICA, TermBook
+from towerflow.ps.server.terms import PRIMARY, TermBook
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.framing import receive_into, unpack
 from towerflow.ps.wire.messages import parse_message, push_rows
@@ -42,24 +41,32 @@ __all__ = ["ReplicaCopies"]
 class ReplicaCopies:
     """The shard copies one ps task holds, by shard index (see the module doc).
 
+    A ps task that rejoins as the copy of its own shard (a replacement of the task
+    the copy took the shard over from, or that task brought back) holds it in
+    its own service (``own``), in the replica role, until it is promoted again.
+
     Args:
         task: this ps task's index.
         make_copy: ``make_copy(shard)`` -> a new service of ``shard`` in the replica role.
         terms: the task's :class:`~towerflow.ps.server.terms.TermBook` (the
             copies' terms, shared with the task's table service).
-        own_step: ``own_step()`` -> the step of this task's own shard (None: not initialised).
+        own: the service of this task's own shard.
     """
 
     def __init__(self, task: int, make_copy: Callable[[int], Any], terms: TermBook,
-                 own_step: Callable[[], int | None] = lambda: None) -> None:
-        self.task, self.terms, self._own_step = task, terms, own_step
+                 own: Any = None) -> None:
+        self.task, self.terms, self._own = task, terms, own
         self._make = make_copy
         self._copies: dict[int, Any] = {}
         self._versions: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def get(self, shard: int) -> Any | None:
-        """The copy of ``shard`` held here, or None."""
+        """The copy of ``shard`` held here (this task's own shard when it rejoined as its
+        replica), or None."""
+        if shard == self.task and self._own is not None:
+            return self._own if self._own.term.role != PRIMARY or self._own.term.term > 1 \
+                else None
         return self._copies.get(shard)
 
     def serving(self, shard: int) -> Any:
@@ -81,20 +88,15 @@ class ReplicaCopies:
     def replica_init(self, requests: Iterator[bytes]) -> bytes:
         """``ReplicaInit``: (re)build the copy of the shard the ``InitRequest`` names."""
         chunks = iter(requests)
-        first = next(chunks, b"")
-        req = parse_message(pb.InitRequest, first, "InitRequest")
-        if req.shard == self.task:
-            raise InvalidArgumentError(
-                f"ReplicaInit of shard {req.shard} was sent to ps task {self.task}, its own "
-                "primary; a shard's copy lives on the next ps task.")
+        req = parse_message(pb.InitRequest, next(chunks, b""), "InitRequest")
         with self._lock:
-            copy = self._copies.get(req.shard)
-            if copy is not None and copy.term.role != REPLICA:
-                return _refused(copy, f"ps task {self.task} serves shard {req.shard} as its "
-                                f"{copy.term.role} at term {copy.term.term}")
+            copy = self._own if req.shard == self.task else self._copies.get(req.shard)
             if copy is None:
                 copy = self._copies[req.shard] = self._make(req.shard)
-            copy.init(itertools.chain((first,), chunks))
+            refusal = copy.term.rejoin(req.term or 1)
+            if refusal:
+                return _refused(copy, refusal)
+            copy.build(req, chunks)
             self._versions[req.shard] = 0
             return pb.ReplicateReply(accepted=True, term=copy.term.term).SerializeToString()
 
@@ -102,7 +104,7 @@ class ReplicaCopies:
         """``Replicate``: take the primary's state of the shard (see the module doc)."""
         chunks = iter(requests)
         req = parse_message(pb.ReplicateRequest, next(chunks, b""), "ReplicateRequest")
-        copy = self._copies.get(req.shard)
+        copy = self.get(req.shard)
         if copy is None or not copy.initialized:
             return pb.ReplicateReply(accepted=False, term=0, message=(
                 f"ps task {self.task} holds no copy of shard {req.shard}")).SerializeToString()
@@ -135,29 +137,35 @@ class ReplicaCopies:
 
     def promote(self, request: bytes) -> bytes:
         """``Promote``: the copy of the shard (dense and tables) becomes its primary at the
-        next term. Of this task's own shard: its replica's task is gone, and this primary
-        goes on without a copy (:meth:`~towerflow.ps.server.terms.ShardTerm.go_alone`)."""
+        next term. With ``alone`` (or of this task's own shard, served here): the shard's
+        replica's task is gone, and this primary goes on without a copy
+        (:meth:`~towerflow.ps.server.terms.ShardTerm.go_alone`) until it rejoins."""
         req = parse_message(pb.PromoteRequest, request, "PromoteRequest")
-        term = self.terms.get(req.shard)
         if req.shard == self.task:
-            own = self.terms.of(self.task)
-            return pb.PromoteReply(term=own.go_alone(), step=self._own_step() or 0).SerializeToString()
+            term = self.terms.of(self.task)
+        else:
+            term = self.terms.get(req.shard)
+        copy = self.get(req.shard)
+        step = 0 if copy is None else copy.current_step() or 0
+        if term is not None and (req.alone or req.shard == self.task and term.role == PRIMARY):
+            return pb.PromoteReply(term=term.go_alone(), step=step).SerializeToString()
         if term is None:
             raise NotFoundError(
                 f"ps task {self.task} holds no copy of shard {req.shard} to promote; the "
                 f"shard's replica is on ps task {req.shard + 1} of the job (modulo the "
                 "number of ps tasks), once its primary sent it the shard.")
-        copy = self._copies.get(req.shard)
-        return pb.PromoteReply(term=term.promote(),
-                               step=copy.current_step() or 0 if copy is not None else 0
-                               ).SerializeToString()
+        return pb.PromoteReply(term=term.promote(), step=step).SerializeToString()
 
     def stats(self) -> list[pb.ReplicaStat]:
         """One ``ReplicaStat`` per copy (for ``Status``)."""
+        held = dict(self._copies)
+        own = self.get(self.task)
+        if own is not None:  # its own shard, since a copy took it over
+            held[self.task] = own
         return [pb.ReplicaStat(shard=shard, term=copy.term.term, role=copy.term.role,
                                step=copy.current_step() or 0,
                                version=self._versions.get(shard, 0))
-                for shard, copy in sorted(self._copies.items())]
+                for shard, copy in sorted(held.items())]
 
 
 def _refused(copy: Any, message: str) -> bytes:

@@ -49,7 +49,8 @@ from towerflow.ps.wire.calls import method_path
 from towerflow.ps.wire.framing import CHUNK_BYTES, pack
 from towerflow.ps.wire.messages import parse_message, push_records
 
-__all__ = ["ApplyGate", "ReplicaLink", "buffer_chunks", "scatter", "replicate_header"]
+__all__ = ["ApplyGate", "ReplicaLink", "buffer_chunks", "scatter", "replicate_header",
+           "snapshot"]
 
 logger = logging.getLogger("towerflow.ps")
 
@@ -123,14 +124,15 @@ class ReplicaLink:
             now: an ``InitRequest`` when ``init``, else a ``ReplicateRequest``
             (without term and version), and the params and slot buffers (copies).
         timeout: seconds to wait for the replica's acknowledgement.
+        gate: the shard's :class:`ApplyGate` (default: a new one).
     """
 
     def __init__(self, term: ShardTerm, replica_task: int, channel: Callable[[], Any],
                  snapshot: Callable[[bool], tuple[Any, list[np.ndarray]]],
-                 timeout: float = REPLICA_TIMEOUT) -> None:
+                 timeout: float = REPLICA_TIMEOUT, gate: ApplyGate | None = None) -> None:
         self.term, self.replica_task = term, replica_task
         self._channel, self._snapshot, self.timeout = channel, snapshot, timeout
-        self.gate = ApplyGate()
+        self.gate = gate or ApplyGate()
         self._commit = GroupCommit(self._copy)
         self._stream = CopyStream(channel, method_path("ReplicateStream"), term, replica_task,
                                   timeout)
@@ -187,6 +189,24 @@ class ReplicaLink:
         chunks = [header.SerializeToString(), *buffer_chunks(buffers)]
         return send_copy(self._channel(), method_path(method), chunks, self.term,
                          self.replica_task, self.timeout)
+
+
+def snapshot(shard: Any, init_request: Any, term: int) -> tuple[Any, list[np.ndarray]]:
+    """``shard``'s (a ``DenseShard``'s) state as it is now, for its replica: a
+    ``ReplicateRequest`` (without term and version), or with ``init_request`` that Init's
+    ``InitRequest`` at the shard's state and ``term``; and copies of the params and slot
+    buffers."""
+    state = shard.state
+    buffers = [state.params.copy(), *(v.copy() for v in state.optimizer.slots.values())]
+    if init_request is None:
+        return replicate_header(shard), buffers
+    req = pb.InitRequest()
+    req.CopyFrom(init_request)
+    req.step, req.optimizer_step, req.term = state.step, state.optimizer.step, term
+    del req.slots[:], req.pushes[:]
+    req.slots.extend(state.optimizer.slots)
+    req.pushes.extend(push_records(state.admission.push_rows()))
+    return req, buffers
 
 
 def replicate_header(shard: Any) -> pb.ReplicateRequest:

@@ -20,6 +20,7 @@ range of the flat buffer, taken under that range's locks.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -39,12 +40,11 @@ from towerflow.ps.server.dense.admission import default_staging_limit
 from towerflow.ps.server.dense.copies import ReplicaCopies
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.replication import ReplicaLink, replicate_header, scatter
+from towerflow.ps.server.dense.replication import ApplyGate, ReplicaLink, scatter, snapshot
 from towerflow.ps.server.dense.reservations import StepReservations
 from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.elastic import ElasticMembers
 from towerflow.ps.server.terms import (
-    DEPOSED,
     PRIMARY,
     REPLICA_TIMEOUT,
     TermBook,
@@ -59,7 +59,7 @@ from towerflow.ps.wire.calls import (
     REFUSED,
     SERVICE_NAME,
     failure_line,
-    replica_of,
+    partner_of,
 )
 from towerflow.ps.wire.framing import CHUNK_BYTES, pack, receive_into, unpack
 from towerflow.ps.wire.messages import (
@@ -169,9 +169,12 @@ class PSService:
         #: the shard's term and this task's role for it
         self.term = self.terms.of(shard_index, role)
         self._link: ReplicaLink | None = None
+        #: pushes apply side by side; a copy for the replica waits for them and holds new
+        #: ones off while it reads the shard
+        self.gate = ApplyGate()
         self._init_request: Any = None
         #: the copies of other ps tasks' shards held here (a copy holds none itself)
-        self.copies = ReplicaCopies(task, self._make_copy, self.terms, self.current_step) \
+        self.copies = ReplicaCopies(task, self._make_copy, self.terms, self) \
             if role == PRIMARY else None
         self.describe_peer = describe_peer
         self.elastic = ElasticMembers(shard_index, confirm=confirm_join)
@@ -217,7 +220,9 @@ class PSService:
         """A service holding this task's copy of ``shard`` (:class:`ReplicaCopies`)."""
         return PSService(shard, chunk_bytes=self.chunk_bytes, replicas=self.replicas,
                          describe_worker=self.describe_worker, staging_bytes=self.staging_bytes,
-                         task_index=self.shard_index, role="replica", terms=self.terms)
+                         task_index=self.shard_index, role="replica", terms=self.terms,
+                         peer_channel=self.peer_channel, num_ps=self.num_ps,
+                         replica_timeout=self.replica_timeout)
 
     def _serving(self, shard: int, term: int) -> PSService:
         """The service that serves ``shard`` (-1: this task's own) at ``term`` here.
@@ -234,26 +239,39 @@ class PSService:
 
     def _snapshot(self, init: bool) -> tuple[Any, list[np.ndarray]]:
         """The shard's state as it is now, for its replica (:class:`ReplicaLink`)."""
-        state = self.shard.state
-        buffers = [state.params.copy(), *(v.copy() for v in state.optimizer.slots.values())]
-        if not init:
-            return replicate_header(self.shard), buffers
-        req = pb.InitRequest()
-        req.CopyFrom(self._init_request)
-        req.step, req.optimizer_step = state.step, state.optimizer.step
-        del req.slots[:], req.pushes[:]
-        req.slots.extend(state.optimizer.slots)
-        req.pushes.extend(push_records(state.admission.push_rows()))
-        return req, buffers
+        return snapshot(self.shard, self._init_request if init else None, self.term.term)
 
     def _replicate_to(self, copies: int) -> ReplicaLink | None:
         """The link to this shard's replica when the Init asks ``copies`` (None: no copy)."""
         if not copies or self.term.role != PRIMARY:
             return None
         check_copies(copies, self.num_ps, self.peer_channel, f"Init of ps shard {self.shard_index}")
-        task = replica_of(self.shard_index, self.num_ps)
+        return self._new_link()
+
+    def _new_link(self) -> ReplicaLink:
+        task = partner_of(self.shard_index, self.term.task, self.num_ps)
         return ReplicaLink(self.term, task, lambda: self.peer_channel(task), self._snapshot,
-                           self.replica_timeout)
+                           self.replica_timeout, gate=self.gate)
+
+    def replica_link(self) -> ReplicaLink | None:
+        """The link to the shard's copy, made when this task serves the shard without one (a
+        promoted copy, or a primary whose replica's task is gone: the copy's task, or its
+        replacement, rejoins through it); None before the shard is initialised or where the
+        job keeps no copies."""
+        with self._lock:
+            if self._shard is None or self._init_request is None or \
+                    not self._init_request.aggregation.replicas or self.peer_channel is None:
+                return None
+            if self._link is None or self._link.replica_task != partner_of(
+                    self.shard_index, self.term.task, self.num_ps):
+                self._link = self._new_link()
+            return self._link
+
+    @property
+    def replicas_kept(self) -> bool:
+        """Whether the job keeps live copies of its shards (the Init asked ``replicas``)."""
+        req = self._init_request
+        return req is not None and bool(req.aggregation.replicas)
 
     @property
     def initialized(self) -> bool:
@@ -282,7 +300,20 @@ class PSService:
 
     # -- handlers -----------------------------------------------------------------------
     def init(self, requests: Iterator[bytes]) -> bytes:
-        """Create (or replace) the shard from an ``InitRequest`` and its payload.
+        """``Init`` (the chief's): create (or replace) the shard from an ``InitRequest`` and
+        its payload (:meth:`build`). Only the shard's primary takes it: a copy this task
+        took over serves the shard the request names; a replica or a deposed primary
+        refuses with a sentence naming the term (the chief's route switches there)."""
+        chunks = iter(requests)
+        first = next(chunks, b"")
+        req = parse_message(pb.InitRequest, first, "InitRequest")
+        if self.copies is not None and req.shard != self.shard_index and req.shard >= 0:
+            return self.copies.serving(req.shard).init(itertools.chain((first,), chunks))
+        self.term.check()
+        return self.build(req, chunks)
+
+    def build(self, req: Any, chunks: Iterator[bytes]) -> bytes:
+        """Create (or replace) the shard from an ``InitRequest`` ``req`` and its payload.
 
         The header is checked whole (:func:`~towerflow.ps.server.dense.initspec.check_init`)
         before anything is allocated, and the payload received whole before
@@ -293,11 +324,7 @@ class PSService:
         (:class:`~towerflow.ps.server.dense.replication.ReplicaLink`); a deposed
         primary refuses the Init.
         """
-        chunks = iter(requests)
         self.last_call = time.monotonic()
-        req = parse_message(pb.InitRequest, next(chunks, b""), "InitRequest")
-        if self.term.role == DEPOSED:
-            self.term.check()
         plan = check_init(req, self.shard_index, self.replicas)
         link = self._replicate_to(plan.config.replicas)
         params, slots = _receive_buffers(plan, chunks, self.shard_index)
@@ -319,7 +346,7 @@ class PSService:
             previous.close()
         del previous
         release_free_memory()  # the Init chunks
-        if link is not None:
+        if link is not None and not self.term.alone:  # alone: its copy's task rejoins later
             link.seed()
         logger.info("ps shard %d initialised: %d variables, %.1f MiB, step %d, mode %s",
                     self.shard_index, len(plan.layout.segments), plan.layout.nbytes / 2**20,
@@ -376,7 +403,7 @@ class PSService:
         if serving is not self:
             return serving.dense_push(header, chunks, want_params, active, chunk_bytes)
         shard, link = self.shard, self._link
-        with link.gate.applying() if link is not None else contextlib.nullcontext():
+        with self.gate.applying() if self.replicas_kept else contextlib.nullcontext():
             outcome, params = shard.push(header, chunks, want_params=want_params,
                                          active=active, chunk_bytes=chunk_bytes)
         if link is not None:

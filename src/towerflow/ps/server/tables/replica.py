@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from towerflow.errors import InvalidArgumentError
+from towerflow.errors import InvalidArgumentError, UnavailableError
 from towerflow.ps.server.terms import (
     REPLICA,
     REPLICA_TIMEOUT,
@@ -70,6 +70,7 @@ class RowReplica:
         self._channel, self._init, self._path, self.timeout = channel, init_request, path, timeout
         self._dirty: list[torch.Tensor] = []
         self._whole = True  # every row, at first
+        self._catching = False  # a catch-up runs: rows are marked though the shard is alone
         self._made = False
         self._sent: list | None = None  # the push table the replica last acknowledged
         self._commit = GroupCommit(self._send)
@@ -77,8 +78,9 @@ class RowReplica:
                                   timeout)
 
     def mark(self, ids: torch.Tensor) -> None:
-        """Rows ``ids`` changed (the shard's lock held): the next copy carries them."""
-        if not self._whole:
+        """Rows ``ids`` changed (the shard's lock held): the next copy carries them (none
+        kept while the shard is served alone: its catch-up copies every row)."""
+        if not self._whole and (self._catching or not self.term.alone):
             self._dirty.append(ids.clone())
 
     def forward(self) -> None:
@@ -90,16 +92,14 @@ class RowReplica:
             FailedPreconditionError: the replica took the shard over: this task is deposed.
         """
         if not self.term.alone:  # alone: its replica's task is gone (ShardTerm.go_alone)
+            self._catching = False
             self._commit.wait()
 
     def _send(self) -> None:
-        from towerflow.cluster.transport import unary
 
         for _ in range(2):  # once more after making the table on a restarted replica
             if not self._made:
-                unary(self._channel(), self._path("ReplicaInitTable"), self._init,
-                      timeout=self.timeout)
-                self._made = True
+                self._make()
             if self._whole:
                 reply = self._send_whole()
             else:
@@ -124,6 +124,57 @@ class RowReplica:
                 raise deposed(self.term, reply, self.replica_task)
             self._made = False  # the replica holds no copy: the table and every row again
         raise deposed(self.term, reply, self.replica_task)
+
+    def _make(self) -> None:
+        """Make the table on the replica's task (at this primary's term)."""
+        from towerflow.cluster.transport import unary
+
+        request = tpb.InitTableRequest.FromString(self._init)
+        request.term = self.term.term
+        unary(self._channel(), self._path("ReplicaInitTable"), request.SerializeToString(),
+              timeout=self.timeout)
+        self._made = True
+
+    def catch_up(self) -> None:
+        """Copy the whole shard to a replica that rejoined while this primary serves it alone:
+        the table, then every row and its slots in parts of :data:`COPY_CHUNK_ROWS` rows, each
+        read under the shard's lock while pushes go on between them (neither side holds a
+        second copy of the shard); then the rows those pushes changed. The caller ends the
+        shard's alone time (:meth:`~towerflow.ps.server.terms.ShardTerm.joined`) once every
+        copy of the shard caught up; pushes answered before then are marked, and carried by
+        the next copy.
+
+        Raises:
+            UnavailableError: the replica did not acknowledge a part within the timeout.
+            FailedPreconditionError: the replica refused (it serves the shard at a newer term).
+        """
+        shard = self.shard
+        with self._commit.alone():
+            self._make()
+            with shard.cond:
+                self._whole, self._dirty, self._sent, self._catching = False, [], None, True
+                owned = shard.store.partitioner.global_ids(shard.store.shard)
+        try:
+            for start in range(0, max(owned.numel(), 1), COPY_CHUNK_ROWS):
+                with self._commit.alone():
+                    with shard.cond:
+                        records = shard.live_records()
+                        part = shard.store.export_ids(owned[start:start + COPY_CHUNK_ROWS])
+                    (chunk,) = _chunks(part, records, self.term.term, shard)
+                    reply = parse_message(pb.ReplicateReply, self._stream.call(chunk),
+                                          "ReplicateReply")
+                    if not reply.accepted and reply.term:
+                        raise deposed(self.term, reply, self.replica_task)
+                    if not reply.accepted:  # restarted again meanwhile: the next catch-up
+                        raise UnavailableError(
+                            f"ps task {self.replica_task} lost the copy of table "
+                            f"{shard.name!r} shard {shard.shard} during its catch-up "
+                            f"({reply.message}); it is copied again once it answers.")
+            self._commit.wait()  # the rows pushed meanwhile
+        except BaseException:
+            with shard.cond:
+                self._whole, self._dirty, self._catching = True, [], False
+            raise
 
     def _send_whole(self) -> Any:
         """Every row and its slots, in parts of :data:`COPY_CHUNK_ROWS` rows, one call each
@@ -204,6 +255,11 @@ class TableCopies:
     def get(self, name: str, shard: int) -> Any | None:
         """The copy of table ``name``'s shard ``shard`` held here, or None."""
         return self._copies.get((name, shard))
+
+    def of_shard(self, shard: int) -> list[Any]:
+        """The copies of the table shards of index ``shard`` held here."""
+        with self._lock:
+            return [copy for (_, s), copy in self._copies.items() if s == shard]
 
     def init_table(self, request: Any, aggregation: Any) -> Any:
         """``ReplicaInitTable``: make the copy of the table shard ``request`` describes (the

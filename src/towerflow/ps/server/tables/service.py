@@ -78,7 +78,13 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps.server.tables.records import DenseNeighbour, JobWorkers
-from towerflow.ps.server.terms import PRIMARY, REPLICA_TIMEOUT, TermBook, check_copies
+from towerflow.ps.server.terms import (
+    PRIMARY,
+    REPLICA,
+    REPLICA_TIMEOUT,
+    TermBook,
+    check_copies,
+)
 from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.wire.framing import pack_parts, split_parts, unpack
 from towerflow.ps.wire.messages import AggregationConfig, parse_message, push_records
@@ -141,6 +147,8 @@ class TableService:
         #: the terms of the shards held here (the dense shard's, once served beside it)
         self.terms = TermBook(task_index, num_ps)
         self._copies: Any = None  # the copies of other tasks' table shards (made on first use)
+        #: the InitTable request of every table shard with a copy (its replica is made of it)
+        self._requests: dict[tuple[str, int], bytes] = {}
         self.workers = JobWorkers()
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
@@ -209,12 +217,16 @@ class TableService:
 
         request = parse_message(tpb.InitTableRequest, data, "InitTable")
         spec, aggregation = request.spec, _aggregation(request.aggregation)
+        taken = None if self._copies is None else self._copies.get(spec.name, spec.shard)
+        if taken is not None and spec.shard != self.task_index:  # a shard taken over here
+            return self._created(taken, created=False, term=self.terms.of(spec.shard))
         if self.task_index is not None and spec.shard != self.task_index:
             raise InvalidArgumentError(
                 f"InitTable for shard {spec.shard} of table {spec.name!r} reached ps task "
                 f"{self.task_index}, which holds shard {self.task_index}; send shard i to ps "
                 "task i."
             )
+        self.terms.of(spec.shard).check()  # a replica (or a deposed primary) refuses
         description = describe_table_spec(spec)
         replicated = self._check_replicas(spec, description, aggregation)
         with self._lock:
@@ -235,9 +247,16 @@ class TableService:
                 logger.info("table %r shard %d: %d rows x %d (%d bytes with slots)", spec.name,
                             spec.shard, held.store.num_rows, held.store.dim, held.store.nbytes)
                 if replicated:
-                    held.replica = self._replica_of(held, data)
-        if held.replica is not None:
-            held.replica.forward()  # the replica's table and every row, before the answer
+                    self._requests[(spec.name, spec.shard)] = data
+                    held.replica = self.replica_for(held)
+        return self._created(held, created=created, term=self.terms.of(spec.shard))
+
+    @staticmethod
+    def _created(held: Any, *, created: bool, term: Any) -> bytes:
+        """The ``InitTableReply`` of ``held`` once its replica has the table and every row
+        (unless its primary serves it alone: its copy's task rejoins later)."""
+        if held.replica is not None and not term.alone:
+            held.replica.forward()
         status = held.status()
         return tpb.InitTableReply(created=created, rows=status["rows"],
                                   nbytes=status["nbytes"]).SerializeToString()
@@ -256,15 +275,30 @@ class TableService:
         check_copies(copies, self.num_ps, self.peer_channel, f"InitTable of table {spec.name!r}")
         return True
 
-    def _replica_of(self, shard: Any, init_request: bytes) -> Any:
-        """The primary's side of ``shard``'s copy on the next ps task."""
+    def replica_for(self, shard: Any) -> Any:
+        """The primary's side of ``shard``'s copy (a ``TableShard`` this task serves), on the
+        task that holds the copy while this one serves it (made when missing, or when the
+        copy moved: a promoted copy's own copy goes to the task it took the shard over from)."""
         from towerflow.ps.server.tables.replica import RowReplica
-        from towerflow.ps.wire.calls import replica_of
+        from towerflow.ps.wire.calls import partner_of
 
-        task = replica_of(shard.shard, self.num_ps)
-        return RowReplica(shard, self.terms.of(shard.shard), task,
-                          lambda: self.peer_channel(task), init_request,
-                          lambda method: f"/{SERVICE_NAME}/{method}", self.replica_timeout)
+        term = self.terms.of(shard.shard)
+        task = partner_of(shard.shard, term.task, self.num_ps)
+        if shard.replica is None or shard.replica.replica_task != task:
+            shard.replica = RowReplica(
+                shard, term, task, lambda: self.peer_channel(task),
+                self._requests[(shard.name, shard.shard)],
+                lambda method: f"/{SERVICE_NAME}/{method}", self.replica_timeout)
+        return shard.replica
+
+    def served(self, shard: int) -> list[Any]:
+        """The table shards of index ``shard`` this task serves with a copy kept (its own,
+        or its copies it took over), for a catch-up of their copy."""
+        with self._lock:
+            held = [t for (n, s), t in self._tables.items() if s == shard]
+            if self._copies is not None:
+                held += self._copies.of_shard(shard)
+        return [t for t in held if (t.name, shard) in self._requests]
 
     def replica_init_table(self, data: bytes) -> bytes:
         """``ReplicaInitTable``: make this task's copy of another task's table shard."""
@@ -272,16 +306,19 @@ class TableService:
         from towerflow.ps.server.tables.shard import TableShard
 
         request = parse_message(tpb.InitTableRequest, data, "ReplicaInitTable")
-        if self.task_index is not None and request.spec.shard == self.task_index:
-            raise InvalidArgumentError(
-                f"ReplicaInitTable of shard {request.spec.shard} of table {request.spec.name!r} "
-                f"reached ps task {self.task_index}, its own primary; a shard's copy lives on "
-                "the next ps task.")
+        spec = request.spec
+        refusal = self.terms.of(spec.shard, REPLICA).rejoin(request.term or 1)
+        if refusal:
+            raise FailedPreconditionError(refusal)
         aggregation = _aggregation(request.aggregation)
         with self._lock:
             if self._copies is None:
                 self._copies = TableCopies(
                     self.terms, lambda spec, config: TableShard(spec, config, self.workers))
+            # its own shard, rejoined as the copy: the table it held before is stale
+            self._tables.pop((spec.name, spec.shard), None)
+            request.term = 0
+            self._requests[(spec.name, spec.shard)] = request.SerializeToString()
         held = self._copies.init_table(request, aggregation)
         status = held.status()
         return tpb.InitTableReply(created=True, rows=status["rows"],

@@ -237,10 +237,16 @@ class PSClient:
                 try:
                     # a ps task starting is no reason to switch to its replica
                     status = shard.status(timeout=min(5.0, shard.timeout), failover=False)
-                except UnavailableError as exc:
-                    why = "its replica took it over: asked there next" if (  # before we started
-                        shard.route is not None and shard.route.discover()) else exc
+                except (UnavailableError, FailedPreconditionError) as exc:
+                    moved = shard.route is not None and shard.route.discover()
+                    if not moved and isinstance(exc, FailedPreconditionError):
+                        raise
+                    why = "its replica took it over: asked there next" if moved else exc
                     pending.append(f"/job:ps/task:{shard.layout.index} ({why})")
+                    continue
+                if not status.initialized and shard.route is not None and \
+                        shard.route.discover():  # restarted: its copy took the shard over
+                    pending.append(f"/job:ps/task:{shard.layout.index} (served by its copy)")
                     continue
                 if status.failure and not status.initialized:
                     self.close()  # its Done: the ps tasks end once every replica knows

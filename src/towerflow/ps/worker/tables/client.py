@@ -176,9 +176,14 @@ class TableClient:
         self._routing.adopt(routes)
 
     def _call(self, shard: int, method: str, message: Any, reply: type) -> Any:
-        data = unary(self._routing.channel(shard), _method(method), message.SerializeToString(),
-                     timeout=self.timeout)
-        return reply.FromString(data)
+        while True:  # with replicas: on the shard's other task once it serves the shard
+            before = self._routing.where(shard)
+            try:
+                return reply.FromString(unary(self._routing.channel(shard), _method(method),
+                                              message.SerializeToString(), timeout=self.timeout))
+            except (UnavailableError, DeadlineExceededError, FailedPreconditionError) as exc:
+                if not self._routing.switch(shard, before, exc):
+                    raise
 
     def _each(self, jobs: list[tuple[int, Any]], fn: Any) -> list[Any]:
         """``fn(shard, job)`` for every job, the shards in parallel, in order."""

@@ -1,0 +1,79 @@
+"""``towerflow train click --ps-replicas 1`` under ``towerflow launch --max-restarts``: a ps
+task killed mid-run is started again by launch and rejoins as the copy of its shards while
+training goes on; then the other ps task can be killed too, and training still goes on,
+with no restart of the workers or the chief."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+
+SMALL = ["--table-rows", "2000", "--ids-per-example", "8", "--embedding-dim", "8",
+         "--summary-every", "0", "--no-progress", "--log-every", "50"]
+TRAIN = [sys.executable, "-m", "towerflow", "train", "click", *SMALL]
+
+
+def task_process(launcher: subprocess.Popen, job: str, index: int) -> psutil.Process:
+    """The process of task ``job:index`` among the launch's children (by its TF_CONFIG)."""
+    for proc in psutil.Process(launcher.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            task = json.loads(proc.environ().get("TF_CONFIG", "{}")).get("task", {})
+            if task == {"type": job, "index": index} and "towerflow" in " ".join(
+                    proc.cmdline()):
+                return proc
+    raise AssertionError(f"{job} {index} is not running")
+
+
+@pytest.mark.slow
+def test_under_launch_a_killed_ps_task_rejoins_as_the_copy_and_training_goes_on(
+        tmp_path, subprocess_env) -> None:
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "towerflow", "launch", "--ps", "2", "--workers", "2",
+               "--max-restarts", "1", "--grace", "20", "--", *TRAIN, "--train-dir", str(run),
+               "--ps-replicas", "1", "--checkpoint-every", "50", "--max-steps", "100000000"]
+    launcher = subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True)
+    reader.start()
+
+    def wait_for(*patterns: str) -> None:
+        """Until a line matched each of ``patterns`` (in any order)."""
+        left = list(patterns)
+        while left:
+            line = lines.get(timeout=120)
+            seen.append(line)
+            left = [p for p in left if not re.search(p, line)]
+
+    try:
+        wait_for(r"\[worker:0\] saved checkpoint")
+        task_process(launcher, "ps", 0).kill()
+        wait_for(r"ps:0 failed \(status 137\); starting it again")
+        wait_for(*(rf"\[ps:1\] .*shard {shard} has a live copy on ps task 0 again"
+                   for shard in (0, 1)))
+        wait_for(r"\[worker:0\] saved checkpoint")  # training goes on
+        task_process(launcher, "ps", 1).kill()  # both shards on the replacement now
+        wait_for(r"\[worker:\d\] .*shard 1 failed over from ps task 1 to its replica on ps "
+                 r"task 0 \(term 2\)")
+        wait_for(r"\[worker:0\] saved checkpoint")
+        wait_for(r"\[worker:0\] saved checkpoint")
+        launcher.send_signal(signal.SIGTERM)  # stop the run: its checkpoint, exit 0
+        assert launcher.wait(timeout=90) == 0, "".join(seen[-60:])
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        reader.join(timeout=10)
+    said = "".join(seen)
+    assert "restarting the workers and the chief" not in said, said[-4000:]
