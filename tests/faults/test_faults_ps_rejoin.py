@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from replica_job import Pushers, check_exactly_once, replicated_job
+from replica_job import PLAN, Pushers, check_exactly_once, replicated_job
 
+from towerflow.ps import PSClient
 from towerflow.ps.partition import ModPartitioner
 from towerflow.ps.server.tables.replica import COPY_CHUNK_ROWS
 from towerflow.ps.spec.tables import TableConfig
@@ -59,7 +60,7 @@ def _check_every_push_once(workers: list, tables: list, run: Pushers) -> None:
 @pytest.mark.slow
 def test_a_replacement_rejoins_as_the_copy_and_takes_over_when_the_other_task_dies(
         subprocess_env):
-    with replicated_job(subprocess_env, BIG) as (ps, workers, tables, _):
+    with replicated_job(subprocess_env, BIG) as (ps, workers, tables, (spec, credentials)):
         clients = (workers, tables)
         with Pushers(workers, tables, "both", pushes=None, table=BIG) as run:
             _more(run)
@@ -75,6 +76,11 @@ def test_a_replacement_rejoins_as_the_copy_and_takes_over_when_the_other_task_di
         assert workers[0].shards[1].route.where() == (0, 2)
         status = workers[0].shards[0].status()
         assert (status.term, status.role, status.step) == (3, "primary", len(run.acked))
+        assert status.alone  # its copy's task (ps task 1) is gone
+        with PSClient(spec, PLAN, worker_id=1, credentials=credentials, timeout=10.0,
+                      replicas=1) as late:  # a worker started now finds both shards
+            assert late.wait_until_initialized(timeout=30, poll=0.05) == status.step
+            assert [s.route.where() for s in late.shards] == [(0, 3), (0, 2)]
 
 
 @pytest.mark.slow

@@ -122,11 +122,14 @@ def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task() -> Non
         with ClusterObserver(spec, SECRET) as observer:  # what `towerflow status` shows
             snapshot = observer.snapshot()
         assert [(v["shard"], v["role"], v["term"], v["copies"]) for v in snapshot["ps"]] == [
-            (0, "primary", 1, [{"shard": 1, "role": "replica", "term": 1, "step": 5}]),
-            (1, "primary", 1, [{"shard": 0, "role": "primary", "term": 2, "step": 5}])]
-        console = Console(width=80, record=True)
+            (0, "primary", 1, [{"shard": 1, "role": "replica", "term": 1, "step": 5,
+                                "alone": False}]),
+            (1, "primary", 1, [{"shard": 0, "role": "primary", "term": 2, "step": 5,
+                                "alone": True}])]  # promoted: no copy until ps task 0 is back
+        console = Console(width=120, record=True)
         console.print(render(snapshot))
-        assert re.search(r"shard replicas.*\n(.*\n)*.*0 +│ +1 +│ +primary +│ +2 +│ +5",
+        assert re.search(r"shard replicas.*\n(.*\n)*.*0 +│ +1 +│ +primary +│ +2 +│ +5 +│ +none: "
+                         r"alone until its task rejoins",
                          console.export_text()), console.export_text()
 
 

@@ -223,17 +223,24 @@ def _copies(shards: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="shard replicas", title_justify="left")
-    for column in ("shard", "ps task", "role", "term", "step"):
+    for column in ("shard", "ps task", "role", "term", "step", "its copy"):
         table.add_column(column, justify="right")
     for view in shards:
         if view.get("error") or not view.get("initialized", False):
             continue
         table.add_row(str(view["shard"]), str(view["shard"]), str(view.get("role") or "-"),
-                      _num(view.get("term")), _num(view.get("global_step")))
+                      _num(view.get("term")), _num(view.get("global_step")), _copy_of(view))
         for copy in view.get("copies", ()):
             table.add_row(str(copy["shard"]), str(view["shard"]), str(copy["role"]),
-                          _num(copy["term"]), _num(copy["step"]))
+                          _num(copy["term"]), _num(copy["step"]), _copy_of(copy))
     return table
+
+
+def _copy_of(held: dict[str, Any]) -> str:
+    """Whether a shard served here has its live copy ("-": not served here)."""
+    if held.get("role") != "primary":
+        return "-"
+    return "none: alone until its task rejoins" if held.get("alone") else "live"
 
 
 def _tables(rows: list[dict[str, Any]]) -> Any:

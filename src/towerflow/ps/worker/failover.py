@@ -182,11 +182,15 @@ class ShardRoute:
                          timeout=_PROBE_S)
         except TowerflowError:
             return False
-        for copy in parse_message(pb.StatusReply, data, "StatusReply").replicas:
-            if copy.shard == self.shard and copy.role == "primary":
+        reply = parse_message(pb.StatusReply, data, "StatusReply")
+        held = [(c.term, c.role) for c in reply.replicas if c.shard == self.shard]
+        if reply.shard == self.shard and reply.initialized:  # its own shard, served again
+            held.append((reply.term, reply.role))
+        for term, role in held:
+            if role == "primary" and term > self.term:
                 with self._lock:
-                    if copy.term > self.term:
-                        self.task, self.term = successor, int(copy.term)
+                    if term > self.term:
+                        self.task, self.term = successor, int(term)
                 return True
         return False
 

@@ -270,9 +270,9 @@ def _shard_view(shard: Mapping[str, Any], before: Mapping[str, Any],
         pushes_per_sec=_rate(pushes, then[0] if then else None, seconds),
         bytes_per_sec=_rate(moved, then[1] if then else None, seconds),
         lead=(max(tokens) - min(tokens)) if tokens else 0,
-        term=reply.term, role=reply.role,
-        copies=[{"shard": c.shard, "role": c.role, "term": c.term, "step": c.step}
-                for c in reply.replicas],
+        term=reply.term, role=reply.role, alone=reply.alone,
+        copies=[{"shard": c.shard, "role": c.role, "term": c.term, "step": c.step,
+                 "alone": c.alone} for c in reply.replicas],
         **{name: stats.get(name, 0) for name in _COUNTERS})
     return view
 

@@ -158,14 +158,10 @@ class ReplicaCopies:
 
     def stats(self) -> list[pb.ReplicaStat]:
         """One ``ReplicaStat`` per copy (for ``Status``)."""
-        held = dict(self._copies)
-        own = self.get(self.task)
-        if own is not None:  # its own shard, since a copy took it over
-            held[self.task] = own
         return [pb.ReplicaStat(shard=shard, term=copy.term.term, role=copy.term.role,
-                               step=copy.current_step() or 0,
+                               step=copy.current_step() or 0, alone=copy.term.alone,
                                version=self._versions.get(shard, 0))
-                for shard, copy in sorted(held.items())]
+                for shard, copy in sorted(self._copies.items())]
 
 
 def _refused(copy: Any, message: str) -> bytes:

@@ -377,7 +377,7 @@ class PSService:
             staged_bytes=figures.staged, workers=workers, uptime=uptime,
             pushes=push_records(figures.pushes), rendezvous=current.config.rendezvous,
             segments=layout_to_proto(state.layout) if req.with_layout else (),
-            term=self.term.term, role=self.term.role,
+            term=self.term.term, role=self.term.role, alone=self.term.alone,
             replicas=self.copies.stats() if self.copies is not None else ())
         return reply.SerializeToString()
 

@@ -244,6 +244,8 @@ class PSClient:
                     why = "its replica took it over: asked there next" if moved else exc
                     pending.append(f"/job:ps/task:{shard.layout.index} ({why})")
                     continue
+                if shard.route is not None and status.role == "primary":
+                    shard.route.term = max(shard.route.term, int(status.term))  # served again
                 if not status.initialized and shard.route is not None and \
                         shard.route.discover():  # restarted: its copy took the shard over
                     pending.append(f"/job:ps/task:{shard.layout.index} (served by its copy)")

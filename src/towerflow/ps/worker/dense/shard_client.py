@@ -200,10 +200,14 @@ class ShardClient:
 
     def status(self, timeout: float | None = None, *, failover: bool = True) -> pb.StatusReply:
         """The shard's status (initialised, step, layout fingerprint, counters); with a route
-        and ``failover``, from its replica once its primary is gone."""
+        and ``failover``, from its replica once its primary is gone (without ``failover``, from
+        the task the route names, at whatever term it serves the shard)."""
+        routing = self._routing() if failover else {
+            k: v for k, v in self._routing().items() if k != "term"}
+
         def call() -> bytes:  # no route: an empty request, as before replicas
             return unary(self.channel, method_path("Status"),
-                         pb.StatusRequest(**self._routing()).SerializeToString(),
+                         pb.StatusRequest(**routing).SerializeToString(),
                          timeout=timeout or self.timeout)
 
         data = self._once(call) if failover else call()
