@@ -17,6 +17,7 @@ from towerflow.errors import FailedPreconditionError, InvalidArgumentError, Unav
 from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.calls import APPLIED
+from towerflow.testing import wait_until
 
 SECRET = Credentials(secret=b"test-secret")
 SHAPES = {"emb": (40, 5), "w": (5, 3), "b": (3,)}
@@ -212,3 +213,44 @@ def test_a_restarted_replica_task_gets_the_whole_shard_again_at_the_next_push(
     assert reply.status == APPLIED and reply.step == services[0].shard.state.step == 2
     assert_same_shard(services[0], fresh.copies.get(0))  # the whole shard, then the push
     assert fresh.copies.get(0).shard.state.admission.push_rows() == [(0, 7, 2, APPLIED)]
+
+
+def test_a_replacement_task_rejoins_as_the_copy_and_a_restarted_chief_inits_the_copy(
+        replicated) -> None:
+    from towerflow.ps.server.rejoin import Rejoin
+
+    cluster, services, servers, plan = replicated()
+    assert push(servers, plan, task=0, seq=1).status == APPLIED
+    servers[0].stop()  # ps task 0 dies; its shard's copy on ps task 1 takes it over
+    assert promote(servers, task=1, shard=0).term == 2
+    taken = services[1].copies.get(0)
+    assert taken.term.alone  # promoted: no copy of its own yet
+    assert services[1].terms.of(1).go_alone() == 1  # as a worker asks once a push failed
+    assert Rejoin(services[1]).round() == []  # ps task 0 does not answer: nothing to do
+    with PSClient(cluster, plan, worker_id=0, timeout=5.0, credentials=SECRET, chunk_bytes=64,
+                  replicas=1) as chief:  # a chief started again: its Init reaches the copy
+        chief.initialize([np.full(s.numel, 2.0, np.float32) for s in plan.shards],
+                         optimizer=pb.OptimizerSpec(name="adam"),
+                         aggregation=AggregationConfig(replicas=1))
+        assert chief.shards[0].route.where() == (1, 2)
+    np.testing.assert_array_equal(taken.shard.state.params, 2.0)
+    replacement = Server(cluster, "ps", 0, credentials=SECRET, start=False)
+    fresh = PSService(0, chunk_bytes=64, num_ps=2, replica_timeout=5.0,
+                      peer_channel=lambda k: replacement.channel("ps", k))
+    replacement.add_handlers([fresh.handlers()])
+    replacement.start()
+    servers.append(replacement)
+    rejoin, joined = Rejoin(services[1]), []  # once it answers: both shards copied to it
+    wait_until(lambda: joined.extend(rejoin.round()) or sorted(joined) == [0, 1], timeout=20,
+               what="both shards' copies on the replacement")
+    assert not taken.term.alone
+    assert (fresh.term.role, fresh.term.term) == ("replica", 2)
+    assert_same_shard(taken, fresh)
+    with pytest.raises(FailedPreconditionError, match="holds only a replica of shard 0"):
+        calls.push(replacement.channel("ps", 0), plan.shards[0], seq=2)  # not its primary
+    assert push(servers, plan, task=1, shard=0, term=2, seq=2).status == APPLIED
+    assert_same_shard(taken, fresh)  # acknowledged: on the rejoined copy already
+    servers[1].stop()  # now ps task 1 dies: shard 0 goes back to its own task
+    assert calls.promote(replacement.channel("ps", 0), 0).term == 3
+    assert calls.push(replacement.channel("ps", 0), plan.shards[0], shard=0, term=3,
+                      seq=2).duplicate  # the ledger came along

@@ -51,7 +51,7 @@ from towerflow.ps.wire.messages import (
     push_records,
     signature_bytes,
 )
-from towerflow.ps.worker.failover import ShardRoute, routed_push
+from towerflow.ps.worker.failover import ShardRoute, failover_worthy, routed_push
 
 __all__ = ["ShardClient", "PUSH_RETRY_LOG_EVERY"]
 
@@ -139,7 +139,11 @@ class ShardClient:
 
     def _switch(self, before: tuple[int, int] | None, exc: TowerflowError) -> bool:
         """After a failed call sent at ``before``: whether the shard is served elsewhere now
-        (its replica took it over: send again; the push stream is dropped)."""
+        (its replica took it over: send again; the push stream is dropped). ``before`` None
+        with a route: a call that switches nothing itself (an Init: a task starting is no
+        reason to promote its copy) follows a switch made already."""
+        if before is None and self.route is not None:
+            return failover_worthy(exc) and self.route.discover()
         if before is None or not self.route.fail_over(before, exc):
             return False
         if self._stream_lock.acquire(blocking=False):
