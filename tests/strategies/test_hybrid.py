@@ -175,6 +175,40 @@ def test_a_stalled_worker_stops_the_others_within_the_step_timeout_naming_it(
 
 
 @pytest.mark.slow
+def test_a_worker_lost_while_the_chief_waits_in_the_store_stops_it_naming_the_worker(
+        tmp_path, subprocess_env) -> None:
+    # worker 1 dies once the chief paused it for a checkpoint: the chief waits in the store
+    # for its word (up to an hour), not in a collective; it stops within seconds, naming it
+    done = run_workers(tmp_path, subprocess_env, "--checkpoint-at", "5", steps=12, timeout=60,
+                       num_ps=1, only={1: ["--die-in-pause"]})
+    message = done[0].stdout
+    assert done[1].returncode == 9 and done[0].returncode != 0, message[-3000:]
+    assert re.search(r"UnavailableError: Worker 0: the wait for the other workers' pushes before "
+                     r"the checkpoint of step 5 failed \(a peer worker's process is gone\): "
+                     r"/job:worker/replica:0/task:1 at \S+ \(no connection: it is not running\)\. "
+                     r"The workers' all-reduce group cannot go on without it, so every worker "
+                     r"stops here\.", message), message[-3000:]
+    assert not re.search(r"torch\.distributed\.Dist\w*Error", message), message[-3000:]
+
+
+@pytest.mark.slow
+def test_a_chief_lost_while_a_worker_waits_in_its_store_stops_the_worker_naming_it(
+        tmp_path, subprocess_env) -> None:
+    # the chief dies in its checkpoint's pause: worker 1 waits for its go in the chief's store,
+    # whose server died with it; the store's error becomes the sentence naming the chief
+    done = run_workers(tmp_path, subprocess_env, "--checkpoint-at", "5", steps=12, timeout=60,
+                       num_ps=1, only={0: ["--die-in-pause"]})
+    message = done[1].stdout
+    assert done[0].returncode == 9 and done[1].returncode != 0, message[-3000:]
+    assert re.search(r"UnavailableError: Worker 1: the wait for the chief's checkpoint of step 5 "
+                     r"failed \([^)]*\): /job:worker/replica:0/task:0 at \S+ \(no connection: it "
+                     r"is not running\)\. The workers' all-reduce group cannot go on without it",
+                     message), message[-3000:]
+    # (c10d logs the broken connection itself; the error that ends the worker is ours)
+    assert not re.search(r"torch\.distributed\.Dist\w*Error", message), message[-3000:]
+
+
+@pytest.mark.slow
 def test_a_worker_that_finds_a_dead_chiefs_store_reads_the_new_chiefs_address(
         tmp_path, subprocess_env, free_ports) -> None:
     import queue

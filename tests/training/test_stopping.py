@@ -266,3 +266,23 @@ def test_supervised_replicas_stop_at_the_same_step_and_the_chief_saves_it(
     steps = re.findall(r"^(\[replica 1\] )?stopped at (\d+)$", text, re.MULTILINE)
     assert len(steps) == 2 and steps[0][1] == steps[1][1], text
     assert _latest_step(tmp_path) == int(steps[0][1])
+
+
+def test_a_signal_while_a_failed_run_shuts_down_keeps_its_error_and_a_second_ends_it() -> None:
+    from towerflow.training.stopping import exit_on_signals, finish_failing
+
+    finished = []
+    with exit_on_signals(), pytest.raises(RuntimeError, match="the run's own error"):
+        try:
+            raise RuntimeError("the run's own error")
+        except RuntimeError:
+            with finish_failing():
+                os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode
+                finished.append("shut down")
+            raise
+    assert finished == ["shut down"]
+    with finish_failing(), pytest.raises(SystemExit) as ended:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        finished.append("not reached")
+    assert ended.value.code == 128 + signal.SIGTERM and finished == ["shut down"]

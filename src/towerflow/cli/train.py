@@ -305,6 +305,7 @@ def _export_hooks(args: argparse.Namespace) -> list[Any]:
 
 def _train(args: argparse.Namespace, strategy: Strategy) -> int:
     from towerflow.training.run import run_training
+    from towerflow.training.stopping import finish_failing
     from towerflow.training.tasks import get_task
 
     try:
@@ -314,6 +315,11 @@ def _train(args: argparse.Namespace, strategy: Strategy) -> int:
                      epochs_per_decay=args.epochs_per_decay, strategy=strategy,
                      optimizer=build_optimizer(args), settings=run_record(args),
                      hooks=_export_hooks(args))
-    finally:
-        strategy.shutdown()
+    except BaseException:
+        # a stop signal meanwhile (a launcher stopping the others of a failed group) neither
+        # hides the error nor ends the process with status 0
+        with finish_failing():
+            strategy.shutdown()
+        raise
+    strategy.shutdown()
     return 0

@@ -40,9 +40,10 @@ checkpoint taken by hand between steps holds the tables as of that moment, as
 an asynchronous ps job's does. It moves between this mode, ``dense="ps"`` and
 one process. When a worker dies the all-reduce cannot go on: within
 ``step_timeout`` every worker stops with one sentence naming the worker that does
-not answer, and the job started again (by hand, ``towerflow launch
---max-restarts``, torchrun's elastic restart) resumes from its last checkpoint;
-its workers find the new chief's store by its new ``Init``.
+not answer (a worker waiting in the store, not in a collective, within seconds:
+:mod:`~towerflow.strategies.hybrid_store`), and the job started again (by hand,
+``towerflow launch --max-restarts``, torchrun's elastic restart) resumes from its
+last checkpoint; its workers find the new chief's store by its new ``Init``.
 """
 
 from __future__ import annotations
@@ -68,14 +69,9 @@ from towerflow.errors import (
 from towerflow.ps.worker.tables.prefetch import host_copies
 from towerflow.ps.worker.tables.swap import WHOLE_ATTRIBUTE
 from towerflow.strategies.base import LossFn, OptimizerConfig, StepResult
-from towerflow.strategies.hybrid_dense import (
-    DenseReplica,
-    Words,
-    group_endpoint,
-    timedelta_of,
-    worker_device,
-)
+from towerflow.strategies.hybrid_dense import DenseReplica, sum_within, timedelta_of, worker_device
 from towerflow.strategies.hybrid_rows import RowTraffic
+from towerflow.strategies.hybrid_store import Words, group_endpoint, reach_store
 from towerflow.strategies.mirrored import first_line
 from towerflow.strategies.parameter_server import ParameterServer
 from towerflow.strategies.ps_placement import check_trainable
@@ -96,6 +92,8 @@ log = logging.getLogger("towerflow.ps")
 _NO_STEP_TIMEOUT_S = 1800.0
 #: seconds the others wait for a chief reading a checkpoint's tables from the ps tasks
 _PAUSE_WAIT_S = 3600.0
+#: seconds a waiting worker gives a peer's task server to answer "are you there?"
+_PING_S = 2.0
 
 
 class HybridParameterServer(ParameterServer):
@@ -234,59 +232,36 @@ class HybridParameterServer(ParameterServer):
                 "A torch.distributed process group already exists in this process; hybrid "
                 "training makes its own among the workers. Destroy it first.")
         self._words = Words(self._store, self._rank, self._world)
-        self._words.say("here")  # every worker here first: the group then forms at once
+        self._say("here", "that this worker is here")  # every worker first: the group forms at once
         self._listen("here", range(self._world), self._init_timeout,
-                     "every worker to start (--init-timeout)")
+                     "every worker to start (--init-timeout)", watch=False)
         try:
             dist.init_process_group(self._backend, store=dist.PrefixStore("towerflow/hybrid",
                                                                           self._store),
                                     rank=self._rank, world_size=self._world,
                                     timeout=timedelta_of(timeout))
-        except RuntimeError as exc:
-            raise UnavailableError(
-                f"Worker {self._rank} of {self._world} could not join the workers' "
-                f"{self._backend} group at {address}: {first_line(exc)}. Check that every "
-                "worker was started and that the workers reach each other (GLOO_SOCKET_IFNAME / "
-                "NCCL_SOCKET_IFNAME).") from exc
+        except RuntimeError as exc:  # a peer lost since it said "here", or not reached
+            raise self._group_failure(
+                exc, f"joining the workers' {self._backend} group at {address}",
+                way_out="Check that every worker was started and that the workers reach each "
+                "other (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).") from exc
         self._owns_group = True
         log.info("worker %d joined the workers' %s all-reduce group (%d workers) at %s",
                  self._rank, self._backend, self._world, address)
 
     def _reach_store(self, timeout: float) -> str:
-        """(Not the chief) the chief's store, at the address its ``Init`` named. A chief
-        started again (a restart of the job, torchrun's elastic restart) names a new one
-        in its new ``Init``: an address that does not answer is read again from ps task 0
-        until ``init_timeout``."""
-        import time
-
-        from towerflow.cluster.spec import parse_address
-
+        """(Not the chief) the chief's store, at the address its ``Init`` named (read again
+        from ps task 0 while it does not answer: :func:`~.hybrid_store.reach_store`)."""
         self.client.wait_until_initialized(self._init_timeout)
-        deadline = time.monotonic() + self._init_timeout
-        while True:
-            address = self.client.shards[0].status(timeout=self._timeout).rendezvous
-            if not address:
-                raise FailedPreconditionError(
-                    "The ps tasks were initialised by a chief that trains the dense layers "
-                    "through the ps (dense='ps'), and this worker all-reduces them "
-                    "(dense='allreduce'). Start every worker with the same --dense.")
-            host, port = parse_address(address)
-            try:
-                self._store = group_endpoint(host, self._world, timeout, port=port,
-                                             master=False, connect_s=5.0)
-                return address
-            except (RuntimeError, dist.DistStoreError) as exc:
-                if time.monotonic() >= deadline:
-                    raise UnavailableError(
-                        f"Worker {self._rank} could not reach the chief's store at {address} "
-                        f"within {self._init_timeout:g} s ({first_line(exc)}); start the "
-                        "chief (worker 0) of this job.") from None
-                log.info("the chief's store at %s does not answer; reading its address again",
-                         address)
+        self._store, address = reach_store(
+            lambda: self.client.shards[0].status(timeout=self._timeout).rendezvous,
+            rank=self._rank, world=self._world, timeout_s=timeout,
+            init_timeout_s=self._init_timeout)
+        return address
 
     def _collective_timeout(self) -> float:
         """The group's timeout: ``step_timeout`` (what may take longer, the workers wait
-        for in the store: :class:`~towerflow.strategies.hybrid_dense.Words`)."""
+        for in the store: :class:`~towerflow.strategies.hybrid_store.Words`)."""
         step = self.aggregation.timeout
         return _NO_STEP_TIMEOUT_S if step is None else float(step)
 
@@ -294,17 +269,41 @@ class HybridParameterServer(ParameterServer):
         step = self.aggregation.timeout
         return None if step is None else timedelta_of(float(step))
 
-    def _listen(self, word: str, ranks: Any, timeout: float, what: str) -> None:
-        """Wait for ``word`` from ``ranks`` (:class:`Words`), one sentence when it fails."""
+    def _listen(self, word: str, ranks: Any, timeout: float, what: str, *,
+                watch: bool = True) -> None:
+        """Wait for ``word`` from ``ranks`` (:class:`~.hybrid_store.Words`); ``watch`` (every
+        worker joined): a peer's process gone ends the wait. A wait that fails, the store's
+        error included, ends with :meth:`_group_failure`'s sentence."""
         try:
-            self._words.hear(word, ranks, timeout)  # type: ignore[union-attr]
-        except (RuntimeError, dist.DistStoreError) as exc:
-            self._unfinished = True
-            raise UnavailableError(
-                f"Worker {self._rank} waited {timeout:g} s for {what} and gave up "
-                f"({first_line(exc)}): {'; '.join(self.missing_peers()) or 'a worker is missing'}."
-                " Start every worker of the job (the job started again resumes from its last "
-                "checkpoint).") from None
+            self._words.hear(word, ranks, timeout,  # type: ignore[union-attr]
+                             gone=self._peer_gone if watch else None)
+        except RuntimeError as exc:  # NotHeard, or the store's torch.distributed.DistError
+            raise self._group_failure(exc, f"the wait for {what}", way_out=None if watch else
+                                      "Start every worker of the job (the job started again "
+                                      "resumes from its last checkpoint).") from None
+
+    def _say(self, word: str, what: str) -> None:
+        """Tell the others ``word``; the store failing (its server, the chief, gone) ends
+        with :meth:`_group_failure`'s sentence."""
+        try:
+            self._words.say(word)  # type: ignore[union-attr]
+        except RuntimeError as exc:  # torch.distributed.DistError
+            raise self._group_failure(exc, f"telling the others {what}") from None
+
+    def _peer_gone(self) -> bool:
+        """Whether the process of another worker is gone now: its task server refuses the
+        connection (one that answers late is left to the wait's own timeout)."""
+        if self._server is None:
+            return False
+        for task in self.cluster.replicas:
+            if task != self.task:
+                try:
+                    self._server.ping(task.job_name, task.task_index, timeout=_PING_S)
+                except UnavailableError:
+                    return True
+                except TowerflowError:
+                    continue
+        return False
 
     def _start_tables(self) -> None:
         """(The chief) a checkpoint's tables, or rows given since, onto the ps tasks."""
@@ -320,7 +319,7 @@ class HybridParameterServer(ParameterServer):
         self._start_tables()
         self._starts += 1
         if self._chief:
-            self._words.say(f"start/{self._starts}")  # type: ignore[union-attr]
+            self._say(f"start/{self._starts}", "to start")
         self._listen(f"start/{self._starts}", [0], self._init_timeout,
                      "the chief's first step (its restore, its tables on the ps)")
         try:
@@ -411,30 +410,33 @@ class HybridParameterServer(ParameterServer):
             raise self._group_failure(exc, f"the checkpoint's pause at step {self._step}") \
                 from None
         self._listen(f"ready/{self._step}", self._words.others, _PAUSE_WAIT_S,  # type: ignore[union-attr]
-                     "the other workers' pushes before a checkpoint")
+                     f"the other workers' pushes before the checkpoint of step {self._step}")
         self._paused_at = self._step
 
     def _paused(self) -> None:
         """(Another worker, in a step the chief paused) this worker's pushes of the steps
         before applied, then wait for the chief's go."""
         self._settle_rows()
-        self._words.say(f"ready/{self._step}")  # type: ignore[union-attr]
-        self._listen(f"go/{self._step}", [0], _PAUSE_WAIT_S, "the chief's checkpoint")
+        self._say(f"ready/{self._step}", f"its pushes up to step {self._step} are applied")
+        self._listen(f"go/{self._step}", [0], _PAUSE_WAIT_S,
+                     f"the chief's checkpoint of step {self._step}")
 
     def _release_pause(self) -> None:
         paused, self._paused_at = self._paused_at, None
         if paused is not None:
-            self._words.say(f"go/{paused}")  # type: ignore[union-attr]
+            self._say(f"go/{paused}", f"to go on after the checkpoint of step {paused}")
 
-    def _group_failure(self, error: BaseException, what: str) -> UnavailableError:
-        """The sentence of a collective that failed: the workers that do not answer."""
+    def _group_failure(self, error: BaseException, what: str,
+                       way_out: str | None = None) -> UnavailableError:
+        """The one sentence of a collective or a wait in the store that failed (``what``):
+        the workers that do not answer, then ``way_out`` (default: every worker stops)."""
         self._unfinished = True
         missing = self.missing_peers()
-        who = ("; ".join(missing) if missing else
-               "another worker stopped or stalled (no task server to ask which)")
+        who = "; ".join(missing) if missing else "another worker stopped or stalled" + (
+            " (no task server to ask which)" if self._server is None else "")
         return UnavailableError(
-            f"Worker {self._rank}: {what} failed ({first_line(error)}): {who}. The workers' "
-            "all-reduce group cannot go on without it, so every worker stops here.")
+            f"Worker {self._rank}: {what} failed ({first_line(error)}): {who}. " + (way_out or
+            "The workers' all-reduce group cannot go on without it, so every worker stops here."))
 
     def agree_to_stop(self, requested: bool) -> bool:
         """Every worker stops at the same step: this step's wish travels in the next step's
@@ -451,13 +453,20 @@ class HybridParameterServer(ParameterServer):
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         total = value.detach().to(self._device, torch.float32).clone()
-        dist.all_reduce(total)
+        try:
+            sum_within(total, self._step_timeout(), None)
+        except RuntimeError as exc:
+            raise self._group_failure(exc, f"the all-reduce of the step log at step {self._step}") \
+                from None
         return total / self._world
 
     def barrier(self) -> None:
         if self._owns_group:
-            dist.barrier(device_ids=[self._device.index]) if self._backend == "nccl" \
-                else dist.barrier()
+            try:
+                dist.barrier(device_ids=[self._device.index]) if self._backend == "nccl" \
+                    else dist.barrier()
+            except RuntimeError as exc:
+                raise self._group_failure(exc, "the workers' barrier") from None
 
     def restore_checkpoint(self, read: Any) -> Any:
         """The chief reads the checkpoint; the others receive its dense part through the
@@ -473,19 +482,21 @@ class HybridParameterServer(ParameterServer):
             whole[0] = ckpt = read()
             return None if ckpt is None else replace(ckpt, chunked={})
 
+        def shared(read: Any) -> Any:
+            try:
+                return share_read(read, rank=self._rank, device=self._device)
+            except RuntimeError as exc:  # a peer lost in the broadcast
+                raise self._group_failure(exc, "the checkpoint's broadcast") from None
+
         if self._rank == 0:  # read before the others wait in a collective (the step timeout)
             try:
-                part = dense_part()
+                part, error = dense_part(), None
             except TowerflowError as exc:
-                error = exc
-                part = None
-            else:
-                error = None
-            self._words.say("read")  # type: ignore[union-attr]
-            shared = share_read(lambda: _given(part, error), rank=0, device=self._device)
-            return whole[0] if shared is not None else None
+                part, error = None, exc
+            self._say("read", "that the checkpoint is read")
+            return whole[0] if shared(lambda: _given(part, error)) is not None else None
         self._listen("read", [0], self._init_timeout, "the chief to read its checkpoint")
-        return share_read(dense_part, rank=self._rank, device=self._device)
+        return shared(dense_part)
 
     @property
     def global_step(self) -> int:

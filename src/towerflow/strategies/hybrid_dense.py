@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DenseReplica", "Reduced", "group_endpoint", "timedelta_of", "worker_device"]
+__all__ = ["DenseReplica", "Reduced", "sum_within", "timedelta_of", "worker_device"]
 
 log = logging.getLogger("towerflow.ps")
 
@@ -109,13 +109,13 @@ class DenseReplica:
                 param.grad = view.view_as(param)
         flags = self.flat[self.numel:]
         flags[0], flags[1], flags[2] = float(bad_tables), float(stop_vote), 0.0
-        _sum(self.flat, timeout, group)
+        sum_within(self.flat, timeout, group)
         kept, self._kept = self._kept, None
         if kept is None and bool(flags[2] > 0):  # the chief paused this step: the others' sum
             kept = self.flat.clone()
             self.flat.zero_()
             paused()
-            _sum(self.flat, timeout, group)  # the chief's gradients, added to it
+            sum_within(self.flat, timeout, group)  # the chief's gradients, added to it
         if kept is not None:
             self.flat.add_(kept)
         counts = flags.tolist()
@@ -128,7 +128,7 @@ class DenseReplica:
         zeros and the pause flag; keep what they sent for this worker's next step."""
         self._kept = torch.zeros_like(self.flat)
         self._kept[self.numel + 2] = 1.0
-        _sum(self._kept, timeout, group)
+        sum_within(self._kept, timeout, group)
 
     def nonfinite(self) -> str | None:
         """The name of a parameter whose averaged gradient holds NaN / inf, or None (one
@@ -158,7 +158,7 @@ class DenseReplica:
         return int(shared.item())
 
 
-def _sum(tensor: torch.Tensor, timeout: Any, group: Any) -> None:
+def sum_within(tensor: torch.Tensor, timeout: Any, group: Any) -> None:
     """``tensor`` summed over the group in place, waited for at most ``timeout`` (a stalled
     worker fails the step then: ``RuntimeError``)."""
     work = dist.all_reduce(tensor, group=group, async_op=True)
@@ -166,54 +166,6 @@ def _sum(tensor: torch.Tensor, timeout: Any, group: Any) -> None:
         work.wait()
     else:
         work.wait(timeout=timeout)
-
-
-def group_endpoint(host: str, world: int, timeout_s: float, *, port: int = 0,
-                   master: bool, connect_s: float | None = None) -> Any:
-    """The ``TCPStore`` the workers' process group meets at: served by the chief
-    (``master``, ``port`` 0: a free port) or reached by the others at ``host:port``
-    (trying for ``connect_s`` seconds; then its operations wait up to ``timeout_s``)."""
-    import datetime
-
-    store = dist.TCPStore(host, port, world, is_master=master,
-                          timeout=datetime.timedelta(seconds=connect_s or timeout_s),
-                          wait_for_workers=False)
-    store.set_timeout(datetime.timedelta(seconds=timeout_s))
-    return store
-
-
-class Words:
-    """What the workers tell each other in their store, where a wait may last longer than
-    a collective may (the group's timeout is the step timeout): that every worker is here
-    (before the group forms), that the chief read the checkpoint and is ready to start
-    (before the first collectives), that a worker's pushes are applied and the chief has
-    read the ps tasks (a paused step).
-
-    Args:
-        store: the workers' store (the chief's ``TCPStore``).
-        rank: this worker's rank.
-        world: the number of workers.
-    """
-
-    def __init__(self, store: Any, rank: int, world: int) -> None:
-        self._store = dist.PrefixStore("towerflow/hybrid/words", store)
-        self.rank, self.world = rank, world
-
-    def say(self, word: str) -> None:
-        """Tell the others ``word`` (once per word: a word is a key of the store)."""
-        self._store.set(f"{word}/{self.rank}", "1")
-
-    def hear(self, word: str, ranks: Any, timeout_s: float) -> None:
-        """Wait until every worker of ``ranks`` said ``word`` (at most ``timeout_s``)."""
-        import datetime
-
-        keys = [f"{word}/{r}" for r in ranks if r != self.rank]
-        if keys:
-            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
-
-    @property
-    def others(self) -> list[int]:
-        return [r for r in range(self.world) if r != self.rank]
 
 
 def worker_device(local: int, here: int, named: torch.device | None, gpus: int,

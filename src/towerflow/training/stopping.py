@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["FinalCheckpointAbandoned", "StopSignals", "DEFAULT_STOP_DEADLINE_S",
-           "exit_on_signals"]
+           "exit_on_signals", "finish_failing"]
 
 log = logging.getLogger("towerflow.training")
 
@@ -160,6 +160,34 @@ def exit_on_signals(signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) ->
         raise SystemExit(0)
 
     previous = {sig: signal.signal(sig, leave) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def finish_failing(signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
+    """Within the block (the shutdown of a run that failed), a first SIGTERM / SIGINT is
+    logged and the block goes on: the failure then ends the process with its own message and
+    status, where :func:`exit_on_signals` would end it with status 0 and no word (a launcher
+    stopping the rest of a failed group sends one). A second signal ends it at once, with
+    status ``128 + signal``. Main thread only.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if received:
+            raise SystemExit(128 + signum)
+        received.append(signum)
+        log.info("received signal %d while stopping on an error; finishing the shutdown "
+                 "(a second signal ends it now)", signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in signals}
     try:
         yield
     finally:

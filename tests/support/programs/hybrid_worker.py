@@ -14,9 +14,13 @@ deterministic batches. It records, in ``--out`` as ``worker-<i>.json`` and
 Usage: python hybrid_worker.py CLUSTER_JSON INDEX OUT_DIR --steps N [--staleness N]
 [--slow-push SECONDS] [--die-after STEP] [--device cuda] [--checkpoint-at STEP]
 [--slow-forward SECONDS] [--stall-after STEP] [--step-timeout SECONDS] [--ahead]
+[--die-in-pause]
 
 ``--ahead``: each step is told the next step's batch first (``strategy.ahead``, as the
 ``Trainer`` does), and the record says when each pull began and which pulled ahead.
+``--die-in-pause``: the worker dies inside a checkpoint's pause (``--checkpoint-at``), a
+peer then waiting in the store: the chief once it paused the others (they wait for its go),
+another worker once paused (the chief waits for its word that its pushes are applied).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ def main() -> int:
     parser.add_argument("--checkpoint-at", type=int, default=0)
     parser.add_argument("--slow-forward", type=float, default=0.0)
     parser.add_argument("--ahead", action="store_true")
+    parser.add_argument("--die-in-pause", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     cluster = ClusterSpec(json.loads(args.cluster))
@@ -107,6 +112,16 @@ def main() -> int:
                                step_timeout=args.step_timeout, timeout=10.0)
     lr = 0.5
     strategy.prepare(model, OptimizerConfig("sgd", lr=lr))
+    if args.die_in_pause:
+        side = "_pause" if args.index == 0 else "_paused"
+        pause = getattr(strategy, side)
+
+        def die_in_pause() -> None:
+            if args.index == 0:
+                pause()  # the others paused, waiting for the chief's go
+            os._exit(9)  # dies without a word, as a killed process
+
+        setattr(strategy, side, die_in_pause)
     strategy.stop_at(args.steps)  # as the Trainer says the run's last step
     tables = strategy._tables
     owed = torch.zeros(ROWS, DIM, dtype=torch.float64)
