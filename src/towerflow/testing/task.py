@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-missed", type=int, default=3)
     p.add_argument("--serve-forever", action="store_true",
                    help="ps: serve until stopped, not only until every worker finished")
+    p.add_argument("--ps-replicas", type=int, default=0,
+                   help="live copies of each ps shard on the next ps task (async; 0: none)")
+    p.add_argument("--partition-bytes", type=int, default=None,
+                   help="split a variable over this many bytes across the ps tasks")
     return p.parse_args(argv)
 
 
@@ -145,10 +149,16 @@ def _train(cluster: Any, task: Any, args: argparse.Namespace) -> int:
     model, loss_fn, batch_of = _model_and_batches(args, world)
     lr = args.lr if args.lr is not None else (1.0 if args.model == "ledger" else 0.05)
     server = Server(cluster, task.job_name, task.task_index)
+    placement: dict[str, Any] = {}  # given only when asked: the strategy's defaults otherwise
+    if args.ps_replicas:
+        placement["replicas"] = args.ps_replicas
+    if args.partition_bytes is not None:
+        placement["partition_threshold_bytes"] = args.partition_bytes
     sv = Supervisor(is_chief=cluster.is_chief(task), logdir=args.logdir,
                     save_model_secs=args.save_secs, max_to_keep=3, mode=args.mode,
                     replicas_to_aggregate=args.replicas_to_aggregate, timeout=args.timeout,
-                    step_timeout=args.step_timeout, init_timeout=args.init_timeout)
+                    step_timeout=args.step_timeout, init_timeout=args.init_timeout,
+                    **placement)
     journal = None
     if args.model == "ledger":
         from towerflow.testing.ledger import Journal
