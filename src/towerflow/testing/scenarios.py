@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -25,12 +26,15 @@ from towerflow.errors import DataLossError, InvalidArgumentError
 from towerflow.testing.faults import LocalCluster, loopback_cluster
 from towerflow.testing.ledger import LedgerAudit, audit_ledger, read_journals
 
-__all__ = ["ChaosReport", "chaos_run", "detection_times", "TASK_COMMAND", "STEP_LINE"]
+__all__ = ["ChaosReport", "chaos_run", "detection_times", "TASK_COMMAND", "STEP_LINE",
+           "SERVING_LINE"]
 
 #: the fault-injection training program
 TASK_COMMAND = [sys.executable, "-m", "towerflow.testing.task"]
 #: a progress line of the program; group 1 is the global step
 STEP_LINE = r"^step (\d+) local (\d+)"
+#: where a starting worker found each dense shard (group 1: ``task,task,...``)
+SERVING_LINE = r"^shards served by ps tasks ([\d,]+)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,8 @@ class ChaosReport:
         ps_killed: the ps tasks killed (``SIGKILL``, not restarted), in order.
         served_by: the ps task serving each dense shard at the end, by shard.
         terms: each shard's term at the end (1 until its copy took it over).
+        found_switched: worker incarnations that started after a ps kill and found the
+            killed task's shard on its copy at once (``ShardRoute.discover``).
     """
 
     kills: int
@@ -59,6 +65,7 @@ class ChaosReport:
     ps_killed: tuple[int, ...] = ()
     served_by: tuple[int, ...] = (0,)
     terms: tuple[int, ...] = (1,)
+    found_switched: int = 0
 
 
 def _kill_and_restart(lc: LocalCluster, victim: int, rng: random.Random) -> None:
@@ -125,7 +132,8 @@ def chaos_run(workdir: str | Path, *, kills: int = 4, workers: int = 3, steps: i
         args += ["--ps-replicas", str(ps_replicas)]
     spec = loopback_cluster(num_ps=ps_tasks, num_workers=workers)
     victims = [rng.randrange(1, workers) for _ in range(kills)]
-    ps_at = {rng.randint(0, kills): rng.randrange(ps_tasks) for _ in range(ps_kills)}
+    # a ps kill comes before a worker kill, so that a worker restarts after it
+    ps_at = {rng.randrange(max(1, kills)): rng.randrange(ps_tasks) for _ in range(ps_kills)}
     killed: list[int] = []
     with LocalCluster(spec, TASK_COMMAND + args, env=env, log_dir=workdir / "logs") as lc:
         for index in range(ps_tasks):
@@ -141,6 +149,7 @@ def chaos_run(workdir: str | Path, *, kills: int = 4, workers: int = 3, steps: i
         (workdir / "stop").touch()
         codes = tuple(lc.task("worker", i).wait(timeout=300) for i in range(workers))
         final = _final_read(spec, lc.credentials, workers * slots, ps_replicas)
+        found = _found_switched(lc, workers, killed)
     entries = [(start, stop, [(e.worker_id, e.incarnation, e.seq, e.step, e.partial,
                                e.applied_start, e.applied_stop) for e in reply.entries])
                for start, stop, reply in final.ledgers]
@@ -149,7 +158,20 @@ def chaos_run(workdir: str | Path, *, kills: int = 4, workers: int = 3, steps: i
     survived = kills if all(c == 0 for c in codes) else 0
     return ChaosReport(kills=kills, survived=survived, global_step=final.step,
                        ps_applied=final.applied, audit=audit, exit_codes=codes,
-                       ps_killed=tuple(killed), served_by=final.served_by, terms=final.terms)
+                       ps_killed=tuple(killed), served_by=final.served_by, terms=final.terms,
+                       found_switched=found)
+
+
+def _found_switched(lc: LocalCluster, workers: int, killed: list[int]) -> int:
+    """Worker incarnations whose first routes put a killed ps task's shard on its copy."""
+    found = 0
+    for index in range(1, workers):
+        proc = lc.task("worker", index)
+        for incarnation in range(2, proc.incarnation + 1):
+            line = re.search(SERVING_LINE, proc.output(incarnation), re.MULTILINE)
+            tasks = [int(t) for t in line.group(1).split(",")] if line else []
+            found += any(tasks[k] != k for k in killed if k < len(tasks))
+    return found
 
 
 @dataclass(frozen=True, slots=True)

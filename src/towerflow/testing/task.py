@@ -22,7 +22,9 @@ and ``applied n`` after each push, so a restarted worker never reuses a slot
 (see :mod:`towerflow.testing.ledger`).
 
 Lines printed (matched by the tests): ``started <job>:<i> pid <pid>``,
-``session ready at global step G (restored from R)``, ``step G local L loss X``,
+``session ready at global step G (restored from R)``, with ``--ps-replicas``
+``shards served by ps tasks T0,T1,...`` (where the worker found each dense shard: its
+copy's task once it took over), ``step G local L loss X``,
 ``finished at global step G after L local steps``, ``preempted: checkpoint at step G``,
 ``threads left: <names>``, ``error <ErrorClass>: <message>`` (exit status 3).
 """
@@ -128,6 +130,12 @@ def _model_and_batches(args: argparse.Namespace, world: int) -> tuple[Any, Any, 
     return LinearRegression(torch.Generator().manual_seed(0)), mse_loss, lambda r, n: data
 
 
+def _serving(client: Any) -> str:
+    """``task,task,...``: the ps task serving each dense shard, as ``client`` routes it."""
+    return ",".join(str(s.route.task if s.route is not None else s.layout.index)
+                    for s in client.shards)
+
+
 def _held(args: argparse.Namespace) -> bool:
     return args.until_file is not None and not os.path.exists(args.until_file)
 
@@ -170,6 +178,8 @@ def _train(cluster: Any, task: Any, args: argparse.Namespace) -> int:
                 as sess:
             step = sess.global_step
             _say(f"session ready at global step {step} (restored from {sv.restored_from})")
+            if args.ps_replicas:  # where this worker found each shard (its copy after a switch)
+                _say(f"shards served by ps tasks {_serving(sess.strategy.client)}")
             if journal is not None:  # pushes of this incarnation carry seq 1, 2, ...
                 journal.write(f"incarnation {sess.strategy.client.incarnation}")
             while not sv.should_stop() and (step < args.steps or _held(args)):
