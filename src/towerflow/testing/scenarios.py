@@ -1,7 +1,8 @@
 """Whole fault scenarios on a local cluster, shared by the tests and the benchmark.
 
 - :func:`chaos_run` — async training of the ledger model while random
-  workers are killed (``SIGKILL``) and restarted; returns the audit of the
+  workers are killed (``SIGKILL``) and restarted (and, on ps tasks whose shards
+  have live copies, a ps task killed for good); returns the audit of the
   final parameters against the workers' journals and the ps's own ledger of
   applied pushes (replayed on the initial parameters).
 - :func:`detection_times` — how long heartbeats take to declare a killed
