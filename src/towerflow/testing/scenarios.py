@@ -132,8 +132,8 @@ def chaos_run(workdir: str | Path, *, kills: int = 4, workers: int = 3, steps: i
     if ps_replicas:
         args += ["--ps-replicas", str(ps_replicas)]
     spec = loopback_cluster(num_ps=ps_tasks, num_workers=workers)
-    victims = [rng.randrange(1, workers) for _ in range(kills)]
-    # a ps kill comes before a worker kill, so that a worker restarts after it
+    # a ps kill comes before a worker kill, so that a worker restarts after it (no draw
+    # without one: a seed kills the same workers at the same points as before ps kills)
     ps_at = {rng.randrange(max(1, kills)): rng.randrange(ps_tasks) for _ in range(ps_kills)}
     killed: list[int] = []
     with LocalCluster(spec, TASK_COMMAND + args, env=env, log_dir=workdir / "logs") as lc:
@@ -146,7 +146,7 @@ def chaos_run(workdir: str | Path, *, kills: int = 4, workers: int = 3, steps: i
                 _kill_ps(lc, ps_at[position], rng)
                 killed.append(ps_at[position])
             if position < kills:
-                _kill_and_restart(lc, victims[position], rng)
+                _kill_and_restart(lc, rng.randrange(1, workers), rng)
         (workdir / "stop").touch()
         codes = tuple(lc.task("worker", i).wait(timeout=300) for i in range(workers))
         final = _final_read(spec, lc.credentials, workers * slots, ps_replicas)
