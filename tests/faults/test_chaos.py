@@ -1,4 +1,5 @@
-"""A bounded chaos run: random worker kills and restarts lose no update and apply none twice."""
+"""A bounded chaos run: random worker kills and restarts, and a ps kill on a cluster whose
+shards have live copies, lose no update and apply none twice."""
 
 from __future__ import annotations
 
