@@ -15,7 +15,12 @@ In one run on this machine:
    workers are SIGKILLed and restarted: faults injected and survived, updates
    lost (must be 0) and applied twice (must be 0) according to the audit of
    the final parameters against the workers' journals and the ps's ledger of
-   applied pushes, whose replay must give the final parameters exactly.
+   applied pushes, whose replay must give the final parameters exactly. With
+   ``--ps-kills 1`` the parameter is split over 2 ps tasks, each shard with a
+   live copy on the other task (``replicas=1``), and one ps task is SIGKILLed
+   for good among the worker kills: its shard goes on from its copy without a
+   restart (the killed task's ledger goes with it: its shard's elements are
+   audited by the parameters alone).
 4. Authentication cost: push-and-pull round trips of a large fp32 model
    (100 MB by default) to two ps tasks, one with a cluster secret and one
    without, alternated round trip by round trip: GB/s of push + pull each,
@@ -26,6 +31,7 @@ Commands::
 
     python benchmarks/reliability.py                 # ~1-2 minutes on 2 cores
     python benchmarks/reliability.py --mb 20 --pairs 10 --kills 2   # quicker
+    python benchmarks/reliability.py --ps-kills 1    # and a ps task killed in the chaos run
 """
 
 from __future__ import annotations
@@ -119,6 +125,8 @@ def main() -> None:
                         help="alternated pairs of round trips for the auth cost")
     parser.add_argument("--kills", type=int, default=4, help="worker kills in the chaos run")
     parser.add_argument("--steps", type=int, default=1000, help="global steps of the chaos run")
+    parser.add_argument("--ps-kills", type=int, default=0, choices=(0, 1),
+                        help="ps tasks killed in the chaos run (1: 2 ps tasks with copies)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     options = HeartbeatOptions(interval=0.5, max_missed=3, startup_grace=0.0)
@@ -128,22 +136,37 @@ def main() -> None:
         tried, refused, accepted = bad_inputs(tmp_path)
         print("2. heartbeat detection")
         dead_s, suspended_s = detection_times(options)
-        print(f"3. chaos run: {args.kills} random worker kills during async training")
+        print(f"3. chaos run: {args.kills} random worker kills during async training"
+              + (f", {args.ps_kills} ps task killed (2 ps tasks, replicas=1)"
+                 if args.ps_kills else ""))
         (tmp_path / "chaos").mkdir()
+        ps = {"ps_tasks": 2, "ps_replicas": 1, "ps_kills": args.ps_kills} if args.ps_kills \
+            else {}
         report = chaos_run(tmp_path / "chaos", kills=args.kills, steps=args.steps,
-                           seed=args.seed)
+                           seed=args.seed, **ps)
         print(f"  {report}")
         print(f"4. authentication cost: {args.mb} MB model, {args.pairs} alternated pairs of "
               "push-and-pull round trips")
         secured, plain, paired = auth_cost(args.mb, args.pairs)
         token_us = auth_cpu_cost()
     bound = options.detection_bound
-    injected = report.kills + 2
-    survived = report.survived + int(dead_s <= bound + 1) + int(suspended_s <= bound + 1)
+    ps_kills = len(report.ps_killed)
+    switched = sum(task != shard for shard, task in enumerate(report.served_by))
+    injected = report.kills + ps_kills + 2
+    # a ps kill is survived when its shard went on from its copy and every worker finished
+    ps_survived = ps_kills if switched and all(c == 0 for c in report.exit_codes) else 0
+    survived = report.survived + ps_survived + int(dead_s <= bound + 1) \
+        + int(suspended_s <= bound + 1)
     audit = report.audit
     print("\nresults")
-    print(f"faults injected: {injected} ({report.kills} worker SIGKILLs + restarts in the chaos "
-          "run, 1 task SIGKILLed, 1 task SIGSTOPped)")
+    print(f"faults injected: {injected} ({report.kills} worker SIGKILLs + restarts"
+          + (f" and {ps_kills} ps SIGKILL" if ps_kills else "")
+          + " in the chaos run, 1 task SIGKILLed, 1 task SIGSTOPped)")
+    if ps_kills:
+        print(f"ps kill: ps task(s) {report.ps_killed} killed; shards served at the end by ps "
+              f"tasks {report.served_by} at terms {report.terms}; {report.found_switched} "
+              "worker restart(s) found the shard on its copy at once; "
+              f"{report.audit.ledger_uncovered} elements audited by the parameters alone")
     print(f"faults survived: {survived} (chaos: restarted workers finished, exit codes "
           f"{report.exit_codes}; heartbeats named the dead and the suspended task)")
     print(f"updates lost: {audit.lost}")
@@ -152,7 +175,9 @@ def main() -> None:
           f"{audit.in_flight} in-flight pushes applied = {audit.updates} updates; ps global "
           f"step {report.global_step}; ps ledger {audit.ledger_entries} entries, "
           f"{audit.ledger_duplicates} duplicated, {audit.ledger_unknown} unknown; replay of the "
-          f"ps ledger equals the final parameters: {audit.replay_matches}; unexplained changes "
+          f"ps ledger equals the final parameters"
+          + (" (on the elements of the shards whose ledger survived)" if audit.ledger_uncovered
+             else "") + f": {audit.replay_matches}; unexplained changes "
           f"{audit.unexpected}")
     print(f"bad inputs tried: {tried}, refused: {refused}"
           + (f" (ACCEPTED: {', '.join(accepted)})" if accepted else ""))

@@ -51,6 +51,8 @@ def test_kill_9_of_a_primary_mid_run_the_workers_switch_to_its_replica(subproces
             PLAN.shards[0].numel, -float(snapshot.step), np.float32))
         if what != "dense":  # the table client switched too: its export reads the copy
             assert sum(c.num_ids for c in tables[0].export_shard(TABLE, 0)) == 10
+        with pytest.raises(FailedPreconditionError, match="ledger of shard 0 went with ps"):
+            workers[0].ledger()  # not ps task 1's own shard's ledger in its place
         copies = {r.shard: r for r in calls.status(workers[0].channels[1]).replicas}
         assert (copies[0].term, copies[0].role) == (2, "primary")
         with PSClient(spec, PLAN, worker_id=1, credentials=credentials, timeout=10.0,

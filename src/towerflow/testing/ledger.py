@@ -92,8 +92,10 @@ class LedgerAudit:
             entries and the partial ones whose range holds their push's element).
         ledger_duplicates: pushes the ps ledger lists more than once.
         ledger_unknown: ps ledger entries matching no journalled push.
+        ledger_uncovered: parameter elements no ledger given covers (a shard
+            whose ledger was lost with its ps task); the replay skips them.
         replay_matches: replaying the ps ledger on the initial zeros gives the
-            final parameters exactly (None: no ledger given).
+            final parameters exactly, on the elements it covers (None: no ledger given).
     """
 
     pushes: int
@@ -109,6 +111,7 @@ class LedgerAudit:
     ledger_updates: int = 0
     ledger_duplicates: int = 0
     ledger_unknown: int = 0
+    ledger_uncovered: int = 0
     replay_matches: bool | None = None
 
     @property
@@ -133,31 +136,43 @@ def _push_slots(lines: Sequence[str]) -> dict[tuple[int, int], int]:
 
 
 def _audit_ps_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], slots: int,
-                     entries: Sequence[Sequence[int]]) -> dict[str, int | bool]:
-    """Replay ``entries`` (``LedgerRecord``-like tuples) on zeros; compare with ``params``."""
+                     shards: Sequence[tuple[int, int, Sequence[Sequence[int]]]]
+                     ) -> dict[str, int | bool]:
+    """Replay each shard's entries (``LedgerRecord``-like tuples) on zeros over the shard's
+    elements ``[start, stop)`` of ``params`` (a partial entry's range is the shard's own);
+    compare the elements the ledgers cover with ``params``."""
     slot_of = {r: _push_slots(lines) for r, lines in journals.items()}
-    keys = [tuple(entry[:3]) for entry in entries]
-    replay = np.zeros(np.asarray(params).size, np.float32)
-    unknown = partial = updates = 0
-    for entry in entries:
-        worker, incarnation, seq = entry[:3]
-        n = slot_of.get(worker, {}).get((incarnation, seq))
-        if n is None:
-            unknown += 1
-            continue
-        element = worker * slots + n
-        cut = len(entry) > 4 and bool(entry[4])
-        partial += cut
-        if not cut or entry[5] <= element < entry[6]:
-            replay[element] -= 1.0  # SGD at rate 1 of a one-hot gradient
-            updates += 1
-    return {"ledger_entries": len(keys), "ledger_partial": partial, "ledger_updates": updates,
-            "ledger_duplicates": len(keys) - len(set(keys)), "ledger_unknown": unknown,
-            "replay_matches": bool(np.array_equal(replay, np.asarray(params).reshape(-1)))}
+    flat = np.asarray(params).reshape(-1)
+    replay = np.zeros(flat.size, np.float32)
+    covered = np.zeros(flat.size, bool)
+    total = unknown = partial = updates = duplicates = 0
+    for start, stop, entries in shards:
+        covered[start:stop] = True
+        keys = [tuple(entry[:3]) for entry in entries]
+        total, duplicates = total + len(keys), duplicates + len(keys) - len(set(keys))
+        for entry in entries:
+            worker, incarnation, seq = entry[:3]
+            n = slot_of.get(worker, {}).get((incarnation, seq))
+            if n is None:
+                unknown += 1
+                continue
+            cut = len(entry) > 4 and bool(entry[4])
+            partial += cut
+            element = worker * slots + n
+            if not start <= element < stop:
+                continue  # the push's own element lies in another shard
+            if not cut or entry[5] <= element - start < entry[6]:
+                replay[element] -= 1.0  # SGD at rate 1 of a one-hot gradient
+                updates += 1
+    return {"ledger_entries": total, "ledger_partial": partial, "ledger_updates": updates,
+            "ledger_duplicates": duplicates, "ledger_unknown": unknown,
+            "ledger_uncovered": int(np.count_nonzero(~covered)),
+            "replay_matches": bool(np.array_equal(replay[covered], flat[covered]))}
 
 
 def audit_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], *,
-                 slots: int, ps_ledger: Sequence[Sequence[int]] | None = None
+                 slots: int, ps_ledger: Sequence[Sequence[int]] | None = None,
+                 shard_ledgers: Sequence[tuple[int, int, Sequence[Sequence[int]]]] | None = None
                  ) -> LedgerAudit:
     """Audit the final ledger-model parameters against the workers' journals.
 
@@ -169,6 +184,11 @@ def audit_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], *,
             optionally followed by ``(partial, applied_start, applied_stop)``
             (a :class:`~towerflow.ps.server.dense.records.LedgerRecord`), to replay on zeros and
             compare with ``params``.
+        shard_ledgers: instead of ``ps_ledger``, the ledgers of a partitioned
+            parameter's shards, ``(start, stop, entries)`` each: the shard holds
+            elements ``[start, stop)``, and its ledger's ranges are within it. A shard
+            left out (its ledger was lost with a ps task) leaves its elements to the
+            parameters' audit alone (:attr:`LedgerAudit.ledger_uncovered`).
     """
     counts = -np.asarray(params, np.float64).reshape(-1)
     whole = np.round(counts)
@@ -194,7 +214,10 @@ def audit_ledger(params: np.ndarray, journals: Mapping[int, Sequence[str]], *,
             in_flight += 1
             in_flight_applied += int(counts[replica * slots + n] > 0)
     unexpected += int(np.count_nonzero((counts != 0) & ~explained))
-    replayed = {} if ps_ledger is None else _audit_ps_ledger(params, journals, slots, ps_ledger)
+    if ps_ledger is not None:
+        shard_ledgers = [(0, counts.size, ps_ledger)]
+    replayed = {} if shard_ledgers is None else _audit_ps_ledger(params, journals, slots,
+                                                                 shard_ledgers)
     return LedgerAudit(pushes=pushes, acknowledged=acknowledged, in_flight=in_flight,
                        in_flight_applied=in_flight_applied, updates=int(counts.sum()),
                        lost=lost, applied_twice=int(np.count_nonzero(counts > 1)),

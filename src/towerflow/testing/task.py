@@ -22,7 +22,9 @@ and ``applied n`` after each push, so a restarted worker never reuses a slot
 (see :mod:`towerflow.testing.ledger`).
 
 Lines printed (matched by the tests): ``started <job>:<i> pid <pid>``,
-``session ready at global step G (restored from R)``, ``step G local L loss X``,
+``session ready at global step G (restored from R)``, with ``--ps-replicas``
+``shards served by ps tasks T0,T1,...`` (where the worker found each dense shard: its
+copy's task once it took over), ``step G local L loss X``,
 ``finished at global step G after L local steps``, ``preempted: checkpoint at step G``,
 ``threads left: <names>``, ``error <ErrorClass>: <message>`` (exit status 3).
 """
@@ -75,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-missed", type=int, default=3)
     p.add_argument("--serve-forever", action="store_true",
                    help="ps: serve until stopped, not only until every worker finished")
+    p.add_argument("--ps-replicas", type=int, default=0,
+                   help="live copies of each ps shard on the next ps task (async; 0: none)")
+    p.add_argument("--partition-bytes", type=int, default=None,
+                   help="split a variable over this many bytes across the ps tasks")
     return p.parse_args(argv)
 
 
@@ -124,6 +130,12 @@ def _model_and_batches(args: argparse.Namespace, world: int) -> tuple[Any, Any, 
     return LinearRegression(torch.Generator().manual_seed(0)), mse_loss, lambda r, n: data
 
 
+def _serving(client: Any) -> str:
+    """``task,task,...``: the ps task serving each dense shard, as ``client`` routes it."""
+    return ",".join(str(s.route.task if s.route is not None else s.layout.index)
+                    for s in client.shards)
+
+
 def _held(args: argparse.Namespace) -> bool:
     return args.until_file is not None and not os.path.exists(args.until_file)
 
@@ -145,10 +157,16 @@ def _train(cluster: Any, task: Any, args: argparse.Namespace) -> int:
     model, loss_fn, batch_of = _model_and_batches(args, world)
     lr = args.lr if args.lr is not None else (1.0 if args.model == "ledger" else 0.05)
     server = Server(cluster, task.job_name, task.task_index)
+    placement: dict[str, Any] = {}  # given only when asked: the strategy's defaults otherwise
+    if args.ps_replicas:
+        placement["replicas"] = args.ps_replicas
+    if args.partition_bytes is not None:
+        placement["partition_threshold_bytes"] = args.partition_bytes
     sv = Supervisor(is_chief=cluster.is_chief(task), logdir=args.logdir,
                     save_model_secs=args.save_secs, max_to_keep=3, mode=args.mode,
                     replicas_to_aggregate=args.replicas_to_aggregate, timeout=args.timeout,
-                    step_timeout=args.step_timeout, init_timeout=args.init_timeout)
+                    step_timeout=args.step_timeout, init_timeout=args.init_timeout,
+                    **placement)
     journal = None
     if args.model == "ledger":
         from towerflow.testing.ledger import Journal
@@ -160,6 +178,8 @@ def _train(cluster: Any, task: Any, args: argparse.Namespace) -> int:
                 as sess:
             step = sess.global_step
             _say(f"session ready at global step {step} (restored from {sv.restored_from})")
+            if args.ps_replicas:  # where this worker found each shard (its copy after a switch)
+                _say(f"shards served by ps tasks {_serving(sess.strategy.client)}")
             if journal is not None:  # pushes of this incarnation carry seq 1, 2, ...
                 journal.write(f"incarnation {sess.strategy.client.incarnation}")
             while not sv.should_stop() and (step < args.steps or _held(args)):

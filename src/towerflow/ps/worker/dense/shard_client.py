@@ -484,7 +484,18 @@ class ShardClient:
         return parse_message(pb.ReserveReply, data, "ReserveReply")
 
     def ledger(self, since: int = 0) -> pb.LedgerReply:
-        """The pushes the shard applied, from ledger entry ``since`` on."""
+        """The pushes the shard applied, from ledger entry ``since`` on.
+
+        Raises:
+            FailedPreconditionError: the shard's copy took it over (its primary's ledger
+                went with that task; a ``Ledger`` call reaches the copy's task's own shard).
+        """
+        if self.route is not None and self.route.task != self.layout.index:
+            raise FailedPreconditionError(
+                f"The ledger of shard {self.layout.index} went with ps task "
+                f"{self.layout.index}; its copy on ps task {self.route.task} serves the shard "
+                "now, and a Ledger call there reads that task's own shard. Audit the shard by "
+                "its parameters.")
         data = unary(self.channel, method_path("Ledger"),
                      pb.LedgerRequest(since=since).SerializeToString(), timeout=self.timeout)
         return parse_message(pb.LedgerReply, data, "LedgerReply")
