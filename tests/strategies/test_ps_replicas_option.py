@@ -60,10 +60,9 @@ def test_one_ps_task_has_nowhere_to_keep_a_replica() -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
-def test_replicas_of_sync_and_ssp_shards_are_not_built_yet(mode) -> None:
-    with pytest.raises(InvalidArgumentError, match=re.escape(
-            f"replicas=1 with mode='{mode}': a {mode} shard's live replica is not built yet")):
-        strategy(mode=mode, replicas=1)
+def test_sync_and_ssp_shards_have_replicas_too(mode) -> None:
+    run = strategy(mode=mode, replicas=1)
+    assert (run.aggregation.mode, run.aggregation.replicas) == (mode, 1)
 
 
 def test_more_than_one_replica_is_not_built_yet() -> None:

@@ -19,7 +19,6 @@ range of the flat buffer, taken under that range's locks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -39,7 +38,12 @@ from towerflow.ps.server.dense.admission import default_staging_limit
 from towerflow.ps.server.dense.copies import ReplicaCopies
 from towerflow.ps.server.dense.initspec import InitPlan, check_init
 from towerflow.ps.server.dense.optimizers import make_optimizer
-from towerflow.ps.server.dense.replication import ReplicaLink, replicate_header, scatter
+from towerflow.ps.server.dense.replication import (
+    ReplicaLink,
+    replicate_header,
+    round_message,
+    scatter,
+)
 from towerflow.ps.server.dense.reservations import StepReservations
 from towerflow.ps.server.dense.shard import DenseShard, ShardState
 from towerflow.ps.server.elastic import ElasticMembers
@@ -234,16 +238,19 @@ class PSService:
 
     def _snapshot(self, init: bool) -> tuple[Any, list[np.ndarray]]:
         """The shard's state as it is now, for its replica (:class:`ReplicaLink`)."""
-        state = self.shard.state
-        buffers = [state.params.copy(), *(v.copy() for v in state.optimizer.slots.values())]
-        if not init:
-            return replicate_header(self.shard), buffers
-        req = pb.InitRequest()
-        req.CopyFrom(self._init_request)
-        req.step, req.optimizer_step = state.step, state.optimizer.step
-        del req.slots[:], req.pushes[:]
-        req.slots.extend(state.optimizer.slots)
-        req.pushes.extend(push_records(state.admission.push_rows()))
+        shard = self.shard
+        state = shard.state
+        with state.admission.locked():  # a sync step is applied and answered under it
+            buffers = [state.params.copy(), *(v.copy() for v in state.optimizer.slots.values())]
+            if not init:
+                return replicate_header(shard), buffers
+            req = pb.InitRequest()
+            req.CopyFrom(self._init_request)
+            req.step, req.optimizer_step = state.step, state.optimizer.step
+            del req.slots[:], req.pushes[:]
+            req.slots.extend(state.optimizer.slots)
+            req.pushes.extend(push_records(state.admission.push_rows()))
+            req.round.CopyFrom(round_message(shard))
         return req, buffers
 
     def _replicate_to(self, copies: int) -> ReplicaLink | None:
@@ -308,6 +315,7 @@ class PSService:
         state = ShardState(plan.layout, params, optimizer, step=plan.step, staging_limit=limit)
         state.admission.merge_pushes(plan.pushes, plan.step)
         shard = DenseShard(state, plan.config, self.describe_worker, self.elastic)
+        shard.aggregator.adopt_round(*plan.round)  # a replica's copy of sync / ssp state
         with self._lock:
             previous, self._shard = self._shard, shard
             self._generation += 1
@@ -376,9 +384,9 @@ class PSService:
         if serving is not self:
             return serving.dense_push(header, chunks, want_params, active, chunk_bytes)
         shard, link = self.shard, self._link
-        with link.gate.applying() if link is not None else contextlib.nullcontext():
-            outcome, params = shard.push(header, chunks, want_params=want_params,
-                                         active=active, chunk_bytes=chunk_bytes)
+        outcome, params = shard.push(header, chunks, want_params=want_params, active=active,
+                                     chunk_bytes=chunk_bytes,
+                                     applying=None if link is None else link.gate.applying)
         if link is not None:
             link.forward()
         self.last_call = time.monotonic()
@@ -506,6 +514,8 @@ class PSService:
         current = self._shard
         if current is not None:
             current.worker_done(req.worker_id)
+            for copy in self._held_copies():  # a step of a shard taken over stops waiting too
+                copy.shard.worker_done(req.worker_id)
         elif req.failure and req.worker_id == CHIEF_REPLICA:
             self._chief_failed(req.failure)
         if self.replicas is not None or len(self.finished) < 1024:  # bounded
@@ -514,6 +524,13 @@ class PSService:
         if self.on_worker_done is not None:
             self.on_worker_done(req.worker_id)
         return pb.Empty().SerializeToString()
+
+    def _held_copies(self) -> list[PSService]:
+        """The initialised copies of other tasks' shards held here (replicas or promoted)."""
+        if self.copies is None or not self.num_ps:
+            return []
+        held = (self.copies.get(shard) for shard in range(self.num_ps))
+        return [copy for copy in held if copy is not None and copy.initialized]
 
     def _chief_failed(self, failure: str) -> None:
         """Keep the chief's error (first line, printable, bounded) for the workers' Status."""
