@@ -92,10 +92,11 @@ def channel_to(address: str) -> Iterator[Any]:
         channel.close()
 
 
-def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task() -> None:
+@pytest.mark.parametrize("mode", ["async", "sync", "ssp"])
+def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task(mode) -> None:
     with ps_tasks(SECRET) as spec:
         one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
-        run = strategy(one, replicas=1)
+        run = strategy(one, replicas=1, mode=mode)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
         try:
             run.prepare(model, OptimizerConfig("adam", lr=0.01))
@@ -137,10 +138,11 @@ def export(channel: Any, table: str, shard: int) -> list[bytes]:
             for part in (chunk.ids, chunk.rows, *chunk.slots)]
 
 
-def test_a_click_model_trains_with_its_table_shards_replicated() -> None:
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_click_model_trains_with_its_table_shards_replicated(mode) -> None:
     with ps_tasks(SECRET) as spec:
         one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
-        run = strategy(one, replicas=1, whole_table_bytes=None)
+        run = strategy(one, replicas=1, whole_table_bytes=None, mode=mode)
         try:
             run.prepare(calls.Clicks(), OptimizerConfig("adagrad", lr=0.1))
             g = torch.Generator().manual_seed(1)
