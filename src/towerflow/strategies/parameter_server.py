@@ -138,10 +138,9 @@ class ParameterServer(DenseModes, Strategy):
             tasks and the dense layers all-reduced among the workers
             (:mod:`towerflow.strategies.hybrid`, with ``embedding_staleness`` and
             ``backend``).
-        replicas: (the chief) live copies of each dense shard: 0 (default) none; 1 (below
-            the number of ps tasks): shard ``i``'s on ps task ``(i + 1) % n``, a push (in sync
-            mode, its aggregated step) acknowledged once it has it
-            (``towerflow.ps.server.terms``; async, sync or ssp; no dynamic tables yet).
+        replicas: (the chief) live copies of each dense shard: 0 (default) none; 1: shard
+            ``i``'s on ps task ``(i + 1) % n``, a push (sync: its step) acknowledged once it
+            has it (``towerflow.ps.server.terms``; every mode; no dynamic tables yet).
     """
 
     name = "ps"

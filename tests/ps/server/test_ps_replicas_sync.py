@@ -205,3 +205,17 @@ def test_an_init_may_ask_a_replica_in_every_mode() -> None:
             mode=mode, total_num_replicas=2, replicas=1), round=pb.RoundState(done=[1]))
         plan = check_init(req, 0)
         assert (plan.config.replicas, plan.round[1]) == (1, (1,))
+
+
+def test_ssp_workers_at_the_bound_push_on_while_each_push_is_copied(replicated) -> None:
+    services, servers, pool = replicated(mode="ssp", staleness=0)
+    pushes = 30
+
+    def run(worker: int) -> list[str]:
+        return [push(servers, task=0, worker=worker, step=0, seq=seq).status
+                for seq in range(1, pushes + 1)]
+
+    runs = [later(pool, run, worker) for worker in (0, 1)]
+    assert [r.result(timeout=30) for r in runs] == [[APPLIED] * pushes] * 2
+    assert_same_shard(services[0], services[1].copies.get(0))
+    assert services[1].copies.get(0).shard.aggregator.round_state() == ([pushes] * 2, [])
