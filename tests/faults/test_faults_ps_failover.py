@@ -76,10 +76,11 @@ def test_a_suspended_primary_is_switched_from_and_refuses_pushes_once_resumed(
         assert not run.failures, run.failures
         check_exactly_once(workers, tables)
         # the old primary acknowledges nothing more: a push with the old term is refused
-        with pytest.raises(FailedPreconditionError, match="no longer the primary of shard 0"):
+        with pytest.raises(FailedPreconditionError,  # deposed, or rejoined as the copy already
+                           match="no longer the primary of shard 0|holds only a replica of shard 0"):
             calls.push(workers[0].channels[0], PLAN.shards[0], seq=1, lr=1.0, worker=1,
                        incarnation=99, term=1)
-        assert calls.status(workers[0].channels[0]).role == "deposed"
+        assert calls.status(workers[0].channels[0]).role in ("deposed", "replica")
 
 
 @pytest.mark.slow

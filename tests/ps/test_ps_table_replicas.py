@@ -8,6 +8,7 @@ task's shard (one with the dense shard's).
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -206,3 +207,36 @@ def test_a_table_push_is_not_acknowledged_while_the_replica_is_unreachable(
             "acknowledge the copy")) as info:
         push_rows(spec, 0, shard=0, seq=1, ids=[2])
     assert "the push is not acknowledged" in str(info.value)
+
+
+def test_a_sync_step_of_rows_is_on_the_replica_and_its_copy_hears_a_worker_done(
+        servers) -> None:
+    spec = loopback_cluster(2, 2)
+    servers.extend(Server(spec, "ps", i, credentials=SECRET,
+                          options=ServerOptions(serve_forever=True)) for i in range(2))
+    sync = AggregationConfig(mode="sync", total_num_replicas=2, replicas=1)
+    clients = [TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=w,
+                           incarnation=100 + w, timeout=10.0, aggregation=sync)
+               for w in range(2)]
+    pool = ThreadPoolExecutor(1)
+    try:
+        tables = [next(h for h in s.services if isinstance(h, TableHost)).service
+                  for s in servers]
+        clients[0].init_table(TABLE)
+        primary, copy = tables[0].table("t", 0), tables[1]._copies.get("t", 0)
+        ids = torch.tensor([0, 2, 4])
+        first = pool.submit(clients[0].push, TABLE, ids, torch.full((3, 3), 0.25), lr=0.5,
+                            step=1)
+        replies = clients[1].push(TABLE, ids, torch.full((3, 3), 0.75), lr=0.5, step=1)
+        assert {r.status for r in [*replies, *first.result(timeout=10)]} == {"applied"}
+        assert_same_rows(primary, copy)  # the step's averaged update, before the answers
+        clients[1].done()  # to every ps task: the copies held there hear it too
+        assert ps_call(spec, 1, calls.promote, 0).term == 2
+        before = pull_rows(spec, 1, shard=0, ids=[0])
+        reply = push_rows(spec, 1, shard=0, seq=2, ids=[0])  # worker 0 alone: 1 is done
+        assert reply.status == "applied"
+        assert not torch.equal(pull_rows(spec, 1, shard=0, ids=[0]), before)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for client in clients:
+            client._close()

@@ -60,10 +60,9 @@ def test_one_ps_task_has_nowhere_to_keep_a_replica() -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
-def test_replicas_of_sync_and_ssp_shards_are_not_built_yet(mode) -> None:
-    with pytest.raises(InvalidArgumentError, match=re.escape(
-            f"replicas=1 with mode='{mode}': a {mode} shard's live replica is not built yet")):
-        strategy(mode=mode, replicas=1)
+def test_sync_and_ssp_shards_have_replicas_too(mode) -> None:
+    run = strategy(mode=mode, replicas=1)
+    assert (run.aggregation.mode, run.aggregation.replicas) == (mode, 1)
 
 
 def test_more_than_one_replica_is_not_built_yet() -> None:
@@ -93,10 +92,11 @@ def channel_to(address: str) -> Iterator[Any]:
         channel.close()
 
 
-def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task() -> None:
+@pytest.mark.parametrize("mode", ["async", "sync", "ssp"])
+def test_training_with_one_replica_keeps_each_shard_on_the_next_ps_task(mode) -> None:
     with ps_tasks(SECRET) as spec:
         one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
-        run = strategy(one, replicas=1)
+        run = strategy(one, replicas=1, mode=mode)
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
         try:
             run.prepare(model, OptimizerConfig("adam", lr=0.01))
@@ -141,10 +141,11 @@ def export(channel: Any, table: str, shard: int) -> list[bytes]:
             for part in (chunk.ids, chunk.rows, *chunk.slots)]
 
 
-def test_a_click_model_trains_with_its_table_shards_replicated() -> None:
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_click_model_trains_with_its_table_shards_replicated(mode) -> None:
     with ps_tasks(SECRET) as spec:
         one = ClusterSpec({"ps": spec.job_tasks("ps"), "worker": spec.job_tasks("worker")[:1]})
-        run = strategy(one, replicas=1, whole_table_bytes=None)
+        run = strategy(one, replicas=1, whole_table_bytes=None, mode=mode)
         try:
             run.prepare(calls.Clicks(), OptimizerConfig("adagrad", lr=0.1))
             g = torch.Generator().manual_seed(1)

@@ -19,12 +19,13 @@ TIMEOUT = 10.0
 
 
 def push(channel: Any, layout: Any, *, seq: int, shard: int = -1, term: int = 0,
-         value: float = 1.0, worker: int = 0, incarnation: int = 7, lr: float = 0.1
-         ) -> pb.PushReply:
-    """One dense push of ``value`` in every element of ``layout`` (``PushPullSmall``)."""
-    header = PushHeader(worker, seq, 0, lr, layout.numel, incarnation=incarnation,
+         value: float | np.ndarray = 1.0, worker: int = 0, incarnation: int = 7,
+         lr: float = 0.1, token: int = 0) -> pb.PushReply:
+    """One dense push of ``value`` in every element of ``layout`` (or of the array ``value``)
+    computed on step ``token`` (``PushPullSmall``)."""
+    header = PushHeader(worker, seq, token, lr, layout.numel, incarnation=incarnation,
                         segments=layout.signature, term=term, shard=shard)
-    payload = np.full(layout.numel, value, np.float32).tobytes()
+    payload = np.broadcast_to(np.asarray(value, np.float32), (layout.numel,)).tobytes()
     data = unary(channel, method_path("PushPullSmall"),
                  pack(encode_push_header(header), payload), timeout=TIMEOUT)
     head, _ = unpack(data)
@@ -46,6 +47,12 @@ def promote(channel: Any, shard: int) -> pb.PromoteReply:
     data = unary(channel, method_path("Promote"),
                  pb.PromoteRequest(shard=shard).SerializeToString(), timeout=TIMEOUT)
     return parse_message(pb.PromoteReply, data, "PromoteReply")
+
+
+def done(channel: Any, worker: int) -> None:
+    """Worker ``worker`` says it has finished (``Done``)."""
+    unary(channel, method_path("Done"), pb.DoneRequest(worker_id=worker).SerializeToString(),
+          timeout=TIMEOUT)
 
 
 def status(channel: Any) -> pb.StatusReply:

@@ -261,10 +261,10 @@ def _add_ps_arguments(group: Any) -> None:
                        help="(the chief, async) elastic workers (--join) each ps task admits "
                        "at once; 0: none (default 16, towerflow.ps.wire.calls')")
     group.add_argument("--ps-replicas", type=int, default=0, metavar="N",
-                       help="(the chief, async) live copies of each dense ps shard on other ps "
-                       "tasks: 0 (default) none; 1: shard i's on ps task i+1, and a push is "
-                       "acknowledged once the copy has it (fewer than the ps tasks; fixed "
-                       "tables too, no dynamic ones yet)")
+                       help="(the chief) live copies of each dense ps shard on other ps "
+                       "tasks: 0 (default) none; 1: shard i's on ps task i+1, and a push (in "
+                       "sync mode, its step) is acknowledged once the copy has it (fewer than "
+                       "the ps tasks; async, sync or ssp; fixed tables too, no dynamic ones yet)")
     add_lifecycle_arguments(group)
 
 

@@ -138,9 +138,9 @@ class ParameterServer(DenseModes, Strategy):
             tasks and the dense layers all-reduced among the workers
             (:mod:`towerflow.strategies.hybrid`, with ``embedding_staleness`` and
             ``backend``).
-        replicas: (the chief, async) live copies of each dense shard: 0 (default) none; 1
-            (below the number of ps tasks): shard ``i``'s on ps task ``(i + 1) % n``, a push
-            acknowledged once it has it (``towerflow.ps.server.terms``; no dynamic tables yet).
+        replicas: (the chief) live copies of each dense shard: 0 (default) none; 1: shard
+            ``i``'s on ps task ``(i + 1) % n``, a push (sync: its step) acknowledged once it
+            has it (``towerflow.ps.server.terms``; every mode; no dynamic tables yet).
     """
 
     name = "ps"
@@ -189,7 +189,7 @@ class ParameterServer(DenseModes, Strategy):
             mode=mode, total_num_replicas=max(1, cluster.num_replicas),
             replicas_to_aggregate=replicas_to_aggregate, staleness=staleness,
             timeout=step_timeout, max_elastic_workers=max_elastic_workers,
-            replicas=check_replicas(replicas, cluster.num_tasks("ps"), mode))
+            replicas=check_replicas(replicas, cluster.num_tasks("ps")))
         self._setter = device_setter
         if device_setter is not None:
             ps_strategy = ps_strategy or device_setter.strategy

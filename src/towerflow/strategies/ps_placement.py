@@ -16,12 +16,12 @@ __all__ = ["check_dense_mode", "check_replicas", "check_trainable", "DenseModes"
 DENSE_MODES = {"ps": None, "allreduce": "towerflow.strategies.hybrid:HybridParameterServer"}
 
 
-def check_replicas(replicas: Any, num_ps: int, mode: str = "async") -> int:
+def check_replicas(replicas: Any, num_ps: int) -> int:
     """The live copies of each ps shard that ``replicas`` asks, checked against the job.
 
     A shard's copies live on other ps tasks (shard ``i``'s on ps task ``(i + 1) % n``),
-    so ``replicas`` is below the number of ps tasks; one copy per shard, of an async
-    job's dense and fixed table shards, is built so far.
+    so ``replicas`` is below the number of ps tasks; one copy per shard, of the dense
+    and fixed table shards (async, sync or ssp), is built so far.
 
     Example:
         >>> check_replicas(1, 2), check_replicas(0, 1)
@@ -38,11 +38,6 @@ def check_replicas(replicas: Any, num_ps: int, mode: str = "async") -> int:
         raise InvalidArgumentError(
             f"replicas={replicas}: one live copy per shard is built so far; use replicas=1 "
             "or 0.")
-    if replicas and mode != "async":
-        raise InvalidArgumentError(
-            f"replicas={replicas} with mode={mode!r}: a {mode} shard's live replica is not "
-            "built yet (only async shards have one so far); train with mode='async', or "
-            "with replicas=0.")
     return replicas
 
 

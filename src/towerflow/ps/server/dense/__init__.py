@@ -7,7 +7,11 @@
   push, exactly once, and when: the step, the push table, staging memory,
   the ledger, the counters and the waits;
 - :mod:`~towerflow.ps.server.dense.aggregation` — async / sync / ssp: an
-  :class:`Aggregator` composes one store and one admission;
+  :class:`Aggregator` composes one store and one admission (the sync one in
+  :mod:`~towerflow.ps.server.dense.syncstep`);
+- :mod:`~towerflow.ps.server.dense.replication` and
+  :mod:`~towerflow.ps.server.dense.copies` — a shard's live copy on the next
+  ps task (``replicas=1``), the primary's side and the replica's;
 - :mod:`~towerflow.ps.server.dense.shard` — :class:`ShardState` (one store and
   one admission) and :class:`DenseShard` (a state and its aggregator, with
   :meth:`DenseShard.push`, the one entry of a dense push);
@@ -44,8 +48,8 @@ The path of one dense push, whatever carried its bytes:
    - async / ssp: each chunk under ``Admission.holding``, checked by
      ``DenseStore.scan`` and ``DenseStore.check_update``, applied by
      ``DenseStore.apply_range`` (``store.py``); then ``Admission.commit_update``;
-   - sync: admitted to the step under ``Admission.locked`` (waiting with
-     ``Admission.wait_once``), each chunk checked by
+   - sync (``syncstep.py``): admitted to the step under ``Admission.locked``
+     (waiting with ``Admission.wait_once``), each chunk checked by
      ``DenseStore.find_nonfinite`` and summed by ``DenseStore.add_range``; the
      last replica's push averages and applies the step
      (``DenseStore.check_update``, ``DenseStore.apply``,
@@ -53,5 +57,8 @@ The path of one dense push, whatever carried its bytes:
      (``Admission.finish_push``); each push waits with ``Admission.wait_outcome``;
 
    then ``Admission.finish_push`` answers the push (push table, ledger,
-   counters), and ssp waits for the staleness bound (``Admission.wait_once``).
+   counters), and ssp waits for the staleness bound (``Admission.wait_once``);
+5. with a replica, ``ReplicaLink.forward`` (``replication.py``) returns once
+   the copy holds the shard after the push (in sync mode, after its step)
+   before the worker is answered.
 """

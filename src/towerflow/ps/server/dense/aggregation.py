@@ -80,7 +80,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import time
 from collections.abc import Callable, Container, Iterable
 
 import numpy as np
@@ -90,7 +89,7 @@ from towerflow.ps.server.dense import checks
 from towerflow.ps.server.dense.admission import Admission
 from towerflow.ps.server.dense.store import DenseStore
 from towerflow.ps.server.pushes import Pending
-from towerflow.ps.wire.calls import APPLIED, REFUSED, STALE, VOIDED, bounded
+from towerflow.ps.wire.calls import APPLIED, REFUSED, bounded
 from towerflow.ps.wire.framing import receive_into
 from towerflow.ps.wire.messages import AggregationConfig, PushHeader, PushOutcome
 
@@ -118,8 +117,14 @@ class Aggregator(abc.ABC):
         self._done: set[int] = set()
         self._closed = False
 
+    #: whether a push changes the shard inside the replica link's gate (``applying``, see
+    #: :meth:`push`); a sync step changes it under the admission's lock instead
+    gated = True
+
     def push(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
-             active: Callable[[], bool] | None = None) -> PushOutcome:
+             active: Callable[[], bool] | None = None,
+             applying: Callable[[], contextlib.AbstractContextManager] | None = None
+             ) -> PushOutcome:
         """Handle one push: check, de-duplicate, then apply or sum it chunk by chunk.
 
         A refused push returns a ``refused`` outcome (counted; its message says
@@ -128,11 +133,26 @@ class Aggregator(abc.ABC):
         ``active()`` (the call's ``is_active``) ends a wait of a push whose call
         has ended with ``DeadlineExceededError``: a sync push stays counted in its
         step, whose answer its retry gets from the push table.
+
+        ``applying()`` (a replica link's
+        :meth:`~towerflow.ps.server.dense.replication.ApplyGate.applying`) is held
+        while an async or ssp push changes the shard, not while it waits (the ssp
+        bound), so a copy of the shard never waits for a push that waits for a peer.
         """
+        gate = applying if applying is not None and self.gated else contextlib.nullcontext
+        with gate():
+            outcome, waits = self._handle(header, chunks, active)
+        if waits:
+            self._after_applied(header, active)
+        return outcome
+
+    def _handle(self, header: PushHeader, chunks: Iterable[bytes | memoryview],
+                active: Callable[[], bool] | None) -> tuple[PushOutcome, bool]:
+        """:meth:`push` but the ssp wait: ``(outcome, whether the wait follows)``."""
         admission = self.admission
         begun = self._begin(header, active)
         if isinstance(begun, PushOutcome):
-            return begun
+            return begun, False
         try:
             outcome = self._accept(header, begun, chunks, active)
         except ChunkRefused as exc:  # a bad chunk ended the push; what came before stays
@@ -140,16 +160,28 @@ class Aggregator(abc.ABC):
         except (InvalidArgumentError, DataLossError) as exc:  # the payload did not fit
             admission.suspend_push(header, begun)
             return admission.refuse(PushOutcome(REFUSED, admission.step, bounded(
-                str(exc) + self._resumable(header, begun))))
+                str(exc) + self._resumable(header, begun)))), False
         except DeadlineExceededError:
             raise  # a sync push counted in its step: the step answers it (and its retry)
         except BaseException:
             admission.suspend_push(header, begun)
             raise
         outcome = admission.finish_push(header, outcome, begun.applied)
-        if outcome.status == APPLIED:
-            self._after_applied(header, active)
-        return outcome
+        return outcome, outcome.status == APPLIED
+
+    def round_state(self) -> tuple[list[int], list[int]]:
+        """``(clocks, done)``: the state of the aggregation a replica's copy keeps with the
+        parameters (ssp's clocks, the replicas that said Done); the caller holds the
+        admission's lock. A step's part sum is not kept: its pushes are unanswered, and their
+        workers send them again to the replica that takes over."""
+        return [], sorted(self._done)
+
+    def adopt_round(self, clocks: Iterable[int], done: Iterable[int]) -> None:
+        """A replica takes its primary's :meth:`round_state` (checked by
+        :func:`~towerflow.ps.server.dense.initspec.check_round`)."""
+        with self.admission.locked():
+            self._done = set(done)
+            self.admission.notify()
 
     @staticmethod
     def _resumable(header: PushHeader, pending: Pending) -> str:
@@ -269,6 +301,15 @@ class _SSPAggregator(_AsyncAggregator):
         live = [c for w, c in self._clocks.items() if w not in self._done]
         return min(live) if live else 0
 
+    def round_state(self) -> tuple[list[int], list[int]]:
+        return [self._clocks[w] for w in sorted(self._clocks)], sorted(self._done)
+
+    def adopt_round(self, clocks: Iterable[int], done: Iterable[int]) -> None:
+        with self.admission.locked():
+            for worker, clock in enumerate(clocks):
+                self._clocks[worker] = int(clock)
+        super().adopt_round(clocks, done)
+
     def _before_apply(self, header: PushHeader) -> None:
         with self.admission.locked():
             clock = self._clocks[header.worker_id]
@@ -294,254 +335,15 @@ class _SSPAggregator(_AsyncAggregator):
                 admission.wait_once(deadline, message, active)
 
 
-class _SyncAggregator(Aggregator):
-    """Averages the gradients of ``replicas_to_aggregate`` distinct replicas, applies once.
-
-    Pushes are summed chunk by chunk into one accumulator (see the module doc).
-    """
-
-    def __init__(self, store: DenseStore, admission: Admission,
-                 config: AggregationConfig) -> None:
-        super().__init__(store, admission, config)
-        self._acc = np.zeros(store.layout.numel, np.float32)
-        #: replicas whose whole gradient is in the step's sum
-        self._counted: set[int] = set()
-        #: replicas admitted to the step -> elements of their gradient summed (a prefix)
-        self._summed: dict[int, int] = {}
-        #: admitted replicas whose push is arriving now -> that push's record
-        self._arriving: dict[int, Pending] = {}
-        #: admitted replicas -> time.monotonic() of their last chunk summed (or admission)
-        self._progress: dict[int, float] = {}
-        #: chunks being summed now (outside the admission's lock)
-        self._summing = 0
-        #: the step's attempts: a push sums into the attempt it was admitted to only
-        self._attempt = 0
-        #: the pushes the step answers when it is applied, with their waiters
-        self._waiting: list[tuple[PushHeader, Pending]] = []
-        self._lr = 0.0
-
-    def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
-                active: Callable[[], bool] | None) -> PushOutcome:
-        admission, worker = self.admission, header.worker_id
-        with admission.locked():
-            try:
-                admitted = self._admit(header, pending, active)
-            except DeadlineExceededError:
-                admission.drop_push(header)  # nothing of it was summed: its retry starts afresh
-                raise
-            if admitted is None:
-                return self._stale(header)
-            attempt = self._attempt
-        if admitted:
-            try:
-                receive_into(None, chunks, header.numel, who=self._who(header),
-                             on_chunk=lambda first, values: self._sum(
-                                 header, pending, attempt, first, values))
-            except _StepEnded:
-                pass  # the step was voided meanwhile: the push is answered
-            except BaseException:
-                with admission.locked():
-                    self._leave(header, pending)
-                raise
-            with admission.locked():
-                if self._arriving.get(worker) is pending:
-                    del self._arriving[worker]
-                    if pending.outcome is None and attempt == self._attempt:
-                        self._counted.add(worker)
-                        self._lr = header.lr
-                        if self._ready():
-                            self._complete()
-                admission.notify()
-        return admission.wait_outcome(pending, self.config.timeout,
-                                  lambda: self._missing_message(header), active)
-
-    def _admit(self, header: PushHeader, pending: Pending,
-               active: Callable[[], bool] | None) -> bool | None:
-        """Whether the push sums its gradient into the step (caller holds the admission's lock).
-
-        True: admitted (it joins the step's waiting pushes); False: its replica's
-        gradient is in the step already, it waits with it; None: stale. Waits
-        while the step has all the replicas it admits, or while another push of
-        the same replica arrives.
-        """
-        admission, worker = self.admission, header.worker_id
-        deadline = admission.deadline(self.config.timeout)
-        while True:
-            if header.token != admission.step:
-                return None
-            if worker in self._counted:  # a replica counts once per step
-                self._waiting.append((header, pending))
-                return False
-            if worker not in self._arriving and (
-                    worker in self._summed or len(self._summed) < self._needed()):
-                self._summed.setdefault(worker, 0)
-                self._arriving[worker] = pending
-                self._progress[worker] = time.monotonic()
-                self._waiting.append((header, pending))
-                return True
-            if worker not in self._summed and self._void_stalled(header):
-                continue
-            admission.wait_once(deadline, lambda: self._missing_message(header), active,
-                            most=STALL_SECONDS / 4)
-
-    def _void_stalled(self, header: PushHeader) -> bool:
-        """Void the step when an admitted replica's part sum holds it while ``header``'s replica
-        waits to be admitted (caller holds the admission's lock); True when it did."""
-        now = time.monotonic()
-        for worker, summed in self._summed.items():
-            if worker in self._counted or not summed:
-                continue
-            idle = now - self._progress.get(worker, now)
-            if idle >= STALL_SECONDS:
-                self._void(
-                    f"step {self.admission.step} of ps shard {self.store.layout.index} was voided: "
-                    f"the push of worker {worker} stopped after {summed} of "
-                    f"{self.store.layout.numel} values were summed (no chunk for {idle:.0f} s) "
-                    f"while worker {header.worker_id} waited; compute the step again, and check "
-                    f"worker {worker} and its network")
-                return True
-        return False
-
-    def _sum(self, header: PushHeader, pending: Pending, attempt: int, first: int,
-             values: np.ndarray) -> None:
-        """Check one chunk and add it to the step's sum (skipping what was summed already)."""
-        store, admission, worker = self.store, self.admission, header.worker_id
-        with admission.locked():
-            if pending.outcome is not None or attempt != self._attempt:
-                raise _StepEnded
-            done = self._summed[worker]
-            if first + values.size <= done:
-                return
-            if first < done:
-                values, first = values[done - first:], done
-            self._summing += 1
-        bad = None
-        try:
-            with admission.holding(values.nbytes, self._who(header)):
-                bad = store.find_nonfinite(values, first)
-                if bad is None:
-                    store.add_range(self._acc, first, values)
-        finally:
-            with admission.locked():
-                self._summing -= 1
-                if bad is None and attempt == self._attempt:
-                    self._summed[worker] = first + values.size
-                    self._progress[worker] = time.monotonic()
-                admission.notify()
-        if bad is not None:
-            with admission.locked():
-                if attempt == self._attempt:
-                    self._void(checks.voided_message(store.layout, header, bad, admission.step))
-            raise _StepEnded
-
-    def _leave(self, header: PushHeader, pending: Pending) -> None:
-        """A push cut off: its replica's prefix stays in the sum for its retry (caller holds
-        the admission's lock); a replica with nothing summed gives its place up."""
-        worker = header.worker_id
-        if self._arriving.get(worker) is pending:
-            del self._arriving[worker]
-            if not self._summed.get(worker):
-                self._summed.pop(worker, None)
-        with contextlib.suppress(ValueError):
-            self._waiting.remove((header, pending))
-        self.admission.notify()
-
-    def _ready(self) -> bool:
-        """Enough replicas counted and no gradient summed in part (caller holds the lock)."""
-        return (len(self._counted) >= self._needed() and not self._arriving
-                and all(w in self._counted for w, n in self._summed.items() if n))
-
-    def _void(self, message: str) -> None:
-        """Answer every push of the step ``voided`` and reset the sum (caller holds the lock)."""
-        self._attempt += 1  # no chunk sums into this attempt any more
-        while self._summing:
-            self.admission.wait_once(None, lambda: "")
-        self._answer(PushOutcome(VOIDED, self.admission.step, bounded(message)))
-
-    @property
-    def counted(self) -> int:
-        """Replicas whose gradient is in the current step's sum."""
-        with self.admission.locked():
-            return len(self._counted)
-
-    def _stale(self, header: PushHeader) -> PushOutcome:
-        return PushOutcome(STALE, self.admission.step, (
-            f"gradient of worker {header.worker_id} was computed on step {header.token} but "
-            f"shard {self.store.layout.index} is at step {self.admission.step}"))
-
-    def _needed(self) -> int:
-        return min(self.config.required, self._live())
-
-    def _complete(self) -> None:
-        """Average and apply the step's sum; answer its pushes (caller holds the admission's
-        lock)."""
-        self._attempt += 1
-        self._acc *= np.float32(1.0 / len(self._counted))
-        try:
-            self.store.check_update([(0, self._acc)], self._lr, "the step's averaged gradient")
-        except InvalidArgumentError as exc:  # the step is not applied; its pushes are answered
-            self._answer(PushOutcome(VOIDED, self.admission.step,
-                                     bounded(f"step {self.admission.step} was not applied: {exc}")))
-            return
-        self.store.apply(self._acc, self._lr)
-        step = self.admission.commit_update()
-        self._answer(PushOutcome(APPLIED, step))
-
-    def _answer(self, outcome: PushOutcome) -> None:
-        waiting, self._waiting = self._waiting, []
-        self._acc.fill(0.0)
-        self._counted.clear()
-        self._summed.clear()
-        self._arriving.clear()
-        self._progress.clear()
-        for header, pending in waiting:
-            self.admission.finish_push(header, outcome)
-            if pending.outcome is None:
-                # a replica's incarnation superseded by its restart while its push waited:
-                # the push table no longer holds it, but its gradient is in the step
-                pending.outcome = outcome
-        self.admission.notify()
-
-    def _missing_message(self, header: PushHeader) -> str:
-        got = sorted(self._counted)
-        missing = [w for w in range(self.config.total_num_replicas)
-                   if w not in got and w not in self._done]
-        timeout = self.config.timeout or 0.0
-        return (f"Step {header.token} of ps shard {self.store.layout.index} waited "
-                f"{timeout:.0f} s for {self.config.required} gradients but received "
-                f"{len(got)} (from worker {', '.join(map(str, got)) or 'none'}); missing: "
-                f"{', '.join(self.describe_worker(w) for w in missing) or 'none'}. "
-                "Restart the missing workers or add backup workers.")
-
-    def worker_done(self, worker_id: int) -> None:
-        self.config.check_replica(worker_id, "Done")
-        with self.admission.locked():
-            self._done.add(worker_id)
-            if self._counted and self._ready():
-                self._complete()
-            self.admission.notify()
-
-    def close(self) -> None:
-        with self.admission.locked():
-            self._closed = True
-            self._void(f"ps shard {self.store.layout.index} was re-initialised before step "
-                       f"{self.admission.step} was applied; compute it again")
-
-
 class ChunkRefused(Exception):
     """A chunk of an async push was refused (NaN / inf, or past the magnitude bound): the push
     ends, answered ``refused`` with this message; the chunks before it stay applied."""
 
 
-class _StepEnded(Exception):
-    """The sync step a push was summing into was voided: the push is answered already."""
+def _kinds() -> dict[str, type[Aggregator]]:
+    from towerflow.ps.server.dense.syncstep import SyncAggregator  # it builds on this module
 
-
-_KINDS: dict[str, type[Aggregator]] = {
-    "async": _AsyncAggregator,
-    "sync": _SyncAggregator,
-    "ssp": _SSPAggregator,
-}
+    return {"async": _AsyncAggregator, "sync": SyncAggregator, "ssp": _SSPAggregator}
 
 
 def make_aggregator(store: DenseStore, admission: Admission, config: AggregationConfig,
@@ -553,7 +355,7 @@ def make_aggregator(store: DenseStore, admission: Admission, config: Aggregation
     ``/job:worker/task:<replica>``); ``elastic``: the elastic workers admitted
     now, whose pushes an async aggregator takes too.
     """
-    aggregator = _KINDS[config.mode](store, admission, config)
+    aggregator = _kinds()[config.mode](store, admission, config)
     aggregator.elastic = elastic
     if describe_worker is not None:
         aggregator.describe_worker = describe_worker

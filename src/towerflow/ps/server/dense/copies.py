@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from towerflow.ps.server.dense.replication import scatter
+from towerflow.ps.server.dense.replication import adopt_round, scatter
 from towerflow.ps.server.terms import PRIMARY, TermBook
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.framing import receive_into, unpack
@@ -122,6 +122,7 @@ class ReplicaCopies:
             if refusal:
                 return _refused(copy, refusal)
             if req.version > self._versions.get(req.shard, 0):
+                adopt_round(copy, req)  # sync / ssp state, checked first (refused: no change)
                 self._versions[req.shard] = req.version
                 _install(copy.shard.state, buffers, req)
             return pb.ReplicateReply(accepted=True, term=copy.term.term).SerializeToString()

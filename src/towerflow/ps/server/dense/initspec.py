@@ -50,7 +50,8 @@ from towerflow.ps.wire.calls import (
 )
 from towerflow.ps.wire.messages import AggregationConfig
 
-__all__ = ["InitPlan", "check_init", "MAX_ELEMENTS", "MAX_SEGMENTS", "MAX_DIMS", "MAX_NAME"]
+__all__ = ["InitPlan", "check_init", "check_round", "MAX_ELEMENTS", "MAX_SEGMENTS", "MAX_DIMS",
+           "MAX_NAME"]
 
 #: elements of one shard (and of any dimension or variable): 2**36 float32 = 256 GiB
 MAX_ELEMENTS = 1 << 36
@@ -75,6 +76,8 @@ class InitPlan:
         slots: optimizer state buffers the payload carries after the params.
         step: the shard's step; ``optimizer_step``: the optimizer's update count.
         pushes: push-table rows ``(worker, incarnation, seq, status)``.
+        round: ``(clocks, done)`` of a sync or ssp aggregation (:func:`check_round`; a
+            replica's copy carries them, a chief's Init none).
     """
 
     layout: ShardLayout
@@ -84,6 +87,7 @@ class InitPlan:
     step: int
     optimizer_step: int
     pushes: tuple[tuple[int, int, int, str], ...]
+    round: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     @property
     def payload_elements(self) -> int:
@@ -214,10 +218,6 @@ def _aggregation(a: Any, replicas: int | None) -> AggregationConfig:
         raise _fail("aggregation.rendezvous", a.rendezvous[:80],
                     f"a host:port of at most {MAX_RENDEZVOUS} characters")
     copies = _count("aggregation.replicas", a.replicas, 0, 1)
-    if copies and a.mode != "async":
-        raise _fail("aggregation.replicas", a.replicas,
-                    f"0 in {a.mode} mode (a replica of a sync or ssp shard is not built yet; "
-                    "use mode='async' or replicas=0)")
     return AggregationConfig(mode=a.mode, total_num_replicas=total,
                              replicas_to_aggregate=to_aggregate or None, staleness=staleness,
                              timeout=timeout, max_elastic_workers=elastic,
@@ -259,4 +259,37 @@ def check_init(req: Any, shard_index: int, replicas: int | None = None) -> InitP
             raise _fail(f"pushes[{i}].status", row.status, "applied, stale or voided")
         pushes.append((int(row.worker_id), int(row.incarnation), int(row.seq), row.status))
     return InitPlan(layout, optimizer, config, tuple(req.slots), int(req.step),
-                    int(req.optimizer_step), tuple(pushes))
+                    int(req.optimizer_step), tuple(pushes),
+                    check_round(req.round, config, f"Init of ps shard {shard_index}"))
+
+
+def check_round(state: Any, config: AggregationConfig, what: str
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(clocks, done)`` of a ``RoundState`` (the aggregation's state a replica's copy
+    carries), checked against ``config``: ssp keeps one clock per replica (or none: all at
+    0), the other modes none; ``done`` names distinct replicas.
+
+    Example:
+        >>> from towerflow.ps.wire import ps_pb2 as pb
+        >>> config = AggregationConfig(mode="ssp", total_num_replicas=2)
+        >>> check_round(pb.RoundState(clocks=[3, 2], done=[1]), config, "Init")
+        ((3, 2), (1,))
+
+    Raises:
+        InvalidArgumentError: a sentence naming the field, its value and the rule.
+    """
+    total, clocks, done = config.total_num_replicas, tuple(state.clocks), tuple(state.done)
+    wanted = (0, total) if config.mode == "ssp" else (0,)
+    if len(clocks) not in wanted or any(not 0 <= c <= 1 << 62 for c in clocks):
+        raise InvalidArgumentError(
+            f"{what}: round.clocks = {bounded(repr(list(clocks)), 200)} is invalid: "
+            f"{config.mode} mode keeps " + (
+                f"one clock >= 0 per replica ({total}), or none" if config.mode == "ssp"
+                else "none") +
+            ". The shard is unchanged; send it from a towerflow ps of the same version.")
+    if len(set(done)) != len(done) or any(not 0 <= w < total for w in done):
+        raise InvalidArgumentError(
+            f"{what}: round.done = {bounded(repr(list(done)), 200)} is invalid: it names "
+            f"distinct replicas 0 .. {total - 1}. The shard is unchanged; send it from a "
+            "towerflow ps of the same version.")
+    return tuple(int(c) for c in clocks), tuple(int(w) for w in done)

@@ -22,8 +22,14 @@ shard ``i``'s copy lives on ps task ``(i + 1) % n``
   ``UNAVAILABLE`` (applied here, not acknowledged): its retry is answered
   from the push ledger once the replica has it.
 
-Only an async shard is replicated so far (an Init asking ``replicas`` in sync
-or ssp mode is refused with a sentence).
+Every mode is replicated. An async or ssp push changes the shard inside the
+gate (:class:`ApplyGate`), an ssp push's wait for the staleness bound outside
+it (so a copy never waits for a push that waits for a peer); each copy also
+carries the aggregation's state (``RoundState``: ssp's clocks, the workers
+done; :func:`round_message`). A sync step is applied, counted and answered in
+the push table under the shard's admission lock, where the copy is read: the
+replica receives each aggregated step, not each worker's push, and every worker
+of the step is answered after it (see :mod:`~towerflow.ps.server.dense.syncstep`).
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ from towerflow.ps.wire.calls import method_path
 from towerflow.ps.wire.framing import CHUNK_BYTES, pack
 from towerflow.ps.wire.messages import parse_message, push_records
 
-__all__ = ["ApplyGate", "ReplicaLink", "buffer_chunks", "scatter", "replicate_header",
-           "snapshot"]
+__all__ = ["ApplyGate", "ReplicaLink", "adopt_round", "buffer_chunks", "replicate_header",
+           "round_message", "scatter", "snapshot"]
 
 logger = logging.getLogger("towerflow.ps")
 
@@ -197,21 +203,43 @@ def snapshot(shard: Any, init_request: Any, term: int) -> tuple[Any, list[np.nda
     ``InitRequest`` at the shard's state and ``term``; and copies of the params and slot
     buffers."""
     state = shard.state
-    buffers = [state.params.copy(), *(v.copy() for v in state.optimizer.slots.values())]
-    if init_request is None:
-        return replicate_header(shard), buffers
-    req = pb.InitRequest()
-    req.CopyFrom(init_request)
-    req.step, req.optimizer_step, req.term = state.step, state.optimizer.step, term
-    del req.slots[:], req.pushes[:]
-    req.slots.extend(state.optimizer.slots)
-    req.pushes.extend(push_records(state.admission.push_rows()))
+    with state.admission.locked():  # a sync step is applied and answered under it
+        buffers = [state.params.copy(), *(v.copy() for v in state.optimizer.slots.values())]
+        if init_request is None:
+            return replicate_header(shard), buffers
+        req = pb.InitRequest()
+        req.CopyFrom(init_request)
+        req.step, req.optimizer_step, req.term = state.step, state.optimizer.step, term
+        del req.slots[:], req.pushes[:]
+        req.slots.extend(state.optimizer.slots)
+        req.pushes.extend(push_records(state.admission.push_rows()))
+        req.round.CopyFrom(round_message(shard))
     return req, buffers
 
 
 def replicate_header(shard: Any) -> pb.ReplicateRequest:
-    """The ``ReplicateRequest`` of ``shard`` (a ``DenseShard``) as it is now (no term)."""
+    """The ``ReplicateRequest`` of ``shard`` (a ``DenseShard``) as it is now (no term; the
+    caller holds its admission's lock)."""
     state = shard.state
     return pb.ReplicateRequest(step=state.step, optimizer_step=state.optimizer.step,
                                slots=list(state.optimizer.slots), numel=state.layout.numel,
-                               pushes=push_records(state.admission.push_rows()))
+                               pushes=push_records(state.admission.push_rows()),
+                               round=round_message(shard))
+
+
+def round_message(shard: Any) -> pb.RoundState:
+    """The ``RoundState`` of ``shard``'s aggregation (ssp's clocks, the replicas done; the
+    caller holds its admission's lock)."""
+    clocks, done = shard.aggregator.round_state()
+    return pb.RoundState(clocks=clocks, done=done)
+
+
+def adopt_round(copy: Any, req: pb.ReplicateRequest) -> None:
+    """A replica's ``copy`` (a ``PSService``) takes the aggregation state ``req`` carries,
+    checked first (:func:`~towerflow.ps.server.dense.initspec.check_round`)."""
+    from towerflow.ps.server.dense.initspec import check_round
+
+    shard = copy.shard
+    clocks, done = check_round(req.round, shard.config,
+                               f"A copy of shard {req.shard} from its primary")
+    shard.aggregator.adopt_round(clocks, done)

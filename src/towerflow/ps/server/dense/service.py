@@ -19,7 +19,6 @@ range of the flat buffer, taken under that range's locks.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -335,6 +334,7 @@ class PSService:
         state = ShardState(plan.layout, params, optimizer, step=plan.step, staging_limit=limit)
         state.admission.merge_pushes(plan.pushes, plan.step)
         shard = DenseShard(state, plan.config, self.describe_worker, self.elastic)
+        shard.aggregator.adopt_round(*plan.round)  # a replica's copy of sync / ssp state
         with self._lock:
             previous, self._shard = self._shard, shard
             self._generation += 1
@@ -403,9 +403,9 @@ class PSService:
         if serving is not self:
             return serving.dense_push(header, chunks, want_params, active, chunk_bytes)
         shard, link = self.shard, self._link
-        with self.gate.applying() if self.replicas_kept else contextlib.nullcontext():
-            outcome, params = shard.push(header, chunks, want_params=want_params,
-                                         active=active, chunk_bytes=chunk_bytes)
+        outcome, params = shard.push(header, chunks, want_params=want_params, active=active,
+                                     chunk_bytes=chunk_bytes,
+                                     applying=self.gate.applying if self.replicas_kept else None)
         if link is not None:
             link.forward()
         self.last_call = time.monotonic()
@@ -533,6 +533,8 @@ class PSService:
         current = self._shard
         if current is not None:
             current.worker_done(req.worker_id)
+            for copy in self._held_copies():  # a step of a shard taken over stops waiting too
+                copy.shard.worker_done(req.worker_id)
         elif req.failure and req.worker_id == CHIEF_REPLICA:
             self._chief_failed(req.failure)
         if self.replicas is not None or len(self.finished) < 1024:  # bounded
@@ -541,6 +543,12 @@ class PSService:
         if self.on_worker_done is not None:
             self.on_worker_done(req.worker_id)
         return pb.Empty().SerializeToString()
+
+    def _held_copies(self) -> list[PSService]:
+        """The initialised copies of other tasks' shards held here (replicas or promoted)."""
+        held = [] if self.copies is None or not self.num_ps else [
+            self.copies.get(shard) for shard in range(self.num_ps) if shard != self.shard_index]
+        return [copy for copy in held if copy is not None and copy.initialized]
 
     def _chief_failed(self, failure: str) -> None:
         """Keep the chief's error (first line, printable, bounded) for the workers' Status."""

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -169,7 +170,9 @@ class DenseShard:
 
     def push(self, header: PushHeader, chunks: Iterable[bytes | memoryview], *,
              want_params: bool = False, active: Callable[[], bool] | None = None,
-             chunk_bytes: int | None = CHUNK_BYTES) -> tuple[PushOutcome, Iterable[bytes]]:
+             chunk_bytes: int | None = CHUNK_BYTES,
+             applying: Callable[[], AbstractContextManager] | None = None
+             ) -> tuple[PushOutcome, Iterable[bytes]]:
         """Handle one push; return its outcome and the parameters to send back.
 
         The one entry of a dense push: ``chunks`` is its payload as it was
@@ -181,9 +184,10 @@ class DenseShard:
         With ``want_params`` (and the push not refused) the parameters are
         read after it, in chunks of ``chunk_bytes`` (None: one chunk), each
         range copied under its locks when the chunk is taken; else nothing.
-        ``active()`` (the call's ``is_active``): see the aggregator.
+        ``active()`` (the call's ``is_active``) and ``applying()`` (held while the push
+        changes the shard, with a replica): see the aggregator.
         """
-        outcome = self.aggregator.push(header, self._counted(chunks), active)
+        outcome = self.aggregator.push(header, self._counted(chunks), active, applying)
         if not want_params or outcome.status == REFUSED:
             return outcome, ()
         size = chunk_bytes or max(self.state.layout.nbytes, 1)

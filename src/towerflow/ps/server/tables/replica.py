@@ -256,10 +256,10 @@ class TableCopies:
         """The copy of table ``name``'s shard ``shard`` held here, or None."""
         return self._copies.get((name, shard))
 
-    def of_shard(self, shard: int) -> list[Any]:
-        """The copies of the table shards of index ``shard`` held here."""
+    def of_shard(self, shard: int | None) -> list[Any]:
+        """The copies of the table shards of index ``shard`` (None: all) held here."""
         with self._lock:
-            return [copy for (_, s), copy in self._copies.items() if s == shard]
+            return [copy for (_, s), copy in self._copies.items() if shard in (None, s)]
 
     def init_table(self, request: Any, aggregation: Any) -> Any:
         """``ReplicaInitTable``: make the copy of the table shard ``request`` describes (the

@@ -347,11 +347,15 @@ class TableService:
     def done(self, data: bytes) -> bytes:
         """Worker ``worker_id`` has finished: no table shard here waits for it any more.
 
-        (A worker that pushes again afterwards, e.g. restarted, is waited for again.)
+        (A worker that pushes again afterwards, e.g. restarted, is waited for again.) The
+        copies of other tasks' shards held here hear it too, so a copy that takes its shard
+        over does not wait for a worker that finished.
         """
         request = parse_message(tpb.TablesDoneRequest, data, "Done")
         with self._lock:
             shards = list(self._tables.values())
+        if self._copies is not None:
+            shards += self._copies.of_shard(None)
         for shard in shards:
             shard.worker_done(request.worker_id)
         return tpb.TablesDoneReply().SerializeToString()
