@@ -93,7 +93,8 @@ from towerflow.ps.wire.calls import APPLIED, REFUSED, bounded
 from towerflow.ps.wire.framing import receive_into
 from towerflow.ps.wire.messages import AggregationConfig, PushHeader, PushOutcome
 
-__all__ = ["AggregationConfig", "Aggregator", "ChunkRefused", "make_aggregator", "STALL_SECONDS"]
+__all__ = ["AggregationConfig", "Aggregator", "AsyncAggregator", "ChunkRefused", "SSPAggregator",
+           "STALL_SECONDS"]
 
 #: sync: seconds an admitted push may send no chunk, part summed, while another replica waits
 #: to be admitted, before the step is voided
@@ -240,7 +241,7 @@ class Aggregator(abc.ABC):
         return f"worker {header.worker_id}"
 
 
-class _AsyncAggregator(Aggregator):
+class AsyncAggregator(Aggregator):
     """Applies every gradient chunk by chunk as it arrives."""
 
     def _accept(self, header: PushHeader, pending: Pending, chunks: Iterable[bytes | memoryview],
@@ -289,7 +290,7 @@ class _AsyncAggregator(Aggregator):
         """Hook run once per push before it changes the parameters (ssp records the lead)."""
 
 
-class _SSPAggregator(_AsyncAggregator):
+class SSPAggregator(AsyncAggregator):
     """Async updates, but no worker more than ``staleness`` pushes ahead."""
 
     def __init__(self, store: DenseStore, admission: Admission,
@@ -338,28 +339,6 @@ class _SSPAggregator(_AsyncAggregator):
 class ChunkRefused(Exception):
     """A chunk of an async push was refused (NaN / inf, or past the magnitude bound): the push
     ends, answered ``refused`` with this message; the chunks before it stay applied."""
-
-
-def _kinds() -> dict[str, type[Aggregator]]:
-    from towerflow.ps.server.dense.syncstep import SyncAggregator  # it builds on this module
-
-    return {"async": _AsyncAggregator, "sync": SyncAggregator, "ssp": _SSPAggregator}
-
-
-def make_aggregator(store: DenseStore, admission: Admission, config: AggregationConfig,
-                    describe_worker: Callable[[int], str] | None = None,
-                    elastic: Container[int] = ()) -> Aggregator:
-    """Return the aggregator of ``config.mode`` over ``store`` and ``admission``.
-
-    ``describe_worker(replica)`` names a worker in error messages (default
-    ``/job:worker/task:<replica>``); ``elastic``: the elastic workers admitted
-    now, whose pushes an async aggregator takes too.
-    """
-    aggregator = _kinds()[config.mode](store, admission, config)
-    aggregator.elastic = elastic
-    if describe_worker is not None:
-        aggregator.describe_worker = describe_worker
-    return aggregator
 
 
 def _worker_label(worker_id: int) -> str:

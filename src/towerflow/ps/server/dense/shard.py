@@ -38,15 +38,35 @@ import numpy as np
 
 from towerflow.ps.placement import ShardLayout
 from towerflow.ps.server.dense.admission import Admission
-from towerflow.ps.server.dense.aggregation import make_aggregator
+from towerflow.ps.server.dense.aggregation import Aggregator, AsyncAggregator, SSPAggregator
 from towerflow.ps.server.dense.optimizers import ServerOptimizer
 from towerflow.ps.server.dense.records import ShardFigures, ShardStats
 from towerflow.ps.server.dense.store import DenseStore
+from towerflow.ps.server.dense.syncstep import SyncAggregator
 from towerflow.ps.wire.calls import REFUSED
 from towerflow.ps.wire.framing import CHUNK_BYTES
 from towerflow.ps.wire.messages import AggregationConfig, PushHeader, PushOutcome
 
-__all__ = ["ShardState", "DenseShard"]
+__all__ = ["ShardState", "DenseShard", "make_aggregator"]
+
+_KINDS: dict[str, type[Aggregator]] = {"async": AsyncAggregator, "sync": SyncAggregator,
+                                       "ssp": SSPAggregator}
+
+
+def make_aggregator(store: DenseStore, admission: Admission, config: AggregationConfig,
+                    describe_worker: Callable[[int], str] | None = None,
+                    elastic: Container[int] = ()) -> Aggregator:
+    """Return the aggregator of ``config.mode`` over ``store`` and ``admission``.
+
+    ``describe_worker(replica)`` names a worker in error messages (default
+    ``/job:worker/task:<replica>``); ``elastic``: the elastic workers admitted
+    now, whose pushes an async aggregator takes too.
+    """
+    aggregator = _KINDS[config.mode](store, admission, config)
+    aggregator.elastic = elastic
+    if describe_worker is not None:
+        aggregator.describe_worker = describe_worker
+    return aggregator
 
 
 class ShardState:

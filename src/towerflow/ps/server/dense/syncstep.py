@@ -4,7 +4,7 @@
 accumulator, averages and applies the step once, and answers its pushes; the
 rules (admission, stale and stalled pushes, voided steps) are those of
 :mod:`~towerflow.ps.server.dense.aggregation`'s module doc, whose
-:func:`~towerflow.ps.server.dense.aggregation.make_aggregator` makes it.
+:func:`~towerflow.ps.server.dense.shard.make_aggregator` makes it.
 
 With ``replicas=1`` the step is applied, counted and its pushes answered in
 the push table under the admission's lock, where the replica link reads its
