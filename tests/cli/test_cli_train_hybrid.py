@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import queue
 import re
@@ -14,8 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
+from launched import task_process
 
 from towerflow.checkpoint import latest_checkpoint, read_checkpoint
 from towerflow.cli import main
@@ -98,17 +96,6 @@ def test_a_killed_worker_stops_the_job_naming_it_and_the_job_started_again_resum
     assert read_checkpoint(latest_checkpoint(run)).step == saved + 30
 
 
-def _worker_process(launcher: subprocess.Popen, index: int) -> psutil.Process:
-    """The process of worker ``index`` among the launch's children (by its TF_CONFIG)."""
-    for proc in psutil.Process(launcher.pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            task = json.loads(proc.environ().get("TF_CONFIG", "{}")).get("task", {})
-            if task == {"type": "worker", "index": index} and "towerflow" in " ".join(
-                    proc.cmdline()):
-                return proc
-    raise AssertionError(f"worker {index} is not running")
-
-
 @pytest.mark.slow
 def test_under_launch_max_restarts_a_killed_worker_has_the_workers_rejoin_from_the_checkpoint(
         tmp_path, subprocess_env) -> None:
@@ -131,7 +118,7 @@ def test_under_launch_max_restarts_a_killed_worker_has_the_workers_rejoin_from_t
 
     try:
         wait_for(r"\[worker:0\] saved checkpoint")
-        _worker_process(launcher, 1).kill()
+        task_process(launcher, "worker", 1).kill()
         wait_for(r"restarting the workers and the chief \(restart 1 of 1\)")
         wait_for(r"\[worker:0\] restored .* at step \d+")
         wait_for(r"\[worker:0\] saved checkpoint")  # training went on after the restart

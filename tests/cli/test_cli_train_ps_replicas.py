@@ -6,7 +6,6 @@ with no restart of the workers or the chief."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import re
@@ -18,21 +17,11 @@ import time
 
 import psutil
 import pytest
+from launched import task_process
 
 SMALL = ["--table-rows", "2000", "--ids-per-example", "8", "--embedding-dim", "8",
          "--summary-every", "0", "--no-progress", "--log-every", "50"]
 TRAIN = [sys.executable, "-m", "towerflow", "train", "click", *SMALL]
-
-
-def task_process(launcher: subprocess.Popen, job: str, index: int) -> psutil.Process:
-    """The process of task ``job:index`` among the launch's children (by its TF_CONFIG)."""
-    for proc in psutil.Process(launcher.pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            task = json.loads(proc.environ().get("TF_CONFIG", "{}")).get("task", {})
-            if task == {"type": job, "index": index} and "towerflow" in " ".join(
-                    proc.cmdline()):
-                return proc
-    raise AssertionError(f"{job} {index} is not running")
 
 
 @pytest.mark.slow
