@@ -12,7 +12,7 @@ import torch
 from replica_job import PLAN, Pushers, check_exactly_once, replicated_job
 
 from towerflow.ps import PSClient
-from towerflow.ps.partition import ModPartitioner
+from towerflow.ps.partition import HashPartitioner, ModPartitioner
 from towerflow.ps.server.tables.replica import COPY_CHUNK_ROWS
 from towerflow.ps.spec.tables import TableConfig
 from towerflow.testing import wait_until
@@ -20,6 +20,11 @@ from towerflow.testing import wait_until
 #: a table of several copy parts per shard (the pushes change its first 20 rows)
 BIG = TableConfig("t", ModPartitioner(2, num_rows=6 * COPY_CHUNK_ROWS), 3,
                   {"name": "sgd", "hyper": {}}, {"kind": "constant", "value": 0.0})
+#: a dynamic table (any int64 id, rows made on first push) of the same shape
+DYNAMIC = TableConfig("t", HashPartitioner(2), 3, {"name": "sgd", "hyper": {}},
+                      {"kind": "constant", "value": 0.0},
+                      store={"kind": "dynamic", "admit_after": 1, "evict_after_steps": None,
+                             "capacity": None})
 _AGAIN = r"shard {} has a live copy on ps task 0 again"
 
 
@@ -48,21 +53,23 @@ def _last_task_dies(ps: list, clients: tuple, run: Pushers) -> None:
     run.stop()
 
 
-def _check_every_push_once(workers: list, tables: list, run: Pushers) -> None:
+def _check_every_push_once(workers: list, tables: list, run: Pushers,
+                           table: TableConfig = BIG) -> None:
     """Every acknowledged push once in the dense shards and the pushed rows; the rows no
     push changed (every copy part's) are the initial ones, on the shards' last primary."""
     assert not run.failures, run.failures
-    check_exactly_once(workers, tables, "both", pushed=len(run.acked), table=BIG)
-    ids = torch.arange(20, BIG.partitioner.num_rows, 977)
-    assert torch.equal(tables[0].pull(BIG, ids), torch.zeros(len(ids), 3))
+    check_exactly_once(workers, tables, "both", pushed=len(run.acked), table=table)
+    ids = torch.arange(20, 6 * COPY_CHUNK_ROWS, 977)
+    assert torch.equal(tables[0].pull(table, ids), torch.zeros(len(ids), 3))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("table", [BIG, DYNAMIC], ids=["fixed", "dynamic"])
 def test_a_replacement_rejoins_as_the_copy_and_takes_over_when_the_other_task_dies(
-        subprocess_env):
-    with replicated_job(subprocess_env, BIG) as (ps, workers, tables, (spec, credentials)):
+        subprocess_env, table):
+    with replicated_job(subprocess_env, table) as (ps, workers, tables, (spec, credentials)):
         clients = (workers, tables)
-        with Pushers(workers, tables, "both", pushes=None, table=BIG) as run:
+        with Pushers(workers, tables, "both", pushes=None, table=table) as run:
             _more(run)
             ps[0].kill()  # shard 0 fails over to ps task 1; shard 1 goes on there alone
             wait_until(lambda: _on(clients, 0, 1), timeout=30, what="shard 0 on ps task 1")
@@ -71,7 +78,7 @@ def test_a_replacement_rejoins_as_the_copy_and_takes_over_when_the_other_task_di
             for shard in (0, 1):
                 ps[1].wait_for_line(_AGAIN.format(shard), timeout=60)
             _last_task_dies(ps, clients, run)
-        _check_every_push_once(workers, tables, run)
+        _check_every_push_once(workers, tables, run, table)
         assert workers[0].shards[0].route.where() == (0, 3)  # ps 0, ps 1, ps 0 again
         assert workers[0].shards[1].route.where() == (0, 2)
         status = workers[0].shards[0].status()

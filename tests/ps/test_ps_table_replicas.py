@@ -17,7 +17,7 @@ import torch
 
 from towerflow.cluster import Server, ServerOptions
 from towerflow.cluster.transport import Credentials, make_channel, unary
-from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from towerflow.errors import FailedPreconditionError, UnavailableError
 from towerflow.ps import AggregationConfig
 from towerflow.ps.partition import HashPartitioner, ModPartitioner
 from towerflow.ps.server.tables.service import TableHost
@@ -172,15 +172,45 @@ def test_the_stale_primary_refuses_table_pushes_and_pulls_after_the_promotion(
     assert push_rows(spec, 1, shard=1, seq=1, ids=[1]).status == "applied"
 
 
-def test_a_dynamic_table_asking_a_replica_is_refused_with_a_sentence(replicated) -> None:
-    _, _, client = replicated
-    dynamic = TableConfig("d", HashPartitioner(2), 3, {"name": "sgd", "hyper": {}}, INIT,
-                          store={"kind": "dynamic", "admit_after": 1,
-                                 "evict_after_steps": None, "capacity": None})
-    with pytest.raises(InvalidArgumentError, match=re.escape(
-            "InitTable of the dynamic table 'd' asks replicas=1; a dynamic table's live "
-            "replica is not built yet.")):
-        client.init_table(dynamic)
+def _dynamic_state(store: Any) -> tuple:
+    """A dynamic row store's rows, slots, versions and admission counters, by id."""
+    export = store.export()
+    counters = store.export_counters()
+    return (export.ids.tolist(), export.rows.tolist(),
+            {k: v.tolist() for k, v in export.slots.items()}, export.versions.tolist(),
+            counters[0].tolist(), counters[1].tolist())
+
+
+def test_a_dynamic_tables_copy_follows_admission_updates_and_eviction(replicated) -> None:
+    spec, tables, client = replicated
+    dynamic = TableConfig("d", HashPartitioner(2), 3, ADAGRAD, INIT,
+                          store={"kind": "dynamic", "admit_after": 2, "evict_after_steps": 2,
+                                 "capacity": None})
+    client.init_table(dynamic)
+    seen = set()
+    for step, ids in enumerate([[1, 2, 3, 4], [1, 2, 5], [1, 6, 7], [6, 7, 8], [8, 9, 1],
+                                [9, 10, 11], [2, 3, 4], [3, 4, 12]], start=1):
+        replies = client.push(dynamic, torch.tensor(ids), torch.ones(len(ids), 3), lr=0.5,
+                              step=step)
+        assert all(r.status == "applied" for r in replies)
+        for shard in (0, 1):  # acknowledged: each copy is its primary's, row for row
+            primary = tables[shard]._tables[("d", shard)].store
+            copy = tables[1 - shard]._copies.get("d", shard).store
+            assert _dynamic_state(copy) == _dynamic_state(primary), (step, shard)
+            seen.update(primary.export().ids.tolist())
+    stats = [tables[s]._tables[("d", s)].store.counters for s in (0, 1)]
+    assert sum(c["evicted"] for c in stats) and sum(c["filtered"] for c in stats)  # both ran
+    wanted = torch.tensor(sorted(seen))
+    before = client.pull(dynamic, wanted)
+    ps_call(spec, 1, calls.promote, 0)  # shard 0's copy serves it now: the same rows
+    assert ps_call(spec, 1, calls.promote, 0).term == 2
+    moved = TableClient(spec.job_tasks("ps"), credentials=SECRET, worker_id=0, incarnation=101,
+                        timeout=10.0, aggregation=AggregationConfig(replicas=1))
+    try:
+        moved._routing.routes[0].task, moved._routing.routes[0].term = 1, 2
+        assert torch.equal(moved.pull(dynamic, wanted), before)
+    finally:
+        moved._close()
 
 
 def test_a_restarted_replica_task_gets_the_table_and_every_row_again_at_the_next_push(

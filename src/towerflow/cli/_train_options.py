@@ -264,7 +264,7 @@ def _add_ps_arguments(group: Any) -> None:
                        help="(the chief) live copies of each dense ps shard on other ps "
                        "tasks: 0 (default) none; 1: shard i's on ps task i+1, and a push (in "
                        "sync mode, its step) is acknowledged once the copy has it (fewer than "
-                       "the ps tasks; async, sync or ssp; fixed tables too, no dynamic ones yet)")
+                       "the ps tasks; async, sync or ssp; fixed and dynamic tables too)")
     add_lifecycle_arguments(group)
 
 

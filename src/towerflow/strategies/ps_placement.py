@@ -21,7 +21,7 @@ def check_replicas(replicas: Any, num_ps: int) -> int:
 
     A shard's copies live on other ps tasks (shard ``i``'s on ps task ``(i + 1) % n``),
     so ``replicas`` is below the number of ps tasks; one copy per shard, of the dense
-    and fixed table shards (async, sync or ssp), is built so far.
+    and table shards, fixed or dynamic (async, sync or ssp), is built so far.
 
     Example:
         >>> check_replicas(1, 2), check_replicas(0, 1)

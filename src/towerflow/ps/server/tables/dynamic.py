@@ -119,6 +119,9 @@ class DynamicRowStore(RowStore):
         self._recent: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._exporting = 0
         self.counters = {"admitted": 0, "evicted": 0, "filtered": 0}
+        #: the ids whose row or admission counter went with no push naming them (evicted,
+        #: aged out), kept while the shard's replica copies its changes (None: not kept)
+        self.noted: list[torch.Tensor] | None = None
 
     # -- storage ---------------------------------------------------------------------------
     def _grow(self, size: int) -> None:
@@ -270,8 +273,13 @@ class DynamicRowStore(RowStore):
         self._seen.index_fill_(0, done, _NEVER)  # a free counter is never the stalest
         return admit
 
+    def _note(self, index: KeyIndex, slots: torch.Tensor) -> None:
+        if self.noted is not None and slots.numel():
+            self.noted.append(index.keys.index_select(0, slots))
+
     def _drop(self, slots: torch.Tensor, *, evicted: bool = True) -> None:
         if slots.numel():
+            self._note(self._index, slots)
             self._recent.clear()  # their slots may be another id's from now on
             self._index.remove(slots)
             self._version.index_fill_(0, slots, _NEVER)  # a free slot is never the oldest
@@ -290,6 +298,7 @@ class DynamicRowStore(RowStore):
             self._drop(old)
             stale = self._age_window("counters", self._counts, self._seen, ttl)
             if stale.numel():  # admission counters age out too
+                self._note(self._counts, stale)
                 self._counts.remove(stale)
                 self._seen.index_fill_(0, stale, _NEVER)
         if self.share is not None and self._index.live > self.share:
@@ -301,6 +310,7 @@ class DynamicRowStore(RowStore):
             seen = self._seen[:self._counts.used]  # counters bounded too: the stalest go
             stale = torch.topk(seen, self._counts.live - (2 * self.share + 1024),
                                largest=False, sorted=False).indices
+            self._note(self._counts, stale)
             self._counts.remove(stale)
             self._seen.index_fill_(0, stale, _NEVER)
 
@@ -369,6 +379,37 @@ class DynamicRowStore(RowStore):
             slots[new] = made
         self._count.index_add_(0, slots, counts.clamp(max=_NEVER).to(torch.int32))
         self._seen.index_fill_(0, slots, min(self.clock, _NEVER))
+
+    def export_changed(self, ids: torch.Tensor
+                       ) -> tuple[RowExport, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """For a replica's copy of the changes to ``ids``: the rows, slots and versions of
+        those that have a row, the ids that have none (evicted, or not admitted yet), and
+        the admission counters of these."""
+        ids = torch.unique(ids)
+        slots = self._index.find(ids)
+        have = slots >= 0
+        kept = slots[have]
+        export = RowExport(ids[have], self._rows.index_select(0, kept),
+                           {k: v.index_select(0, kept) for k, v in self._slots.items()},
+                           self._version.index_select(0, kept).to(torch.int64))
+        absent = ids[~have]
+        counted = self._counts.find(absent)
+        held = counted >= 0
+        return export, absent, (absent[held], self._count.index_select(
+            0, counted[held]).to(torch.int64))
+
+    def forget(self, ids: torch.Tensor, *, rows: bool) -> None:
+        """Remove the admission counters of ``ids`` and, with ``rows``, their rows (a
+        replica taking its primary's changes: those ids have no row there, or their
+        counters are sent again)."""
+        if rows:
+            slots = self._index.find(ids)
+            self._drop(slots[slots >= 0])
+        counted = self._counts.find(ids)
+        counted = counted[counted >= 0]
+        if counted.numel():
+            self._counts.remove(counted)
+            self._seen.index_fill_(0, counted, _NEVER)
 
     def end_export(self) -> None:
         """An export has ended (eviction may run again)."""

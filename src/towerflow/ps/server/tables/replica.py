@@ -17,7 +17,11 @@ table shard ``i`` has a copy on ps task ``(i + 1) % n``, kept as the dense shard
   the shard over refuses the copy and deposes this task; one that has no copy
   (restarted) gets the table and every row again.
 
-A dynamic table has no replica yet (its InitTable asking one is refused).
+A dynamic table's copy is kept the same way: a push's copy carries the rows it changed
+with their versions, and the ids that have no row on the primary (evicted by age or
+capacity, or not admitted yet) with their admission counters, which the replica drops and
+sets in turn (:meth:`~towerflow.ps.server.tables.dynamic.DynamicRowStore.export_changed`);
+its whole copy is made on a table made again, part by part.
 """
 
 from __future__ import annotations
@@ -80,8 +84,23 @@ class RowReplica:
     def mark(self, ids: torch.Tensor) -> None:
         """Rows ``ids`` changed (the shard's lock held): the next copy carries them (none
         kept while the shard is served alone: its catch-up copies every row)."""
-        if not self._whole and (self._catching or not self.term.alone):
-            self._dirty.append(ids.clone())
+        if self._whole:
+            return
+        if self.term.alone and not self._catching:
+            self._keep(False)
+            return
+        self._dirty.append(ids.clone())
+
+    @property
+    def _dynamic(self) -> bool:
+        return hasattr(self.shard.store, "export_changed")
+
+    def _keep(self, changes: bool) -> None:
+        """Keep the changed rows for the next copy from now on, or (False) copy them all
+        next (the shard's lock held)."""
+        self._whole, self._dirty = not changes, []
+        if self._dynamic:  # its evictions too
+            self.shard.store.noted = [] if changes else None
 
     def forward(self) -> None:
         """Return once the replica holds the shard's changed rows and push table as they are
@@ -152,36 +171,69 @@ class RowReplica:
         with self._commit.alone():
             self._make()
             with shard.cond:
-                self._whole, self._dirty, self._sent, self._catching = False, [], None, True
-                owned = shard.store.partitioner.global_ids(shard.store.shard)
+                self._keep(True)
+                self._sent, self._catching = None, True
         try:
-            for start in range(0, max(owned.numel(), 1), COPY_CHUNK_ROWS):
+            for chunk in self._parts():
                 with self._commit.alone():
-                    with shard.cond:
-                        records = shard.live_records()
-                        part = shard.store.export_ids(owned[start:start + COPY_CHUNK_ROWS])
-                    (chunk,) = _chunks(part, records, self.term.term, shard)
                     reply = parse_message(pb.ReplicateReply, self._stream.call(chunk),
                                           "ReplicateReply")
-                    if not reply.accepted and reply.term:
-                        raise deposed(self.term, reply, self.replica_task)
-                    if not reply.accepted:  # restarted again meanwhile: the next catch-up
-                        raise UnavailableError(
-                            f"ps task {self.replica_task} lost the copy of table "
-                            f"{shard.name!r} shard {shard.shard} during its catch-up "
-                            f"({reply.message}); it is copied again once it answers.")
+                if not reply.accepted and reply.term:
+                    raise deposed(self.term, reply, self.replica_task)
+                if not reply.accepted:  # restarted again meanwhile: the next catch-up
+                    raise UnavailableError(
+                        f"ps task {self.replica_task} lost the copy of table "
+                        f"{shard.name!r} shard {shard.shard} during its catch-up "
+                        f"({reply.message}); it is copied again once it answers.")
             self._commit.wait()  # the rows pushed meanwhile
         except BaseException:
             with shard.cond:
-                self._whole, self._dirty, self._catching = True, [], False
+                self._keep(False)
+                self._catching = False
             raise
+
+    def _parts(self) -> Iterator[bytes]:
+        """The whole shard as copy chunks of :data:`COPY_CHUNK_ROWS` rows, each read under
+        the shard's lock in turn (pushes go on between them); a dynamic table's first
+        carries its admission counters (its evictions wait until the last)."""
+        shard, term = self.shard, self.term.term
+        if self._dynamic:
+            for piece, _, _ in shard.chunks(COPY_CHUNK_ROWS):
+                with shard.cond:
+                    records = shard.live_records()
+                yield from _chunks(piece, records, term, shard, counters=piece.counters)
+            return
+        owned = shard.store.partitioner.global_ids(shard.store.shard)
+        for start in range(0, max(owned.numel(), 1), COPY_CHUNK_ROWS):
+            with shard.cond:
+                records = shard.live_records()
+                part = shard.store.export_ids(owned[start:start + COPY_CHUNK_ROWS])
+            yield from _chunks(part, records, term, shard)
 
     def _send_whole(self) -> Any:
         """Every row and its slots, in parts of :data:`COPY_CHUNK_ROWS` rows, one call each
         (the replica sets each as it comes: neither side holds a second copy of the shard),
         the shard's lock held throughout so that no push falls between two parts; the push
-        table with every part. The replica's reply (the last, or the first refusal)."""
+        table with every part. The replica's reply (the last, or the first refusal). A
+        dynamic table is made again on the replica (its evicted rows go), then copied part
+        by part with pushes between them (marked for the next copy), as a catch-up is."""
         shard, reply = self.shard, None
+        if self._dynamic:
+            self._make()
+            with shard.cond:
+                self._keep(True)
+                self._sent = None
+            try:
+                for chunk in self._parts():
+                    reply = parse_message(pb.ReplicateReply, self._stream.call(chunk),
+                                          "ReplicateReply")
+                    if not reply.accepted:
+                        return reply
+            except BaseException:
+                with shard.cond:
+                    self._keep(False)
+                raise
+            return reply
         with shard.cond:
             records = shard.live_records()
             owned = shard.store.partitioner.global_ids(shard.store.shard)
@@ -209,22 +261,32 @@ class RowReplica:
             if not dirty and records == self._sent:
                 return None, None, records
             self._dirty = []
+            if self._dynamic:  # the rows it evicted meanwhile too
+                dirty += shard.store.noted or []
+                shard.store.noted = []
             ids = torch.unique(torch.cat(dirty)) if dirty else torch.empty(0, dtype=torch.int64)
-            export = shard.store.export_ids(ids)
-        return list(_chunks(export, records, self.term.term, shard)), ids, records
+            if not self._dynamic:
+                export, dropped, counters = shard.store.export_ids(ids), None, None
+            else:
+                export, dropped, counters = shard.store.export_changed(ids)
+        return list(_chunks(export, records, self.term.term, shard, dropped=dropped,
+                            counters=counters)), ids, records
 
     def _give_back(self, ids: torch.Tensor | None) -> None:
         """A copy that did not land: its rows are marked again (None: every row)."""
         with self.shard.cond:
             if ids is None:
-                self._whole, self._dirty = True, []
+                self._keep(False)
             elif not self._whole:
                 self._dirty.append(ids)
 
 
-def _chunks(export: Any, records: list, term: int, shard: Any) -> Iterator[bytes]:
-    """``export`` as ``RowChunk`` messages of :data:`COPY_CHUNK_ROWS` rows; the first names
-    the table shard, its term and its push table."""
+def _chunks(export: Any, records: list, term: int, shard: Any, *,
+            dropped: torch.Tensor | None = None,
+            counters: tuple[torch.Tensor, torch.Tensor] | None = None) -> Iterator[bytes]:
+    """``export`` as ``RowChunk`` messages of :data:`COPY_CHUNK_ROWS` rows (a dynamic
+    table's with their versions); the first names the table shard, its term and its push
+    table, and carries a dynamic table's ``dropped`` ids and admission ``counters``."""
     total = export.ids.numel()
     names = list(export.slots)
     for start in range(0, max(total, 1), COPY_CHUNK_ROWS):
@@ -232,10 +294,17 @@ def _chunks(export: Any, records: list, term: int, shard: Any) -> Iterator[bytes
         chunk = tpb.RowChunk(num_ids=stop - start, ids=encode(export.ids[start:stop]),
                              rows=encode(export.rows[start:stop]), slot_names=names,
                              slots=[encode(export.slots[k][start:stop]) for k in names])
+        if export.versions is not None:
+            chunk.versions = encode(export.versions[start:stop])
         if start == 0:
             chunk.spec.CopyFrom(tpb.TableSpec.FromString(shard.spec_bytes))
             chunk.total, chunk.term = total, term
             chunk.pushes.extend(push_records(records))
+            if dropped is not None and dropped.numel():
+                chunk.num_dropped, chunk.dropped = dropped.numel(), encode(dropped)
+            if counters is not None and counters[0].numel():
+                chunk.num_counters = counters[0].numel()
+                chunk.counter_ids, chunk.counter_counts = map(encode, counters)
         yield chunk.SerializeToString()
 
 
@@ -268,8 +337,10 @@ class TableCopies:
         term = self.terms.of(spec.shard, REPLICA)
         with self._lock:
             held = self._copies.get((spec.name, spec.shard))
-            if held is None or term.role == REPLICA and not held.same_table(
-                    describe_table_spec(spec), aggregation):
+            description = describe_table_spec(spec)
+            if held is None or term.role == REPLICA and (  # a dynamic copy: made again whole
+                    description["kind"] != "dense" or not held.same_table(description,
+                                                                          aggregation)):
                 held = self._copies[(spec.name, spec.shard)] = self._make(spec, aggregation)
             return held
 

@@ -269,11 +269,6 @@ class TableService:
         copies = 0 if aggregation is None else aggregation.replicas
         if not copies or self.terms.of(spec.shard).role != PRIMARY:
             return False
-        if description["kind"] != "dense":
-            raise InvalidArgumentError(
-                f"InitTable of the dynamic table {spec.name!r} asks replicas={copies}; a "
-                "dynamic table's live replica is not built yet. Train with replicas=0, or make "
-                "it a fixed table (ShardedEmbedding) of num_rows rows.")
         check_copies(copies, self.num_ps, self.peer_channel, f"InitTable of table {spec.name!r}")
         return True
 

@@ -346,11 +346,16 @@ class TableShard:
                 store.end_export()
 
     def import_chunks(self, chunks: Sequence[Any]) -> int:
-        """Set the rows (and slots) of every ``RowChunk``; all checked before any is set."""
-        parts, counters = [], []
+        """Set the rows (and slots) of every ``RowChunk``; all checked before any is set. A
+        dynamic table's copy from its primary (chunks naming a term) drops the rows and
+        counters of the ids the chunks list as dropped, and its counters of the ids whose
+        rows they carry, first (the primary's counters of those ids come with the chunks)."""
+        parts, counters, dropped = [], [], []
         for chunk in chunks:
             if chunk.num_counters:
                 counters.append(self._counters(chunk))
+            if chunk.num_dropped:
+                dropped.append(self._ids(chunk.dropped, chunk.num_dropped))
             ids = self._ids(chunk.ids, chunk.num_ids)
             rows = self._values(chunk.rows, str(self.dtype).removeprefix("torch."), ids, "rows")
             slots = None
@@ -396,6 +401,10 @@ class TableShard:
         current = self._mode.current  # a record of a former worker is not taken in
         pushes = [row for row in push_rows(records) if current(row[0])]
         with self._lock:
+            if chunks[0].term and hasattr(self.store, "forget"):  # a copy of a dynamic table
+                for gone in dropped:
+                    self.store.forget(gone, rows=True)
+                self.store.forget(ids, rows=False)
             if versions is None:  # checks every value before any change
                 self.store.import_(ids, rows, slots)
             else:
