@@ -24,7 +24,7 @@ from towerflow.ps.server.tables.service import TableHost
 from towerflow.ps.spec.tables import TableConfig
 from towerflow.ps.wire import tables_pb2 as tpb
 from towerflow.ps.worker.tables.client import TableClient
-from towerflow.testing.faults import loopback_cluster
+from towerflow.testing.faults import loopback_cluster, wait_until
 
 SECRET = Credentials(secret=b"table-replicas-secret")
 INIT = {"kind": "uniform", "minval": -0.5, "maxval": 0.5, "seed": 3}
@@ -213,7 +213,7 @@ def test_a_dynamic_tables_copy_follows_admission_updates_and_eviction(replicated
         moved._close()
 
 
-def test_a_restarted_replica_task_gets_the_table_and_every_row_again_at_the_next_push(
+def test_a_restarted_replica_task_gets_the_table_and_every_row_again_once_it_answers(
         replicated, servers) -> None:
     spec, tables, client = replicated
     client.init_table(TABLE)
@@ -223,7 +223,12 @@ def test_a_restarted_replica_task_gets_the_table_and_every_row_again_at_the_next
                           options=ServerOptions(serve_forever=True)))
     copies = next(h for h in servers[-1].services if isinstance(h, TableHost)).service
     assert copies._copies is None
-    assert push_rows(spec, 0, shard=0, seq=2, ids=[6]).status == "applied"
+    assert push_rows(spec, 0, shard=0, seq=2, ids=[6]).status == "applied"  # alone
+    wait_until(lambda: copies._copies is not None and copies._copies.get("t", 0) is not None
+               and not tables[0].terms.of(0).alone, timeout=20,
+               what="the new task caught up")  # the task's Rejoin copies the shard to it
+    assert_same_rows(tables[0].table("t", 0), copies._copies.get("t", 0))
+    assert push_rows(spec, 0, shard=0, seq=3, ids=[6, 8]).status == "applied"
     assert_same_rows(tables[0].table("t", 0), copies._copies.get("t", 0))
 
 

@@ -191,8 +191,10 @@ def test_without_replicas_nothing_is_copied(replicated) -> None:
     assert services[1].copies.get(0) is None and services[0].copies.get(1) is None
 
 
-def test_a_restarted_replica_task_gets_the_whole_shard_again_at_the_next_push(
+def test_a_restarted_replica_task_is_caught_up_and_a_copy_not_caught_up_is_not_promoted(
         replicated) -> None:
+    from towerflow.ps.server.rejoin import Rejoin
+
     cluster, services, servers, plan = replicated()
     assert push(servers, plan, task=0, seq=1).status == APPLIED
     servers[1].stop()  # ps task 1, shard 0's replica, ends; a new one starts in its place
@@ -204,11 +206,21 @@ def test_a_restarted_replica_task_gets_the_whole_shard_again_at_the_next_push(
     servers.append(server)  # stopped at the end of the test with the others
     assert fresh.copies.get(0) is None
     reply = calls.push(servers[0].channel("ps", 0), plan.shards[0], seq=2)
-    # applied once (the channel may have sent the call again while the new task's
-    # identity was learnt: then it is answered from the ledger)
+    # it says it holds no copy: the primary goes on alone (applied once: the channel may
+    # have sent the call again while the new task's identity was learnt)
     assert reply.status == APPLIED and reply.step == services[0].shard.state.step == 2
-    assert_same_shard(services[0], fresh.copies.get(0))  # the whole shard, then the push
+    assert services[0].term.alone and fresh.copies.get(0) is None
+    services[0].replica_link().seed(catch_up=True)  # a catch-up's first part, no more yet
+    with pytest.raises(FailedPreconditionError, match="had not finished copying to it"):
+        calls.promote(server.channel("ps", 1), 0)  # half a copy never takes a shard over
+    rejoin, joined = Rejoin(services[0]), []
+    wait_until(lambda: joined.extend(rejoin.round()) or joined == [0], timeout=20,
+               what="shard 0's copy caught up on the new task")
+    assert not services[0].term.alone
+    assert_same_shard(services[0], fresh.copies.get(0))  # the whole shard
     assert fresh.copies.get(0).shard.state.admission.push_rows() == [(0, 7, 2, APPLIED)]
+    assert push(servers, plan, task=0, seq=3).status == APPLIED
+    assert_same_shard(services[0], fresh.copies.get(0))  # acknowledged: copied again
 
 
 def test_a_replacement_task_rejoins_as_the_copy_and_a_restarted_chief_inits_the_copy(

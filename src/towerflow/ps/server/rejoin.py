@@ -15,8 +15,11 @@ the shard's copy is made there again while training goes on:
 2. every table shard of the shard: its table (``ReplicaInitTable``), then its
    rows in parts, pushes going on between them
    (:meth:`~towerflow.ps.server.tables.replica.RowReplica.catch_up`);
-3. the shard is no longer alone (:meth:`~towerflow.ps.server.terms.ShardTerm.joined`):
-   a push is answered once the copy has it again.
+3. the other task is told the copy is whole (``CaughtUp``: until then it refuses to
+   take the shard over, so a primary lost during a catch-up is never replaced by half a
+   copy), and the shard is no longer alone
+   (:meth:`~towerflow.ps.server.terms.ShardTerm.joined`): a push is answered once the
+   copy has it again.
 
 A catch-up that fails (the task died again, or does not answer) leaves the
 shard alone, and is started over once the task answers.
@@ -30,6 +33,7 @@ from typing import Any
 
 from towerflow.errors import TowerflowError
 from towerflow.ps.server.terms import PRIMARY
+from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.calls import method_path, partner_of
 
 __all__ = ["Rejoin", "REJOIN_PERIOD"]
@@ -100,9 +104,12 @@ class Rejoin:
                        "training goes on", term.task, task, shard)
         try:
             if link is not None:
-                link.seed()
+                link.seed(catch_up=True)
             for table in tables:
                 self.tables.replica_for(table).catch_up()
+            unary(self.dense.peer_channel(task), method_path("CaughtUp"), pb.PromoteRequest(
+                shard=shard, term=term.term).SerializeToString(), timeout=link.timeout if link
+                else _PROBE_S * 20)
         except TowerflowError as exc:
             logger.warning("ps task %d: the copy of shard %d on ps task %d did not catch up "
                            "(%s: %s); tried again once it answers", term.task, shard, task,

@@ -64,7 +64,7 @@ class ShardTerm:
     """
 
     __slots__ = ("shard", "task", "role", "term", "held", "successor", "alone", "num_ps",
-                 "_lock")
+                 "whole", "_lock")
 
     def __init__(self, shard: int, task: int, role: str = PRIMARY,
                  successor: int | None = None, num_ps: int | None = None) -> None:
@@ -75,6 +75,9 @@ class ShardTerm:
         self.successor = successor
         #: the primary serves the shard without its replica (the replica's task is gone)
         self.alone = False
+        #: a replica's copy is whole (False from the start of a catch-up until its primary
+        #: says it caught up: such a copy is not promoted)
+        self.whole = True
         self._lock = threading.Lock()
 
     def check(self, term: int = 0) -> None:
@@ -115,6 +118,12 @@ class ShardTerm:
         task it took the shard over from (or its replacement) rejoins as the copy
         (:meth:`rejoin` there, :meth:`joined` here): it serves alone till then."""
         with self._lock:
+            if self.role == REPLICA and not self.whole:
+                raise FailedPreconditionError(
+                    f"ps task {self.task} holds a copy of shard {self.shard} that its primary "
+                    f"had not finished copying to it (term {self.term}): it cannot take the "
+                    "shard over, and the shard's acknowledged pushes since the last checkpoint "
+                    "are gone with its primary. Restart the job from its last checkpoint.")
             if self.role == REPLICA:
                 self.role, self.term = PRIMARY, self.term + 1
                 self.held, self.alone = self.term, True
@@ -132,11 +141,12 @@ class ShardTerm:
             return self.successor
         return partner_of(self.shard, self.task, self.num_ps)
 
-    def rejoin(self, term: int) -> str:
+    def rejoin(self, term: int, catch_up: bool = False) -> str:
         """This task takes a copy of the shard from its primary at ``term``: a replica that
         was restarted, or the primary the copy took the shard over from (its replacement, or
-        itself brought back), becomes the shard's replica at that term. Return why it is
-        refused ("" when taken): a primary at ``term`` or later, or a replica of a newer one."""
+        itself brought back), becomes the shard's replica at that term; with ``catch_up`` its
+        copy is not whole (not promoted) until :meth:`caught_up`. Return why it is refused
+        ("" when taken): a primary at ``term`` or later, or a replica of a newer one."""
         with self._lock:
             if term < self.term or term == self.term and self.role == PRIMARY:
                 return (f"ps task {self.task} holds shard {self.shard} at term {self.term} as "
@@ -146,9 +156,18 @@ class ShardTerm:
                                "on ps task %s)", self.task, self.shard, term,
                                self._other_task())
             self.role, self.term, self.alone = REPLICA, term, False
+            self.whole = self.whole and not catch_up
             if self.num_ps is not None:
                 self.successor = self._partner()
             return ""
+
+    def caught_up(self, term: int) -> bool:
+        """The primary at ``term`` finished copying the shard here: the copy is whole (it may
+        take the shard over); whether it is."""
+        with self._lock:
+            if self.role == REPLICA and self.term == term:
+                self.whole = True
+            return self.whole
 
     def _other_task(self) -> int | None:
         return None if self.num_ps is None else partner_of(self.shard, self.task, self.num_ps)

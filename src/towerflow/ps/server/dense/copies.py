@@ -93,7 +93,7 @@ class ReplicaCopies:
             copy = self._own if req.shard == self.task else self._copies.get(req.shard)
             if copy is None:
                 copy = self._copies[req.shard] = self._make(req.shard)
-            refusal = copy.term.rejoin(req.term or 1)
+            refusal = copy.term.rejoin(req.term or 1, catch_up=req.catch_up)
             if refusal:
                 return _refused(copy, refusal)
             copy.build(req, chunks)
@@ -138,9 +138,9 @@ class ReplicaCopies:
 
     def promote(self, request: bytes) -> bytes:
         """``Promote``: the copy of the shard (dense and tables) becomes its primary at the
-        next term. With ``alone`` (or of this task's own shard, served here): the shard's
-        replica's task is gone, and this primary goes on without a copy
-        (:meth:`~towerflow.ps.server.terms.ShardTerm.go_alone`) until it rejoins."""
+        next term (a copy not caught up refuses; a primary answers its term). With
+        ``alone``: the shard's replica's task is gone, and this primary goes on without a
+        copy (:meth:`~towerflow.ps.server.terms.ShardTerm.go_alone`) until it rejoins."""
         req = parse_message(pb.PromoteRequest, request, "PromoteRequest")
         if req.shard == self.task:
             term = self.terms.of(self.task)
@@ -148,14 +148,30 @@ class ReplicaCopies:
             term = self.terms.get(req.shard)
         copy = self.get(req.shard)
         step = 0 if copy is None else copy.current_step() or 0
-        if term is not None and (req.alone or req.shard == self.task and term.role == PRIMARY):
-            return pb.PromoteReply(term=term.go_alone(), step=step).SerializeToString()
         if term is None:
             raise NotFoundError(
                 f"ps task {self.task} holds no copy of shard {req.shard} to promote; the "
                 f"shard's replica is on ps task {req.shard + 1} of the job (modulo the "
                 "number of ps tasks), once its primary sent it the shard.")
+        if req.alone:
+            return pb.PromoteReply(term=term.go_alone(), step=step).SerializeToString()
+        if req.shard == self.task and term.role == PRIMARY and (
+                self._own is None or not self._own.initialized):
+            raise FailedPreconditionError(
+                f"ps task {self.task} holds nothing of shard {req.shard}: it started again and "
+                "has not rejoined as the shard's copy yet.")
         return pb.PromoteReply(term=term.promote(), step=step).SerializeToString()
+
+    def caught_up(self, request: bytes) -> bytes:
+        """``CaughtUp``: the shard's primary (at the request's term) finished copying the
+        shard here after it rejoined: the copy may take the shard over from now on."""
+        req = parse_message(pb.PromoteRequest, request, "PromoteRequest")
+        term = self.terms.get(req.shard)
+        if term is None or not term.caught_up(req.term):
+            raise FailedPreconditionError(
+                f"ps task {self.task} holds no copy of shard {req.shard} at term {req.term} "
+                "to be whole; its primary copies the shard again.")
+        return pb.PromoteReply(term=term.term).SerializeToString()
 
     def stats(self) -> list[pb.ReplicaStat]:
         """One ``ReplicaStat`` per copy (for ``Status``)."""

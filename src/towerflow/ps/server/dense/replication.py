@@ -156,10 +156,11 @@ class ReplicaLink:
         if not self.term.alone:  # alone: its replica's task is gone (ShardTerm.go_alone)
             self._commit.wait()
 
-    def seed(self) -> None:
-        """Send the whole shard (after an Init); the replica replaces its copy with it."""
+    def seed(self, catch_up: bool = False) -> None:
+        """Send the whole shard (after an Init, or a rejoin's ``catch_up``: the copy is not
+        promoted until the primary says it caught up); the replica replaces its copy."""
         with self._commit.alone():
-            self._send_init()
+            self._send_init(catch_up)
 
     def _copy(self) -> None:
         if not self._seeded:
@@ -174,15 +175,16 @@ class ReplicaLink:
         reply = parse_message(pb.ReplicateReply, data, "ReplicateReply")
         if reply.accepted:
             return
-        if reply.term == 0:  # the replica has no copy (it was restarted): the whole shard
-            self._send_init()
+        if reply.term == 0:  # the replica has no copy (restarted): it rejoins (a catch-up)
+            self.term.go_alone()
             return
         raise deposed(self.term, reply, self.replica_task)
 
-    def _send_init(self) -> None:
+    def _send_init(self, catch_up: bool = False) -> None:
         with self.gate.reading():
             header, buffers = self._snapshot(True)
             self.version += 1
+        header.catch_up = catch_up
         data = self._call("ReplicaInit", header, buffers)
         reply = parse_message(pb.ReplicateReply, data, "ReplicateReply")
         if not reply.accepted:

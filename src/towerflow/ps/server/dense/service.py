@@ -213,6 +213,7 @@ class PSService:
             "Replicate": ("stream_unary", self.copies.replicate),
             "ReplicateStream": ("stream_stream", self.copies.replicate_stream),
             "Promote": ("unary_unary", self.copies.promote),
+            "CaughtUp": ("unary_unary", self.copies.caught_up),
         })
 
     def _make_copy(self, shard: int) -> PSService:

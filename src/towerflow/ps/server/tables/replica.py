@@ -141,15 +141,18 @@ class RowReplica:
             self._sent = None
             if reply.term:
                 raise deposed(self.term, reply, self.replica_task)
-            self._made = False  # the replica holds no copy: the table and every row again
+            self._made = False  # the replica holds no copy (restarted): it rejoins (a catch-up)
+            self.term.go_alone()
+            return
         raise deposed(self.term, reply, self.replica_task)
 
-    def _make(self) -> None:
-        """Make the table on the replica's task (at this primary's term)."""
+    def _make(self, catch_up: bool = False) -> None:
+        """Make the table on the replica's task (at this primary's term; ``catch_up``: its
+        copy is not promoted until the primary says it caught up)."""
         from towerflow.cluster.transport import unary
 
         request = tpb.InitTableRequest.FromString(self._init)
-        request.term = self.term.term
+        request.term, request.catch_up = self.term.term, catch_up
         unary(self._channel(), self._path("ReplicaInitTable"), request.SerializeToString(),
               timeout=self.timeout)
         self._made = True
@@ -169,7 +172,7 @@ class RowReplica:
         """
         shard = self.shard
         with self._commit.alone():
-            self._make()
+            self._make(catch_up=True)
             with shard.cond:
                 self._keep(True)
                 self._sent, self._catching = None, True

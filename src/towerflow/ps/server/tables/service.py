@@ -304,7 +304,8 @@ class TableService:
 
         request = parse_message(tpb.InitTableRequest, data, "ReplicaInitTable")
         spec = request.spec
-        refusal = self.terms.of(spec.shard, REPLICA).rejoin(request.term or 1)
+        refusal = self.terms.of(spec.shard, REPLICA).rejoin(request.term or 1,
+                                                             catch_up=request.catch_up)
         if refusal:
             raise FailedPreconditionError(refusal)
         aggregation = _aggregation(request.aggregation)
@@ -314,7 +315,7 @@ class TableService:
                     self.terms, lambda spec, config: TableShard(spec, config, self.workers))
             # its own shard, rejoined as the copy: the table it held before is stale
             self._tables.pop((spec.name, spec.shard), None)
-            request.term = 0
+            request.term, request.catch_up = 0, False
             self._requests[(spec.name, spec.shard)] = request.SerializeToString()
         held = self._copies.init_table(request, aggregation)
         status = held.status()
