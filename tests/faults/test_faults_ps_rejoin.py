@@ -7,6 +7,8 @@ started again."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from replica_job import PLAN, Pushers, check_exactly_once, replicated_job
@@ -109,3 +111,24 @@ def test_a_replacement_killed_during_its_catch_up_is_caught_up_once_started_agai
                 ps[1].wait_for_line(_AGAIN.format(shard), timeout=60, count=before[shard] + 1)
             _last_task_dies(ps, clients, run)
         _check_every_push_once(workers, tables, run)
+
+
+@pytest.mark.slow
+def test_a_primary_lost_during_its_copys_catch_up_is_not_replaced_by_half_a_copy(
+        subprocess_env):
+    with replicated_job(subprocess_env, BIG, push_wait=1.0) as (ps, workers, tables, _):
+        with Pushers(workers, tables, "dense", pushes=None, table=BIG) as run:
+            _more(run)
+            ps[0].kill()
+            wait_until(lambda: _on((workers, []), 0, 1), timeout=30, what="shard 0 on ps task 1")
+            ps[0].start()
+            ps[1].wait_for_line(r"ps task 0 answers; copying shard", timeout=60)
+            ps[0].suspend()  # its catch-up stalls half way (or before it began)
+            ps[1].kill()  # the primary of both shards is lost during the catch-up
+            ps[0].resume()
+            wait_until(lambda: len(run.failures) == 2, timeout=60,
+                       what="both workers stopped with the sentence")
+    said = " ".join(str(exc) for exc in run.failures)
+    assert "could not take it over" in said, said
+    assert re.search(r"had not finished copying to it|holds nothing of shard|holds no copy of "
+                     r"shard", said), said

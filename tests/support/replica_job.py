@@ -31,7 +31,7 @@ AGGREGATION = AggregationConfig(total_num_replicas=WORKERS, replicas=1)
 
 
 @contextlib.contextmanager
-def replicated_job(env: dict[str, str], table: TableConfig = TABLE
+def replicated_job(env: dict[str, str], table: TableConfig = TABLE, push_wait: float = 30.0
                    ) -> Iterator[tuple[Any, list[PSClient], list[TableClient], Any]]:
     """Two ps task processes initialised with ``replicas=1`` (sgd, zeros: a dense shard and a
     table shard each) and two workers' dense and table clients with ``replicas=1`` -> (ps
@@ -44,7 +44,7 @@ def replicated_job(env: dict[str, str], table: TableConfig = TABLE
         with contextlib.ExitStack() as stack:
             workers = [stack.enter_context(PSClient(
                 spec, PLAN, worker_id=w, credentials=lc.credentials, timeout=10.0,
-                push_timeout=2.0, push_wait=30.0, replicas=1)) for w in range(WORKERS)]
+                push_timeout=2.0, push_wait=push_wait, replicas=1)) for w in range(WORKERS)]
             tables = [TableClient(spec.job_tasks("ps"), credentials=lc.credentials,
                                   worker_id=w, timeout=2.0, retries=20,
                                   aggregation=AGGREGATION) for w in range(WORKERS)]
