@@ -12,7 +12,11 @@ on ps task ``(i + 1) % n``.
   not the primary refuses with ``FAILED_PRECONDITION`` and a sentence naming
   the shard's new term and task. ``Promote`` makes a replica the primary at
   the next term; a copy from the old primary is refused from then on, so the
-  old primary, deposed by that refusal, acknowledges nothing more.
+  old primary, deposed by that refusal, acknowledges nothing more. A promoted
+  copy serves the shard ``alone`` until the task it took it over from (or that
+  task's replacement) rejoins as its copy (:meth:`ShardTerm.rejoin`,
+  :mod:`towerflow.ps.server.rejoin`); a copy being caught up is not ``whole``,
+  and is not promoted until its primary says it caught up.
 - :class:`TermBook` — the terms of every shard one ps task holds.
 - :class:`GroupCommit` — pushes that finish together wait for one copy.
 - :func:`send_copy` / :func:`deposed` — a copy's call and what its refusal means.

@@ -12,7 +12,13 @@ by that shard's primary (:class:`~towerflow.ps.server.dense.replication.ReplicaL
 - ``Promote``: the copy becomes the shard's primary at the next term and
   serves its pulls and pushes (a request naming the shard); from then on a
   copy from the old primary is refused (``ReplicateReply.accepted`` false,
-  with the new term), so the old primary acknowledges nothing more.
+  with the new term), so the old primary acknowledges nothing more; a copy
+  whose catch-up has not ended refuses to be promoted;
+- ``CaughtUp``: a catch-up ended (:mod:`~towerflow.ps.server.rejoin`): the copy
+  is whole again.
+
+A task that rejoins as the copy of its own shard (it was the primary the copy
+took the shard over from, or its replacement) holds it in its own service.
 
 A copy is a :class:`~towerflow.ps.server.dense.service.PSService` of the
 shard (made by the host's service), whose
