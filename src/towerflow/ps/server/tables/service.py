@@ -78,7 +78,6 @@ from towerflow.errors import (
     ResourceExhaustedError,
 )
 from towerflow.ps.server.tables.records import DenseNeighbour, JobWorkers
-from towerflow.ps.server.tables.sending import CopySender, forward
 from towerflow.ps.server.terms import (
     PRIMARY,
     REPLICA,
@@ -150,7 +149,6 @@ class TableService:
         self._copies: Any = None  # the copies of other tasks' table shards (made on first use)
         #: the InitTable request of every table shard with a copy (its replica is made of it)
         self._requests: dict[tuple[str, int], bytes] = {}
-        self._sender = CopySender()
         self.workers = JobWorkers()
         self._tables: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()  # guards the dict only; each shard has its own
@@ -336,9 +334,12 @@ class TableService:
         for request in requests_until_closed(iter(requests)):
             yield self.replicate_rows(iter((request,)))
 
-    def close(self) -> None:
-        """Stop the threads that send row copies beside a dense step."""
-        self._sender.close()
+    @staticmethod
+    def _forward(*shards: Any) -> None:
+        """Return once the replicas of ``shards`` hold what was applied to them (replicas=1)."""
+        for shard in dict.fromkeys(shards):
+            if shard.replica is not None:
+                shard.replica.forward()
 
     def done(self, data: bytes) -> bytes:
         """Worker ``worker_id`` has finished: no table shard here waits for it any more.
@@ -368,7 +369,7 @@ class TableService:
         request = parse_message(tpb.PushRowsRequest, data, "PushRows")
         shard = self.table(request.table, request.shard)
         outcome, applied = shard.push(request, _active(context))
-        forward(shard)
+        self._forward(shard)
         return tpb.PushRowsReply(status=outcome.status, message=outcome.message,
                                  duplicate=outcome.duplicate,
                                  applied=applied).SerializeToString()
@@ -378,7 +379,7 @@ class TableService:
         shard, checked = self._check_item(request)
         outcome, applied, rows = shard.run(checked, _active(context))
         if request.HasField("push"):
-            forward(shard)
+            self._forward(shard)
         return self._item_reply(shard, request.pull, outcome, applied, encode(rows)
                                 ).SerializeToString()
 
@@ -465,12 +466,10 @@ class TableService:
             outcome, applied, rows = shard.run(ready, active)
             reply.items.append(self._item_reply(shard, item.pull, outcome, applied))
             out.append(raw_bytes(rows))
-        pushed = [shard for item, (shard, _) in zip(request.items, checked, strict=True)
-                  if item.HasField("push")]  # their copies, before any of it is answered
-        if request.dense:  # the dense shard's push-and-pull of the same step, beside them
-            out.append(self._sender.beside(pushed, lambda: self._dense_step(next(parts), context)))
-        else:
-            forward(*pushed)
+        self._forward(*(shard for item, (shard, _) in zip(request.items, checked, strict=True)
+                        if item.HasField("push")))  # before any of it is answered
+        if request.dense:  # the dense shard's push-and-pull of the same step, after the rows
+            out.append(self._dense_step(next(parts), context))
         reply.parts.extend(len(part) for part in out)
         return pack_parts(reply.SerializeToString(), out)
 
@@ -530,7 +529,7 @@ class TableService:
         spec = parsed[0].spec
         shard = self.table(spec.name, spec.shard)
         rows = shard.import_chunks(parsed)
-        forward(shard)
+        self._forward(shard)
         return tpb.ImportRowsReply(rows=rows).SerializeToString()
 
     def table_status(self, data: bytes) -> bytes:
@@ -589,8 +588,7 @@ class TableHost:
         puts the service beside its dense shard: :meth:`TableService.serve_beside`)."""
 
     def stop(self) -> None:
-        """Stop the service's copy threads (with replicas)."""
-        self.service.close()
+        """Nothing to stop."""
 
     def __repr__(self) -> str:
         return f"TableHost(ps task {self.service.task_index})"
