@@ -47,6 +47,9 @@ values, 3 to 1,683 rows), batches of 512, Adagrad, written two ways:
 - ``plain``: ``DeepFM(..., sparse=False)`` (plain ``nn.Embedding``);
 - ``rows``: ``sparse=True`` with ``whole_table_bytes=None`` (every table's rows on the
   ps, the path ``sparse=True`` took before small tables travelled whole);
+- ``plain-replicated``: ``plain`` under ``ParameterServer(replicas=1)``: every variable
+  dense on the ps, each dense shard with a live copy on the other ps task (the cost of a
+  replica for a dense model, against ``plain``);
 
 against the plain model in one process with one thread.
 
@@ -194,7 +197,8 @@ def task(args: argparse.Namespace) -> None:
         return
     options = {"dense": {"sparse_threshold_bytes": None},
                "rows": {"whole_table_bytes": None},
-               "replicated": {"replicas": 1}}.get(args.variant, {})
+               "replicated": {"replicas": 1},
+               "plain-replicated": {"replicas": 1}}.get(args.variant, {})
     strategy = ParameterServer(cluster, info, **options)
     if args.workload == "click":
         model = click_model(args.variant, args.rows)
@@ -202,7 +206,8 @@ def task(args: argparse.Namespace) -> None:
         loss = click_loss
         examples = 512
     elif args.workload == "movielens":
-        model = movielens_model("plain" if args.variant == "plain" else "sparse")
+        model = movielens_model("plain" if args.variant in ("plain", "plain-replicated")
+                                else "sparse")
         batches = movielens_batches(20, info.task_index)
         loss, examples = deepfm_loss, DEEPFM_BATCH
     else:
@@ -286,7 +291,7 @@ def baseline(args: argparse.Namespace) -> float:
 
 
 #: variants that are references, not ways a user writes the model (left out of the spread)
-_REFERENCES = ("rows", "twotables", "dense", "replicated")
+_REFERENCES = ("rows", "twotables", "dense", "replicated", "plain-replicated")
 
 
 def main() -> None:
@@ -295,7 +300,7 @@ def main() -> None:
     parser.add_argument("--variants", default=None,
                         help="comma-separated (click: sparse,plain,sharded,replicated; deepfm: "
                         "default,twotables,"
-                        "dense,rows; movielens: sparse,plain,rows)")
+                        "dense,rows; movielens: sparse,plain,rows,plain-replicated)")
     parser.add_argument("--rows", type=int, default=1_000_000, help="click: the table's rows")
     parser.add_argument("--dense-rows-cap", type=int, default=0,
                         help="deepfm: cap every field's rows (the dense path ships them all)")
