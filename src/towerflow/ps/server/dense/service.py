@@ -270,8 +270,7 @@ class PSService:
     @property
     def replicas_kept(self) -> bool:
         """Whether the job keeps live copies of its shards (the Init asked ``replicas``)."""
-        req = self._init_request
-        return req is not None and bool(req.aggregation.replicas)
+        return self._init_request is not None and bool(self._init_request.aggregation.replicas)
 
     @property
     def initialized(self) -> bool:

@@ -219,6 +219,7 @@ class TableService:
         spec, aggregation = request.spec, _aggregation(request.aggregation)
         taken = None if self._copies is None else self._copies.get(spec.name, spec.shard)
         if taken is not None and spec.shard != self.task_index:  # a shard taken over here
+            self.terms.of(spec.shard).check()  # (a replica still: refused, naming the term)
             return self._created(taken, created=False, term=self.terms.of(spec.shard))
         if self.task_index is not None and spec.shard != self.task_index:
             raise InvalidArgumentError(
