@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-from launched import task_process
+from launched import Launched
 
 from towerflow.checkpoint import latest_checkpoint, read_checkpoint
 from towerflow.cli import main
@@ -104,32 +101,15 @@ def test_under_launch_max_restarts_a_killed_worker_has_the_workers_rejoin_from_t
                "--max-restarts", "1", "--grace", "20", "--", *TRAIN, "--train-dir", str(run),
                "--dense", "allreduce", "--step-timeout", "10", "--checkpoint-every", "50",
                "--max-steps", "100000000"]
-    launcher = subprocess.Popen(command, env=subprocess_env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: queue.Queue[str] = queue.Queue()
-    seen: list[str] = []
-    reader = threading.Thread(target=lambda: [lines.put(x) for x in launcher.stdout], daemon=True)
-    reader.start()
-
-    def wait_for(pattern: str) -> None:
-        while not re.search(pattern, line := lines.get(timeout=120)):
-            seen.append(line)
-        seen.append(line)
-
-    try:
-        wait_for(r"\[worker:0\] saved checkpoint")
-        task_process(launcher, "worker", 1).kill()
-        wait_for(r"restarting the workers and the chief \(restart 1 of 1\)")
-        wait_for(r"\[worker:0\] restored .* at step \d+")
-        wait_for(r"\[worker:0\] saved checkpoint")  # training went on after the restart
-        launcher.send_signal(signal.SIGTERM)  # stop the run: its checkpoint, exit 0
-        assert launcher.wait(timeout=90) == 0, "".join(seen[-60:])
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-        reader.join(timeout=10)
-    said = "".join(seen)
+    with Launched(command, subprocess_env) as launch:
+        launch.wait_for(r"\[worker:0\] saved checkpoint")
+        launch.task("worker", 1).kill()
+        launch.wait_for(r"restarting the workers and the chief \(restart 1 of 1\)")
+        launch.wait_for(r"\[worker:0\] restored .* at step \d+")
+        launch.wait_for(r"\[worker:0\] saved checkpoint")  # training went on after the restart
+        launch.process.send_signal(signal.SIGTERM)  # stop the run: its checkpoint, exit 0
+        assert launch.process.wait(timeout=90) == 0, "".join(launch.seen[-60:])
+    said = launch.said()
     # the chief names the lost worker wherever its death found it: in a step's all-reduce,
     # the step log's, a checkpoint's pause or the wait in the store for the others' word
     assert re.search(r"\[worker:0\] towerflow train: error: Worker 0: the (dense all-reduce of "

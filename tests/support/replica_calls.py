@@ -55,6 +55,21 @@ def done(channel: Any, worker: int) -> None:
           timeout=TIMEOUT)
 
 
+def serve_ps(cluster: Any, task: int, credentials: Any, *, replica_timeout: float = 5.0
+             ) -> tuple[Any, Any]:
+    """A dense ps service of ``task`` (2 ps tasks, 64-byte chunks) in a started ``Server`` of
+    this process -> (server, service); the caller stops the server."""
+    from towerflow.cluster import Server
+    from towerflow.ps import PSService
+
+    server = Server(cluster, "ps", task, credentials=credentials, start=False)
+    service = PSService(task, chunk_bytes=64, num_ps=2, replica_timeout=replica_timeout,
+                        peer_channel=lambda k: server.channel("ps", k))
+    server.add_handlers([service.handlers()])
+    server.start()
+    return server, service
+
+
 def status(channel: Any) -> pb.StatusReply:
     """The task's ``Status``."""
     return parse_message(pb.StatusReply, unary(channel, method_path("Status"), b"",

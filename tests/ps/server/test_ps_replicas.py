@@ -14,7 +14,7 @@ import replica_calls as calls
 from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
-from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
+from towerflow.ps import AggregationConfig, PSClient, plan_placement
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.calls import APPLIED
 from towerflow.testing import wait_until
@@ -36,11 +36,7 @@ def replicated(free_ports):
                                "worker": [f"127.0.0.1:{ports[2]}"]})
         services = []
         for i in range(2):
-            server = Server(cluster, "ps", i, credentials=SECRET, start=False)
-            service = PSService(i, chunk_bytes=64, num_ps=2, replica_timeout=replica_timeout,
-                                peer_channel=lambda k, server=server: server.channel("ps", k))
-            server.add_handlers([service.handlers()])
-            server.start()
+            server, service = calls.serve_ps(cluster, i, SECRET, replica_timeout=replica_timeout)
             servers.append(server)
             services.append(service)
         plan = plan_placement(SHAPES, 2, partition_threshold_bytes=400)
@@ -198,11 +194,7 @@ def test_a_restarted_replica_task_is_caught_up_and_a_copy_not_caught_up_is_not_p
     cluster, services, servers, plan = replicated()
     assert push(servers, plan, task=0, seq=1).status == APPLIED
     servers[1].stop()  # ps task 1, shard 0's replica, ends; a new one starts in its place
-    server = Server(cluster, "ps", 1, credentials=SECRET, start=False)
-    fresh = PSService(1, chunk_bytes=64, num_ps=2, replica_timeout=5.0,
-                      peer_channel=lambda k: server.channel("ps", k))
-    server.add_handlers([fresh.handlers()])
-    server.start()
+    server, fresh = calls.serve_ps(cluster, 1, SECRET)
     servers.append(server)  # stopped at the end of the test with the others
     assert fresh.copies.get(0) is None
     reply = calls.push(servers[0].channel("ps", 0), plan.shards[0], seq=2)
@@ -242,11 +234,7 @@ def test_a_replacement_task_rejoins_as_the_copy_and_a_restarted_chief_inits_the_
                          aggregation=AggregationConfig(replicas=1))
         assert chief.shards[0].route.where() == (1, 2)
     np.testing.assert_array_equal(taken.shard.state.params, 2.0)
-    replacement = Server(cluster, "ps", 0, credentials=SECRET, start=False)
-    fresh = PSService(0, chunk_bytes=64, num_ps=2, replica_timeout=5.0,
-                      peer_channel=lambda k: replacement.channel("ps", k))
-    replacement.add_handlers([fresh.handlers()])
-    replacement.start()
+    replacement, fresh = calls.serve_ps(cluster, 0, SECRET)
     servers.append(replacement)
     rejoin, joined = Rejoin(services[1]), []  # once it answers: both shards copied to it
     wait_until(lambda: joined.extend(rejoin.round()) or sorted(joined) == [0, 1], timeout=20,

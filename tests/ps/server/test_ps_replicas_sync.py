@@ -18,7 +18,7 @@ import replica_calls as calls
 from towerflow.cluster import ClusterSpec, Server
 from towerflow.cluster.transport import Credentials
 from towerflow.errors import FailedPreconditionError, InvalidArgumentError
-from towerflow.ps import AggregationConfig, PSClient, PSService, plan_placement
+from towerflow.ps import AggregationConfig, PSClient, plan_placement
 from towerflow.ps.server.dense.initspec import check_init
 from towerflow.ps.wire import ps_pb2 as pb
 from towerflow.ps.wire.calls import APPLIED
@@ -42,11 +42,7 @@ def replicated(free_ports):
                                "worker": [f"127.0.0.1:{ports[2]}"]})
         services = []
         for i in range(2):
-            server = Server(cluster, "ps", i, credentials=SECRET, start=False)
-            service = PSService(i, chunk_bytes=64, num_ps=2, replica_timeout=5.0,
-                                peer_channel=lambda k, server=server: server.channel("ps", k))
-            server.add_handlers([service.handlers()])
-            server.start()
+            server, service = calls.serve_ps(cluster, i, SECRET)
             servers.append(server)
             services.append(service)
         with PSClient(cluster, PLAN, worker_id=0, timeout=5.0, credentials=SECRET,
