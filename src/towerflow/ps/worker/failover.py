@@ -114,8 +114,6 @@ class ShardRoute:
         self._channel_for = channel_for
         #: why the last switch could not happen ("" when none failed)
         self.refusal = ""
-        #: the primary was asked to serve without its replica (the replica's task is gone)
-        self.alone = False
         #: (monotonic time of the failure that started it, of the first call that
         #: succeeded afterwards) of the last switch, for the failover figure
         self.switched_at: float | None = None
@@ -206,7 +204,6 @@ class ShardRoute:
             logger.warning("shard %d's replica on ps task %d is gone, and its primary did not "
                            "go on without it: %s", self.shard, successor, exc)
             return False
-        self.alone = True
         logger.warning("shard %d's replica on ps task %d is gone: its primary, ps task %d, "
                        "goes on without it (%.2f s)", self.shard, successor, self.task,
                        time.monotonic() - started)
